@@ -1,0 +1,97 @@
+"""DiJiang baseline (Chen et al. 2024, "DiJiang: Efficient Large Language Models through Compact Kernelization",
+arXiv 2403.19928), as its public Pythia code defines the attention it trains; SPEC §5.
+
+φ(x) = softmax(x P) over d features, P = C·diag(F⁻¹(u)) frozen (C orthonormal DCT-II, F⁻¹ the normal inverse CDF:
+weighted quasi-Monte-Carlo); scores decay as γ_h^(t−s) with no normaliser, computed in linear_attention's chunked
+and recurrent forms (the released code is quadratic); each head's output is GroupNorm-ed, gated by SiLU(x W_G) and
+sent through the teacher's output projection. No per-layer output error (SPEC §6): the gate needs the block input,
+not only q, k, v, so there is neither PRF `features` nor `mix` here and distill.layer_errors reports None.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .distill import BUILDERS, sharing_copy
+from .linear_attention import LinearState, causal_linear_attention, recurrent_step
+
+
+def dct_matrix(d: int) -> torch.Tensor:
+    """Orthonormal DCT-II [d, d] (fp64): C[k, n] = sqrt((2 − [k=0]) / d) · cos(π (2n + 1) k / (2d))."""
+    k, n = torch.arange(d, dtype=torch.float64)[:, None], torch.arange(d, dtype=torch.float64)[None]
+    return torch.cos(math.pi * (2 * n + 1) * k / (2 * d)) * torch.where(k == 0, 1.0, 2.0).div(d).sqrt()  # [d, d]
+
+
+def dijiang_projection(d: int, gen: torch.Generator) -> torch.Tensor:
+    """P = C·diag(F⁻¹(u)) [d, d] fp64, u ~ U(0,1) per dimension, kept off 0 and 1 so F⁻¹ stays finite."""
+    eps = torch.finfo(torch.float64).eps
+    u = torch.rand(d, generator=gen, dtype=torch.float64).clamp(eps, 1 - eps)  # [d]
+    return dct_matrix(d) * torch.special.ndtri(u)  # [d, d]: column j scaled by F⁻¹(u_j)
+
+
+class DiJiangAttention(nn.Module):
+    """Drop-in for a teacher attention layer (same interface as LinearAttention): teacher q, k, v and output
+    projection frozen; trainable decay_logit [H] (γ = sigmoid, so γ stays in (0, 1)), norm (GroupNorm, one group
+    per head) and gate [D, D] (W_G = gate / √D)."""
+
+    def __init__(self, base: nn.Module, seed: int, chunk: int = 64):
+        super().__init__()
+        self.base, self.chunk, self.seed = base.requires_grad_(False), chunk, seed
+        H, d = base.n_head, base.head_dim
+        gen = torch.Generator().manual_seed(seed)
+        self.register_buffer("proj", dijiang_projection(d, gen).float())  # [d, d]
+        log_1mg = torch.linspace(math.log(1 / 32), math.log(1 / 512), H, dtype=torch.float64)  # log(1 − γ) [H]
+        self.decay_logit = nn.Parameter((torch.log1p(-log_1mg.exp()) - log_1mg).float())  # logit γ [H]
+        self.norm = nn.GroupNorm(H, H * d)
+        # W_G = gate / √D: an Adam step at lr 0.02 moves each entry by ~lr, which would shift x W_G by ~lr·D on the
+        # raw matrix (held-out loss rose over 60 steps on the stand-in); ~lr·√D here. Init: the released code's small
+        # gate, Xavier-uniform with gain 2^−2.5 on W_G, i.e. bound 2^−2.5·√(6/2D)·√D on `gate`.
+        u = torch.rand(H * d, H * d, generator=gen, dtype=torch.float64)  # [D, D]
+        self.gate = nn.Parameter(((2 * u - 1) * 2 ** -2.5 * math.sqrt(3)).float())  # [D, D]
+
+    def decay(self) -> torch.Tensor:
+        return torch.sigmoid(self.decay_logit)  # [H] in (0, 1)
+
+    def phi(self, x: torch.Tensor) -> torch.Tensor:
+        """φ(x) = softmax over the feature axis of x P: [B, H, T, d] -> [B, H, T, d], fp32 or wider."""
+        f = torch.promote_types(x.dtype, torch.float32)
+        return torch.softmax(x.to(f) @ self.proj.to(f), -1)  # [B, H, T, d]
+
+    def forward(self, x, start: int = 0, cache: LinearState | None = None, capture=None):
+        q, k, v = self.base.project(x, start)  # [B, H, T, d] each
+        if capture is not None:
+            capture.append((q, k, v))
+        if cache is not None and cache.n != start:
+            raise ValueError(f"DiJiangAttention: cache holds {cache.n} tokens but start={start}")
+        phi_q, phi_k, gamma = self.phi(q), self.phi(k), self.decay()  # [B, H, T, d] x2, [H]
+        if cache is not None and q.shape[2] == 1:
+            o = recurrent_step(cache, phi_q, phi_k, v, decay=gamma, normalize=False)  # [B, H, 1, d]
+        else:
+            o = causal_linear_attention(phi_q, phi_k, v, self.chunk, decay=gamma, normalize=False, state=cache)
+        (B, H, T, d), f = o.shape, torch.promote_types(x.dtype, torch.float32)
+        o = F.group_norm(o.to(f).transpose(1, 2).reshape(B * T, H * d), H, self.norm.weight.to(f),
+                         self.norm.bias.to(f), self.norm.eps)  # [B*T, D] each head normalised on its own
+        o = F.silu(x.to(f) @ self.gate.to(f) / math.sqrt(H * d)) * o.view(B, T, H * d)  # [B, T, D]
+        return self.base.output(o.view(B, T, H, d).transpose(1, 2).to(x.dtype))  # [B, T, D]
+
+    def new_cache(self, batch: int, capacity: int) -> LinearState:
+        """An empty state; `capacity` is accepted for the teacher's interface, but the state never grows."""
+        return LinearState()
+
+
+def to_dijiang(model: nn.Module, seed: int) -> nn.Module:
+    """Swap every model.blocks[i].attn for DiJiangAttention (seed + i), in place; returns model."""
+    for i, block in enumerate(model.blocks):
+        block.attn = DiJiangAttention(block.attn, seed + i).to(next(block.attn.parameters()).device)
+    return model
+
+
+def make_dijiang(teacher: nn.Module, seed: int) -> nn.Module:
+    """A DiJiang student sharing the teacher's frozen tensors (none copied; the teacher is left untouched)."""
+    student = to_dijiang(sharing_copy(teacher), seed)
+    student.meta = {"kind": "dijiang", "dims": [teacher.config.head_dim] * len(student.blocks), "seed": seed}
+    return student
+
+
+BUILDERS["dijiang"] = lambda teacher, meta: make_dijiang(teacher, meta["seed"])  # distill.load_student's lookup

@@ -1,0 +1,172 @@
+"""Evaluation (SPEC §6): perplexity by the stand-ins' reference protocol, and zero-shot task accuracy.
+
+Task scoring follows lm-evaluation-harness: a choice's score is the summed log-likelihood of its
+continuation tokens given its context; acc takes the best score, acc_norm the best score per character
+of the continuation (without its separating space). Context and continuation are encoded separately
+and concatenated, so the scored tokens are exactly the continuation's own encoding; over-long inputs
+lose tokens from the left.
+"""
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .tasks import load_task
+
+
+class _Progress:
+    """About one stderr line per tenth of a long loop; nothing for short ones."""
+
+    def __init__(self, what: str, total: int, quiet_below: int = 500):
+        self.what, self.total, self.t0 = what, total, time.time()
+        self.step = max(1, total // 10)
+        self.next = self.step if total >= quiet_below else math.inf
+
+    def __call__(self, done: int, note: str = ""):
+        if done >= self.next:
+            self.next = done + self.step
+            print(f"{self.what}: {done}/{self.total} {note}({time.time() - self.t0:.0f}s)", file=sys.stderr, flush=True)
+
+
+def encode_file(path, tokenizer) -> torch.Tensor:
+    """The whole file read as UTF-8 and encoded in one call (the SPEC §6 protocol)."""
+    return torch.tensor(tokenizer.encode(Path(path).read_text(encoding="utf-8")).ids)
+
+
+@torch.no_grad()
+def perplexity(model, token_ids, ctx: int, stride=None, batch: int = 8):
+    """(ppl, total NLL, scored tokens). Without `stride`: non-overlapping windows of `ctx` tokens from the
+    start, the last partial one dropped, positions 1..ctx-1 of each scored from their in-window prefix.
+    With `stride` s < ctx: windows start every s tokens; the first scores positions 1..ctx-1 and each
+    later one only its last s, so every token is scored once with at least ctx - s tokens of prefix."""
+    n_pos = model.config.n_ctx
+    if not 2 <= ctx <= n_pos:
+        raise ValueError(f"ctx={ctx}: expected 2..{n_pos} (the positions of {model.config.name})")
+    if stride is not None and not 1 <= stride < ctx:
+        raise ValueError(f"stride={stride}: expected 1..{ctx - 1} (ctx={ctx}), or None for disjoint windows")
+    token_ids = torch.as_tensor(token_ids).flatten()
+    if len(token_ids) < ctx:
+        raise ValueError(f"{len(token_ids)} tokens do not fill one window of ctx={ctx}")
+    windows = token_ids.unfold(0, ctx, stride or ctx)  # [W, ctx]
+    first_scored = torch.zeros(len(windows), dtype=torch.long)  # [W] first target index scored per window
+    if stride is not None:
+        first_scored[1:] = ctx - 1 - stride
+    nll, scored = 0.0, 0
+    progress = _Progress(f"perplexity ctx={ctx}", len(windows))
+    for i in range(0, len(windows), batch):
+        chunk = windows[i:i + batch]  # [b, ctx]
+        logits = model(chunk[:, :-1])  # [b, ctx-1, V]
+        token_nll = F.cross_entropy(logits.flatten(0, 1).float(), chunk[:, 1:].flatten(), reduction="none")
+        keep = torch.arange(ctx - 1) >= first_scored[i:i + batch, None]  # [b, ctx-1]
+        nll += token_nll.view_as(keep)[keep].double().sum().item()
+        scored += int(keep.sum())
+        progress(i + len(chunk), f"ppl {math.exp(nll / scored):.2f} ")
+    return math.exp(nll / scored), nll, scored
+
+
+# Per-layer approximation error of trained features (SPEC §6, second item) joins here with distillation.
+
+
+def _logits_at(model, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Logits [N, V] of the N positions where `keep` [B, T] is set. The output head dominates a small
+    model's cost, so a hook on the final norm (whose output feeds only the head) drops every other position."""
+    if not hasattr(model, "ln_f"):
+        raise TypeError(f"{type(model).__name__} has no ln_f: task scoring expects a dofmini.model.Model")
+    handle = model.ln_f.register_forward_hook(lambda module, inputs, out: out[keep])  # [N, D]
+    try:
+        return model(ids)
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def score_requests(model, requests, ctx=None, batch_tokens: int = 4096, what: str = "scoring"):
+    """(summed log-likelihood, greedy) of each (context ids, continuation ids) request; greedy: every
+    continuation token is the argmax. Requests with equal model inputs share one forward pass (MMLU's
+    four letters); inputs are sorted by length and right-padded, which a causal model never sees."""
+    max_len = min(model.config.n_ctx, ctx or model.config.n_ctx)
+    rows = {}  # model input -> indices of the requests it serves
+    for i, (context, continuation) in enumerate(requests):
+        if not context or not 1 <= len(continuation) <= max_len:
+            raise ValueError(f"{what}: context of {len(context)} tokens, continuation of {len(continuation)}; "
+                             f"expected a context and 1..{max_len} continuation tokens")
+        rows.setdefault(tuple((list(context) + list(continuation))[:-1][-max_len:]), []).append(i)
+    inputs = sorted(rows, key=len, reverse=True)
+    results, start, progress = [None] * len(requests), 0, _Progress(what, len(inputs))
+    while start < len(inputs):
+        batch = inputs[start:start + max(1, batch_tokens // len(inputs[start]))]
+        depth = [max(len(requests[i][1]) for i in rows[row]) for row in batch]  # scored positions per row
+        ids = torch.zeros(len(batch), len(batch[0]), dtype=torch.long)  # [b, T] right-padded with token 0
+        keep = torch.zeros(len(batch), len(batch[0]), dtype=torch.bool)  # [b, T]
+        for b, (row, n) in enumerate(zip(batch, depth)):
+            ids[b, :len(row)] = torch.tensor(row)
+            keep[b, len(row) - n:len(row)] = True
+        logprobs = _logits_at(model, ids, keep).float().log_softmax(-1)  # [N, V], rows in `keep` order
+        best, end = logprobs.argmax(-1), 0  # [N]; one call: thousands of small ones cost as much as the forward
+        for row, n in zip(batch, depth):
+            end += n
+            for i in rows[row]:
+                target = torch.tensor(requests[i][1])  # [k]
+                at = slice(end - len(target), end)
+                results[i] = (logprobs[at].gather(1, target[:, None]).sum().item(), bool((best[at] == target).all()))
+        start += len(batch)
+        progress(start)
+    return results
+
+
+def score_examples(model, tokenizer, examples, ctx=None, batch_tokens: int = 4096, what: str = "scoring") -> dict:
+    """{"acc", "acc_norm", "n"} over multiple-choice `Example`s, plus "acc_macro", "acc_norm_macro" over
+    groups when they have groups (MMLU; "acc" is then the micro average). Single-choice examples are
+    cloze items (LAMBADA): "acc" is greedy match of the whole continuation, "ppl" exp(-mean log-likelihood)."""
+    pairs = [(c, x) for e in examples for c, x in zip(e.contexts, e.continuations)]
+    texts = sorted({s for pair in pairs for s in pair})
+    ids = dict(zip(texts, (e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False))))
+    scores = score_requests(model, [(ids[c], ids[x]) for c, x in pairs], ctx, batch_tokens, what)
+    if all(len(e.continuations) == 1 for e in examples):
+        ll = np.array([s[0] for s in scores])
+        return {"acc": float(np.mean([s[1] for s in scores])), "ppl": float(np.exp(-ll.mean())), "n": len(examples)}
+    hits, hits_norm, start = [], [], 0
+    for e in examples:
+        ll = np.array([s[0] for s in scores[start:start + len(e.continuations)]])
+        chars = np.array([max(1, len(c.lstrip(" "))) for c in e.continuations])
+        hits.append(ll.argmax() == e.label)
+        hits_norm.append((ll / chars).argmax() == e.label)
+        start += len(e.continuations)
+    out = {"acc": float(np.mean(hits)), "acc_norm": float(np.mean(hits_norm)), "n": len(examples)}
+    groups = sorted({e.group for e in examples})
+    if groups != [""]:
+        for key, h in (("acc_macro", hits), ("acc_norm_macro", hits_norm)):
+            out[key] = float(np.mean([np.mean([x for x, e in zip(h, examples) if e.group == g]) for g in groups]))
+    return out
+
+
+def evaluate_tasks(model, tokenizer, names, limit=None, batch_tokens: int = 4096, ctx=None, data_dir=None) -> dict:
+    """{task: score_examples(...)} for task names of `tasks.TASKS`, each on its first `limit` examples."""
+    results = {}
+    for name in names:
+        t0 = time.time()
+        results[name] = score_examples(model, tokenizer, load_task(name, data_dir, limit), ctx, batch_tokens, name)
+        print(f"{name}: {results[name]} ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
+    return results
+
+
+def results_table(rows: dict, metric: str = "acc") -> str:
+    """Markdown: one row per model, one column per task (`metric`, LAMBADA's acc where it has no such
+    metric) and their unweighted average; each header carries the example count."""
+    tasks = list(dict.fromkeys(t for tasks in rows.values() for t in tasks))
+    counts = {t: {r[t]["n"] for r in rows.values() if t in r} for t in tasks}
+    for t, n in counts.items():
+        if len(n) > 1:
+            raise ValueError(f"{t}: models were scored on different example counts {sorted(n)}")
+    head = [f"{t} (n={counts[t].pop()})" for t in tasks]
+    lines = ["| model | " + " | ".join(head) + " | average |", "|---" * (len(tasks) + 2) + "|"]
+    for model, res in rows.items():
+        values = [res[t].get(metric, res[t]["acc"]) if t in res else None for t in tasks]
+        cells = ["—" if v is None else f"{v:.4f}" for v in values]
+        average = "—" if None in values else f"{np.mean(values):.4f}"
+        lines.append(f"| {model} | " + " | ".join(cells) + f" | {average} |")
+    return "\n".join(lines)

@@ -1,0 +1,164 @@
+"""Speed and memory of causal PRF linear attention (issue 3), printed as tables, not pass/fail.
+
+    python tests/bench_linear_attention.py [--quick] [--chunks 64,128,256] [--device cpu|cuda] [--threads N]
+                                           [--cpu-time]
+
+B = 1, 12 heads, d = 64, M = 64, T from 256 to 32768 (to 4096 with --quick), fp32. Compared:
+- chunked: dofmini's causal_linear_attention (the normaliser included);
+- sdpa:    torch's scaled_dot_product_attention(is_causal=True) on q, k, v of the same sizes;
+- naive:   a per-token cumsum that builds every token's M×d state, in 128 pieces along T with the last state
+           carried, the way performer-pytorch's CPU fallback does (its memory then grows as T/128 per piece);
+- matmul:  one square fp32 matmul doing as many FLOPs as the chunked form: the roofline it is measured against.
+Each (method, T) runs in a fresh subprocess. Time: best of several calls after a warm-up (other processes on a
+shared machine only ever add time); with --cpu-time, the process's CPU time instead of wall time, which on a busy
+shared machine leaves out the time other processes hold the cores (fair with --threads 1; with more threads it
+adds up the threads, spin-waits included). Peak memory: extra memory at peak during one call after the warm-up,
+over what the inputs already hold. On CPU the kernel's peak-RSS counter is reset just before that call
+(/proc/self/clear_refs, 5) and read after it (VmHWM − VmRSS before); the warm-up has already paged in the library
+code the call runs, and glibc is told to map every allocation over 64 KiB on its own (MALLOC_MMAP_THRESHOLD_), so
+freed tensors go back to the system at once and a reused heap cannot hide a peak. On CUDA:
+torch.cuda.max_memory_allocated.
+"""
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dofmini.linear_attention import causal_linear_attention  # noqa: E402
+
+H, D, M = 12, 64, 64
+
+
+def naive_cumsum(phi_q, phi_k, v, pieces=128):
+    """Per-token states S_t = Σ_{s≤t} φ_k,s v_sᵀ [B, H, t, M, d] by cumsum, piece by piece."""
+    S, s, outs = 0, 0, []
+    for q, k, x in zip(phi_q.chunk(pieces, 2), phi_k.chunk(pieces, 2), v.chunk(pieces, 2)):
+        S = S + (k[..., :, None] * x[..., None, :]).cumsum(2)  # [B, H, t, M, d]
+        s = s + k.cumsum(2)  # [B, H, t, M]
+        outs.append((q[..., None, :] @ S)[..., 0, :] / (q * s).sum(-1, keepdim=True))  # [B, H, t, d]
+        S, s = S[:, :, -1:], s[:, :, -1:]
+    return torch.cat(outs, 2)
+
+
+def chunked_flops(T, chunk):
+    """Multiply-adds ×2 of the chunked form: per chunk of L tokens QKᵀ, AV, KᵀV and Q·state, E = d + 1."""
+    E = D + 1
+    sizes = [chunk] * (T // chunk) + ([T % chunk] if T % chunk else [])
+    return sum(2 * H * L * (L * M + L * E + 2 * M * E) for L in sizes)
+
+
+def matmul_side(T, chunk):
+    return max(1, round((chunked_flops(T, chunk) / 2) ** (1 / 3)))
+
+
+def rss_kb(field):
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def worker(method, T, chunk, device, clock):
+    """One (method, T) in this process: JSON with ms (best call) and mb (extra peak memory of one call)."""
+    gen = torch.Generator().manual_seed(0)
+    if method == "matmul":
+        n = matmul_side(T, chunk)
+        args = [torch.randn(n, n, generator=gen).to(device) for _ in range(2)]
+        fn = torch.mm
+    else:
+        a, b, v = (torch.randn(1, H, T, D, generator=gen).to(device) for _ in range(3))
+        args = [a.exp_(), b.exp_(), v] if method != "sdpa" else [a, b, v]  # positive features, like Φ
+        fn = {"chunked": lambda q, k, v: causal_linear_attention(q, k, v, chunk), "naive": naive_cumsum,
+              "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)}[method]
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    with torch.no_grad():
+        fn(*args)  # warm-up
+        sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS to the current RSS
+            before = rss_kb("VmRSS") * 1024
+        times = []
+        while not times or (len(times) < 20 and sum(times) < 2.0):  # slow calls: the first one only
+            t = clock()
+            fn(*args)
+            sync()
+            times.append(clock() - t)
+            if len(times) == 1:
+                peak = torch.cuda.max_memory_allocated() if cuda else rss_kb("VmHWM") * 1024
+    print(json.dumps({"ms": 1e3 * min(times), "mb": (peak - before) / 2 ** 20}))
+
+
+def measure(method, T, chunk, a):
+    cmd = [sys.executable, __file__, "--worker", method, str(T), "--chunks", str(chunk), "--device", a.device,
+           "--threads", str(a.threads)] + ["--cpu-time"] * a.cpu_time
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+    if out.returncode:
+        return None, f"{method} T={T} failed: {out.stderr.strip().splitlines()[-1]}"
+    return json.loads(out.stdout), None
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="T up to 4096, one chunk size")
+    p.add_argument("--chunks", default="64,128,256", help="chunk sizes to compare; the first is the default used")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--cpu-time", action="store_true", help="time by process CPU time, not wall time")
+    p.add_argument("--worker", nargs=2, metavar=("METHOD", "T"), help=argparse.SUPPRESS)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    chunks = [int(c) for c in a.chunks.split(",")]
+    if a.worker:
+        return worker(a.worker[0], int(a.worker[1]), chunks[0], a.device,
+                      time.process_time if a.cpu_time else time.perf_counter)
+
+    lengths = [256 * 2 ** i for i in range(5 if a.quick else 8)]
+    chunk = chunks[0]
+    print(f"# torch {torch.__version__}, device {a.device}, {a.threads} threads, "
+          f"{'CPU' if a.cpu_time else 'wall'} time, load average at start {os.getloadavg()[0]:.1f}; "
+          f"B=1 H={H} d={D} M={M} fp32, chunk={chunk}")
+    head = ("T", "chunked ms", "sdpa ms", "naive ms", "sdpa/chunked", "naive/chunked", "chunked MB", "sdpa MB",
+            "naive MB", "chunked GF/s", "matmul GF/s", "roofline")
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head), flush=True)
+    crossover, notes = None, []
+    for T in lengths:
+        ms, mb = {}, {}
+        for method in ("chunked", "sdpa", "naive", "matmul"):
+            r, note = measure(method, T, chunk, a)
+            ms[method], mb[method] = (r["ms"], r["mb"]) if r else (math.nan, math.nan)
+            notes += [note] if note else []
+        gf = chunked_flops(T, chunk) / ms["chunked"] / 1e6
+        gf_mm = 2 * matmul_side(T, chunk) ** 3 / ms["matmul"] / 1e6
+        if ms["sdpa"] > ms["chunked"] and crossover is None:
+            crossover = T
+        elif not ms["sdpa"] > ms["chunked"]:
+            crossover = None  # the chunked form must stay ahead from the crossover on
+        print(f"| {T} | {ms['chunked']:.1f} | {ms['sdpa']:.1f} | {ms['naive']:.1f} | "
+              f"{ms['sdpa'] / ms['chunked']:.2f}x | {ms['naive'] / ms['chunked']:.2f}x | {mb['chunked']:.0f} | "
+              f"{mb['sdpa']:.0f} | {mb['naive']:.0f} | {gf:.1f} | {gf_mm:.1f} | {100 * gf / gf_mm:.0f}% |", flush=True)
+    print(f"\ncrossover: the chunked form is faster than SDPA from T = {crossover} on" if crossover else
+          "\ncrossover: the chunked form does not stay ahead of SDPA in this range")
+    for note in notes:
+        print("note:", note)
+    if len(chunks) > 1 and not a.quick:
+        print("\n## chunk size (chunked form, ms)\n| T | " + " | ".join(f"chunk {c}" for c in chunks) + " |\n|" +
+              "---|" * (len(chunks) + 1), flush=True)
+        for T in (1024, 8192, 32768):
+            cells = [measure("chunked", T, c, a)[0] for c in chunks]
+            print(f"| {T} | " + " | ".join(f"{c['ms']:.1f}" if c else "failed" for c in cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""Layerwise distillation and the direct baseline: training lowers held-out error on the GPT-2 stand-in, the
+metrics match a dense float64 reference, student files round-trip bit for bit, runs are reproducible and
+resumable, and only z and α ever change."""
+import hashlib
+import math
+
+import pytest
+import torch
+
+from conftest import FIXTURES, shared_path
+from dofmini import CheckpointError, load, load_tokenizer
+from dofmini.distill import _layer_pass, distill, layer_errors, load_student, make_student, save_student, train_direct
+from dofmini.evaluate import perplexity
+from dofmini.linear_attention import causal_linear_attention
+
+
+def quiet(line):
+    pass
+
+
+@pytest.fixture(scope="module")
+def wiki():
+    """(training ids, held-out ids): two disjoint slices of WikiText-2 validation, GPT-2 tokens."""
+    text = shared_path("data", "wikitext-2-raw", "wiki.valid.raw").read_text(encoding="utf-8")
+    tokenizer = load_tokenizer(shared_path("weights", "standin-gpt2"))
+    return tuple(torch.tensor(tokenizer.encode(part).ids) for part in (text[:60_000], text[300_000:330_000]))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load(FIXTURES / "gpt2-tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny_ids():
+    return torch.randint(0, 96, (4096,), generator=torch.Generator().manual_seed(0))
+
+
+def tensors_hash(model) -> str:
+    digest = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        digest.update(name.encode() + t.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def trainable(student) -> dict:
+    return {n: p.detach().clone() for n, p in student.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("loss, metric", [("l2", "kernel_l2"), ("softmax", "kl")])
+def test_each_loss_beats_the_performer_draw_on_heldout_text(standin_gpt2, wiki, loss, metric):
+    train, held = wiki
+    dims = [64] * standin_gpt2.config.n_layer
+    before = layer_errors(standin_gpt2, make_student(standin_gpt2, dims, seed=0), held, ctx=64, batches=2, batch=4)
+    student = distill(standin_gpt2, dims, train, loss, steps=30, batch=2, ctx=64, seed=0, log=quiet)
+    after = layer_errors(standin_gpt2, student, held, ctx=64, batches=2, batch=4)
+    # kl is the softmax loss minus the teacher's own entropy, so lower kl is lower held-out softmax loss
+    assert all(a < b for a, b in zip(after[metric], before[metric])), (before[metric], after[metric])
+    assert all(a < b for a, b in zip(after["output_rel"], before["output_rel"]))
+
+
+def test_direct_training_lowers_heldout_lm_loss(standin_gpt2, wiki):
+    train, held = wiki
+    student = make_student(standin_gpt2, [64] * standin_gpt2.config.n_layer, seed=0)
+    before = perplexity(student, held[:1024], ctx=64)[0]
+    train_direct(student, train, steps=10, batch=2, ctx=64, seed=0, log=quiet)
+    after = perplexity(student, held[:1024], ctx=64)[0]
+    assert after < before
+
+
+def dense_losses(features, q, k):
+    """(l2 loss, softmax loss, KL) per head [H] and the student's attention rows, from the full T×T matrices."""
+    B, H, T, d = q.shape
+    q, k = q.double(), k.double()
+    phi_q, log_scale = features.queries(q)  # [B, H, T, M], [B, H, T, 1]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    s = (q @ k.mT / math.sqrt(d)).masked_fill(~causal, -math.inf)  # [B, H, T, T]
+    m = s.amax(-1, keepdim=True)
+    k_hat = torch.exp(log_scale) * (phi_q @ features.keys(k).mT) * causal  # [B, H, T, T]
+    l2 = (k_hat * torch.exp(-m) - torch.exp(s - m)).square().sum((0, 2, 3)) / (B * T * (T + 1) / 2)
+    p, p_hat = s.softmax(-1), k_hat / k_hat.sum(-1, keepdim=True)
+    ce = -(p * torch.where(causal, p_hat, 1).log()).sum((0, 2, 3)) / (B * T)
+    return l2, ce, ce + torch.xlogy(p, p).sum((0, 2, 3)) / (B * T), p, p_hat
+
+
+def tiny_capture(tiny, tiny_ids, batch, ctx):
+    capture = []
+    with torch.no_grad():
+        tiny(tiny_ids[:batch * ctx].view(batch, ctx), capture=capture)
+    return capture
+
+
+def test_metrics_match_a_dense_float64_reference_at_any_chunk(tiny, tiny_ids):
+    student = distill(tiny, [5, 12], tiny_ids, "softmax", steps=3, batch=2, ctx=32, seed=1, log=quiet)
+    got = [layer_errors(tiny, student, tiny_ids, ctx=32, batches=2, batch=2, chunk=c) for c in (7, 256)]
+    for layer, (q, k, v) in enumerate(tiny_capture(tiny, tiny_ids, 4, 32)):
+        features = student.blocks[layer].attn.features
+        with torch.no_grad():
+            l2, _, kl, p, _ = dense_losses(features, q, k)
+            # the output as the student's forward pass computes it: chunked linear attention in fp32
+            y_hat = causal_linear_attention(features.queries(q)[0], features.keys(k), v, chunk=8)  # [B, H, T, d]
+        y = p @ v.double()
+        rel = ((y_hat.double() - y).square().sum((0, 2, 3)) / y.square().sum((0, 2, 3))).sqrt().mean()
+        for errors in got:
+            assert errors["kernel_l2"][layer] == pytest.approx(l2.mean().item(), rel=1e-9)
+            assert errors["kl"][layer] == pytest.approx(kl.mean().item(), rel=1e-9)
+            assert errors["output_rel"][layer] == pytest.approx(rel.item(), rel=1e-4)  # fp32 linear attention
+
+
+@pytest.mark.parametrize("loss", ["l2", "softmax"])
+def test_chunked_backward_gives_the_dense_gradient(tiny, tiny_ids, loss):
+    student = distill(tiny, [5, 12], tiny_ids, "l2", steps=2, batch=2, ctx=32, seed=1, log=quiet)
+    for layer, (q, k, _) in enumerate(tiny_capture(tiny, tiny_ids, 2, 32)):
+        features = student.blocks[layer].attn.features
+        dense_losses(features, q, k)[0 if loss == "l2" else 1].mean().backward()
+        expected = [features.z.grad.clone(), features.a.grad.clone()]
+        features.zero_grad()
+        term = "l2" if loss == "l2" else "ce"
+        value = _layer_pass(features, q, k, None, {term}, chunk=5, train=True)[term].mean()
+        assert value.item() == pytest.approx(dense_losses(features, q, k)[0 if loss == "l2" else 1].mean().item())
+        for got, want in zip([features.z.grad, features.a.grad], expected):
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), ((got - want).abs().max(), want.abs().max())
+
+
+@pytest.mark.parametrize("loss", ["l2", "softmax", "direct"])
+def test_only_z_and_alpha_change_and_the_teacher_stays_intact(tiny, tiny_ids, loss):
+    teacher_hash = tensors_hash(tiny)
+    start = make_student(tiny, [8, 3], seed=2)
+    before = {n: t.clone() for n, t in start.state_dict().items()}
+    if loss == "direct":
+        student = train_direct(start, tiny_ids, steps=3, batch=2, ctx=32, seed=2, log=quiet)
+    else:
+        student = distill(tiny, [8, 3], tiny_ids, loss, steps=3, batch=2, ctx=32, seed=2, log=quiet)
+    after = student.state_dict()
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert changed == {f"blocks.{i}.attn.features.{p}" for i in range(2) for p in "za"}
+    assert set(trainable(student)) == changed
+    assert tensors_hash(tiny) == teacher_hash
+    assert student.wte.data_ptr() == tiny.wte.data_ptr()  # shared, not copied
+    assert all(type(block.attn).__name__ == "Attention" for block in tiny.blocks)
+
+
+def test_direct_loss_gradients_reach_only_z_and_alpha(tiny, tiny_ids):
+    student = make_student(tiny, [8, 3], seed=0)
+    logits = student(tiny_ids[:64].view(2, 32))  # [2, 32, V]
+    targets = tiny_ids[:64].view(2, 32)[:, 1:]  # [2, 31]
+    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten()).backward()
+    with_grad = {n for n, p in student.named_parameters() if p.grad is not None}
+    assert with_grad == {f"blocks.{i}.attn.features.{p}" for i in range(2) for p in "za"}
+    assert all(p.grad is None for p in tiny.parameters())
+
+
+def test_same_seed_gives_a_bit_identical_student(tiny, tiny_ids):
+    runs = [trainable(distill(tiny, [6, 6], tiny_ids, "softmax", steps=3, batch=2, ctx=32, seed=s, log=quiet))
+            for s in (4, 4, 5)]
+    assert all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
+    assert not torch.equal(runs[0]["blocks.0.attn.features.z"], runs[2]["blocks.0.attn.features.z"])
+
+
+def test_saved_student_reloads_with_bit_identical_logits(tiny, tiny_ids, tmp_path):
+    path = tmp_path / "student.safetensors"
+    student = distill(tiny, [6, 10], tiny_ids, "l2", steps=3, batch=2, ctx=32, seed=3, out_path=path,
+                      meta={"lam": 0.0625}, log=quiet)
+    loaded = load_student(tiny, path)
+    assert set(loaded.state_dict()) == set(student.state_dict())
+    assert loaded.meta["dims"] == [6, 10] and loaded.meta["lam"] == 0.0625 and loaded.meta["loss"] == "l2"
+    assert loaded.meta["seed"] == 3 and loaded.meta["kind"] == "prf"
+    ids = tiny_ids[:64].view(2, 32)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), student(ids))
+    assert path.stat().st_size < 4096  # only z and a: (6 + 10) features of 4 heads x (8 + 1) floats + header
+
+
+def test_load_refuses_a_file_of_another_teacher(tiny, tmp_path):
+    path = tmp_path / "student.safetensors"
+    save_student(make_student(tiny, [4, 4], seed=0), path)
+    other = load(FIXTURES / "neox-tiny")
+    with pytest.raises(CheckpointError) as err:
+        load_student(other, path)
+    assert str(path) in str(err.value) and tiny.identity in str(err.value) and other.identity in str(err.value)
+
+
+def interrupt_at(step):
+    def log(line):
+        if f" {step}/" in line:
+            raise KeyboardInterrupt(line)
+    return log
+
+
+@pytest.mark.parametrize("loss", ["softmax", "direct"])
+def test_resume_after_interruption_equals_an_uninterrupted_run(tiny, tiny_ids, tmp_path, loss):
+    def run(path, log):
+        if loss == "direct":
+            return train_direct(make_student(tiny, [5, 7], seed=1), tiny_ids, steps=6, batch=2, ctx=32, seed=1,
+                                out_path=path, save_every=2, log_every=2, log=log)
+        return distill(tiny, [5, 7], tiny_ids, loss, steps=6, batch=2, ctx=32, seed=1, out_path=path,
+                       save_every=2, log_every=2, log=log)
+
+    whole = trainable(run(tmp_path / "whole.safetensors", quiet))
+    path = tmp_path / "resumed.safetensors"
+    with pytest.raises(KeyboardInterrupt):
+        run(path, interrupt_at(4))
+    assert not path.exists() and (tmp_path / "resumed.safetensors.progress").exists()
+    lines = []
+    run(path, lines.append)
+    assert "at step 4/6" in lines[0] and len(lines) == 2  # resumed, then the 6/6 line: steps 1-4 not redone
+    resumed = trainable(load_student(tiny, path))
+    assert all(torch.equal(whole[n], resumed[n]) for n in whole)
+    assert not (tmp_path / "resumed.safetensors.progress").exists()
+
+
+def test_resume_refuses_progress_of_other_settings(tiny, tiny_ids, tmp_path):
+    path = tmp_path / "s.safetensors"
+    with pytest.raises(KeyboardInterrupt):
+        distill(tiny, [4, 4], tiny_ids, "l2", steps=4, batch=2, ctx=32, out_path=path, save_every=2, log_every=2,
+                log=interrupt_at(2))
+    with pytest.raises(CheckpointError, match="lr"):
+        distill(tiny, [4, 4], tiny_ids, "l2", steps=4, batch=2, ctx=32, lr=0.01, out_path=path, log=quiet)
+
+
+@pytest.mark.parametrize("kwargs, message", [({"loss": "kl"}, "loss 'kl'"), ({"ctx": 65}, "ctx <= 64"),
+                                             ({"dims": [4]}, "1 feature dims for 2 blocks")])
+def test_bad_settings_are_named(tiny, tiny_ids, kwargs, message):
+    settings = {"dims": [4, 4], "loss": "l2", "ctx": 32, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        distill(tiny, settings.pop("dims"), tiny_ids, steps=1, batch=1, log=quiet, **settings)
