@@ -34,7 +34,7 @@ LOSSES = ("softmax", "l2", "direct")
 PROFILES = {
     "quick": dict(ctx=64, J=128, calib_windows=8, steps=4, batch=2, eval_windows=4, limit=4, error_windows=1,
                   train_chars=200_000),
-    "default": dict(ctx=256, J=1024, calib_windows=64, steps=150, batch=8, eval_windows=256, limit=200,
+    "default": dict(ctx=256, J=1024, calib_windows=64, steps=100, batch=8, eval_windows=128, limit=100,
                     error_windows=4, train_chars=None),
     "paper": dict(ctx=None, J=1024, calib_windows=64, steps=None, batch=8, eval_windows=None, limit=None,
                   error_windows=8, train_chars=None),

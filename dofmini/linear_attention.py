@@ -86,28 +86,30 @@ class LinearState:
 
 
 def _prepare(phi_q, phi_k, v, decay, normalize: bool, state: Optional[LinearState]):
-    """Checked inputs in the compute dtype, v with a column of ones when normalising, log γ [H, 1, 1] or None,
-    and the starting state [B, H, M, E]."""
+    """Checked inputs in the compute dtype, log γ [H, 1, 1] or None, and the starting state [B, H, M, E]."""
     if phi_q.dim() != 4 or phi_q.shape != phi_k.shape or v.dim() != 4 or v.shape[:3] != phi_q.shape[:3] or \
             phi_q.shape[2] == 0:
         raise ValueError(f"phi_q {tuple(phi_q.shape)}, phi_k {tuple(phi_k.shape)}, v {tuple(v.shape)}: expected "
                          f"phi_q, phi_k [B, H, T, M] and v [B, H, T, dv] with T >= 1")
     f = torch.promote_types(torch.promote_types(phi_q.dtype, v.dtype), torch.float32)
     q, k, v = phi_q.to(f), phi_k.to(f), v.to(f)
-    B, H, T, M = q.shape
-    if normalize:  # the denominator rides along as one more column of v
-        v = torch.cat([v, v.new_ones(B, H, T, 1)], -1)  # [B, H, T, dv + 1]
+    (B, H, T, M), E = q.shape, v.shape[-1] + normalize
     log_g = None
     if decay is not None:
         if decay.shape != (H,) or not bool(((decay > 0) & (decay <= 1)).all()):
             raise ValueError(f"decay must be [H={H}] with values in (0, 1]; got shape {tuple(decay.shape)}, "
                              f"range [{decay.min().item()}, {decay.max().item()}]")
         log_g = decay.to(f).log()[:, None, None]  # [H, 1, 1]
-    S = v.new_zeros(B, H, M, v.shape[-1]) if state is None or state.S is None else state.S  # [B, H, M, E]
-    if S.shape != (B, H, M, v.shape[-1]):
-        raise ValueError(f"state S {tuple(S.shape)} does not fit [B, H, M, E] = {(B, H, M, v.shape[-1])} "
+    S = v.new_zeros(B, H, M, E) if state is None or state.S is None else state.S  # [B, H, M, E]
+    if S.shape != (B, H, M, E):
+        raise ValueError(f"state S {tuple(S.shape)} does not fit [B, H, M, E] = {(B, H, M, E)} "
                          f"(E = dv + 1 when normalize=True)")
     return q, k, v, log_g, S
+
+
+def _with_ones(v, normalize: bool):
+    """v [B, H, T, dv] -> [B, H, T, E], contiguous: the denominator rides along as a column of ones."""
+    return torch.cat([v, v.new_ones(*v.shape[:3], 1)], -1) if normalize else v.contiguous()
 
 
 def _decay_weights(L: int, log_g, device, dtype) -> torch.Tensor:
@@ -134,13 +136,13 @@ def _chunks(q, k, v, L: int, log_g, S0):
     P = torch.cat([S0[:, :, None], own[:, :, :-1]], 2)  # [B, H, N, M, E] becomes the state before each chunk
     if log_g is None:
         P = P.cumsum_(2)
-    else:  # prefix scan P_n = γ^L P_{n−1} + U_n in log2(N) doubling steps (Hillis–Steele)
+    else:  # scan P_n += γ^L P_{n−1} (states carried one chunk on) in log2(N) doubling steps (Hillis–Steele)
         step = 1
         while step < N:
             carry = torch.exp(step * L * log_g)[:, None]  # [H, 1, 1, 1]
             P = torch.cat([P[:, :, :step], P[:, :, step:] + carry * P[:, :, :-step]], 2)
             step *= 2
-    y = torch.baddbmm((scores @ v).view(-1, L, E), q.reshape(-1, L, M), P.view(-1, M, E))  # [B·H·N, L, E]
+    y = (scores @ v).view(-1, L, E).baddbmm_(q.reshape(-1, L, M), P.view(-1, M, E))  # [B·H·N, L, E]
     last = P[:, :, -1] if log_g is None else torch.exp(L * log_g) * P[:, :, -1]  # [B, H, M, E]
     return y.view(B, H, T, E), last + own[:, :, -1]
 
@@ -168,20 +170,21 @@ def causal_linear_attention(phi_q, phi_k, v, chunk: int = 64, decay=None, normal
     full = T - T % chunk
     step = max(full, chunk) if q.is_cuda else chunk * max(1, SEGMENT // chunk)
     parts = [(lo, min(lo + step, full), chunk) for lo in range(0, full, step)] + [(full, T, T - full)] * (T > full)
-    ys = []
+    out = v.new_empty(*v.shape[:3], dv, dtype=dtype)  # [B, H, T, dv] filled segment by segment
     for lo, hi, L in parts:
-        y, S = _chunks(*(x[:, :, lo:hi].contiguous() for x in (q, k, v)), L, log_g, S)  # one copy, not one per op
-        ys.append(_finish(y, dv, normalize, dtype))
+        seg = q[:, :, lo:hi].contiguous(), k[:, :, lo:hi].contiguous(), _with_ones(v[:, :, lo:hi], normalize)
+        y, S = _chunks(*seg, L, log_g, S)  # contiguous segments: one copy each, not one per matmul
+        out[:, :, lo:hi] = _finish(y, dv, normalize, dtype)
     if state is not None:
         state.S, state.n = S, state.n + T
-    return torch.cat(ys, 2) if len(ys) > 1 else ys[0]
+    return out
 
 
 def recurrent_step(state: LinearState, phi_q, phi_k, v, decay=None, normalize: bool = True) -> torch.Tensor:
     """Token-by-token form for decoding: O(M·dv) per token, the state updated in place. [B, H, T, dv] out."""
     dv, dtype = v.shape[-1], v.dtype
     q, k, v, log_g, S = _prepare(phi_q, phi_k, v, decay, normalize, state)
-    g, ys = (1.0 if log_g is None else torch.exp(log_g)), []  # γ [H, 1, 1]
+    v, g, ys = _with_ones(v, normalize), (1.0 if log_g is None else torch.exp(log_g)), []  # γ [H, 1, 1]
     for t in range(q.shape[2]):
         S = g * S + k[:, :, t, :, None] * v[:, :, t, None, :]  # [B, H, M, E]
         ys.append(q[:, :, t, None] @ S)  # [B, H, 1, E]
@@ -194,7 +197,7 @@ def quadratic_causal_attention(phi_q, phi_k, v, decay=None, normalize: bool = Tr
     dv, dtype = v.shape[-1], v.dtype
     q, k, v, log_g, _ = _prepare(phi_q, phi_k, v, decay, normalize, None)
     A = q @ k.mT * _decay_weights(q.shape[2], log_g, q.device, q.dtype)  # [B, H, T, T]
-    return _finish(A @ v, dv, normalize, dtype)
+    return _finish(A @ _with_ones(v, normalize), dv, normalize, dtype)
 
 
 class LinearAttention(nn.Module):

@@ -2,6 +2,7 @@
 fixed recurrent state), printed as tables. Not a test: nothing here passes or fails.
 
     python tests/bench_inference.py [--quick] [--device cuda] [--models standin,gpt2-small] [--threads N]
+                                    [--contexts 1024,8192] [--batch B] [--no-sequences]
 
 Models: the GPT-2 stand-in (../shared/weights/standin-gpt2, positions tiled past its 1024 for timing only) and a
 random-weight model with GPT-2 small's shape (12 layers, 12 heads, 768 wide, vocab 50257, weights seeded
@@ -12,11 +13,14 @@ torch.cuda.max_memory_allocated. It includes the [T, V] logits of the prefill, w
 Decode times include the LM head ([D] x [D, V] per token, the same for teacher and student); it is timed alone
 too, and the speed-up without it is given beside.
 Cache bytes are exact: the KV buffers (allocated for context + decode steps) or the LinearState tensors.
+On a machine shared with other jobs, run with OMP_WAIT_POLICY=PASSIVE: OpenMP threads that spin between parallel
+regions then steal the core of their own main thread, and the many small ops of a decode step slow down ~70x.
 """
 import argparse
 import ctypes
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -52,7 +56,7 @@ def build(name: str, n_ctx: int, dims, device: str, dtype: torch.dtype):
                 if p.dim() == 2:
                     p.normal_(0.0, 0.02, generator=gen)
     model = model.to(device, dtype).eval()
-    return model if dims is None else replace_attention(model, dims, SEED)
+    return model if dims is None else replace_attention(model, dims, SEED).to(device)  # new features: fp32
 
 
 def sync(device: str):
@@ -98,7 +102,8 @@ def worker(job: dict) -> dict:
     dev, dtype = job["device"], getattr(torch, job["dtype"])
     model = build(job["model"], job["n_ctx"], job["dims"], dev, dtype)
     V = model.config.vocab_size
-    ids = torch.randint(0, V, (1, job["n_ctx"]), generator=torch.Generator().manual_seed(SEED)).to(dev)  # [1, n_ctx]
+    B = job["batch"]
+    ids = torch.randint(0, V, (B, job["n_ctx"]), generator=torch.Generator().manual_seed(SEED)).to(dev)  # [B, n_ctx]
     model(ids[:, :64])  # warm-up: thread pools, allocator
     sync(dev)
     base = reset_peak(dev)
@@ -107,19 +112,20 @@ def worker(job: dict) -> dict:
         T, steps = job["T"], job["steps"]
         times = []
         for _ in range(job["reps"]):
-            caches = [b.attn.new_cache(1, T + WARMUP + steps) for b in model.blocks]
+            caches = [b.attn.new_cache(B, T + WARMUP + steps) for b in model.blocks]
             times.append(timed(lambda: model(ids[:, :T], 0, caches), dev))
         for t in range(T, T + WARMUP):
             model(ids[:, t:t + 1], t, caches)
-        step = timed(lambda: [model(ids[:, t:t + 1], t, caches) for t in range(T + WARMUP, T + WARMUP + steps)], dev)
-        x = torch.randn(1, 1, model.config.d_model, device=dev, dtype=dtype)  # [1, 1, D]
-        head = timed(lambda: [model.ln_f(x) @ model.head.T for _ in range(steps)], dev)  # [1, 1, V] each
-        out = {"prefill_s": min(times), "decode_ms": 1e3 * step / steps, "head_ms": 1e3 * head / steps,
-               "cache_bytes": cache_bytes(caches)}
-    else:  # one sequence of L tokens: a chunked/SDPA forward, and generating it from a 1-token prompt
+        # medians of single steps: robust to the bursts of a machine shared with other jobs
+        step = [timed(lambda: model(ids[:, t:t + 1], t, caches), dev) for t in range(T + WARMUP, T + WARMUP + steps)]
+        x = torch.randn(B, 1, model.config.d_model, device=dev, dtype=dtype)  # [B, 1, D]
+        head = [timed(lambda: model.ln_f(x) @ model.head.T, dev) for _ in range(steps)]  # [B, 1, V]
+        out = {"prefill_s": min(times), "decode_ms": 1e3 * statistics.median(step),
+               "head_ms": 1e3 * statistics.median(head), "cache_bytes": cache_bytes(caches)}
+    else:  # one sequence (batch 1) of L tokens: a chunked/SDPA forward, and generating it from a 1-token prompt
         L = job["seq_len"]
-        out = {"forward_s": min(timed(lambda: model(ids[:, :L]), dev) for _ in range(job["reps"])),
-               "generate_s": timed(lambda: generate(model, ids[:, :1], L - 1), dev), "itemsize": dtype.itemsize}
+        out = {"forward_s": min(timed(lambda: model(ids[:1, :L]), dev) for _ in range(job["reps"])),
+               "generate_s": timed(lambda: generate(model, ids[:1, :1], L - 1), dev), "itemsize": dtype.itemsize}
     out["peak_bytes"] = peak_bytes(dev) - base
     return out
 
@@ -160,6 +166,7 @@ def main():
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--models", default="standin,gpt2-small")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--batch", type=int, default=1, help="sequences per prefill/decode call (the 1,000-token table: 1)")
     ap.add_argument("--contexts", help="comma-separated T to measure instead of the default list")
     ap.add_argument("--no-sequences", action="store_true", help="skip the Fix/DoF/DoF+clip table")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -170,9 +177,11 @@ def main():
     Ts = [512, 1024, 2048] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
     Ts = [int(T) for T in args.contexts.split(",")] if args.contexts else Ts
     steps, seq_len = (8, 256) if args.quick else (32, 1000)
-    common = {"device": args.device, "dtype": args.dtype, "threads": args.threads, "n_ctx": max(Ts[-1], seq_len) + 64}
+    common = {"device": args.device, "dtype": args.dtype, "threads": args.threads, "n_ctx": max(Ts[-1], seq_len) + 64,
+              "batch": args.batch}
     print(f"torch {torch.__version__}, device {args.device}, {args.dtype}, {args.threads} threads, "
-          f"load average {os.getloadavg()[0]:.2f}; seed {SEED}; batch 1")
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, load average {os.getloadavg()[0]:.2f}; "
+          f"seed {SEED}; batch {args.batch}")
     layer_dof = None
     if STANDIN.exists() and WIKI.exists() and not args.no_sequences:
         layer_dof = standin_dof()
@@ -187,7 +196,7 @@ def main():
             for kind, dims in (("teacher", None), ("student", [BUDGET] * n_layer)):
                 rows[T, kind] = run({**common, "model": name, "dims": dims, "mode": "context", "T": T,
                                      "steps": steps, "reps": 3 if T <= 2048 else 1})
-        print(f"\n## {name}: prefill of T tokens (one call, batch 1; student M={BUDGET} per layer, chunk 64)")
+        print(f"\n## {name}: prefill of T tokens (one call; student M={BUDGET} per layer, chunk 64)")
         print("      T | teacher s | student s | teacher/student | peak MiB teacher | peak MiB student")
         for T in Ts:
             t, s = rows[T, "teacher"], rows[T, "student"]
@@ -197,7 +206,7 @@ def main():
         cross = next((T for T in Ts if all(u in faster for u in Ts if u >= T)), None)
         print(f"crossover: the student prefills faster from T = {cross} on" if cross else
               "crossover: the student is not faster at any T measured (up to the last)")
-        print(f"\n## {name}: decode time per token at context T ({steps} steps after {WARMUP} warm-up steps)")
+        print(f"\n## {name}: decode time per token at context T (median of {steps} steps after {WARMUP} warm-up steps)")
         print("      T | teacher ms | student ms | speed-up | LM head ms | speed-up w/o head | KV cache MiB "
               "| student state MiB | peak MiB teacher | peak MiB student")
         for T in Ts:

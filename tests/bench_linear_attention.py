@@ -9,18 +9,18 @@ B = 1, 12 heads, d = 64, M = 64, T from 256 to 32768 (to 4096 with --quick), fp3
 - naive:   a per-token cumsum that builds every token's M×d state, in 128 pieces along T with the last state
            carried, the way performer-pytorch's CPU fallback does (its memory then grows as T/128 per piece);
 - matmul:  one square fp32 matmul doing as many FLOPs as the chunked form: the roofline it is measured against.
-Each (method, T) runs in a fresh subprocess. Time: best of several calls after a warm-up (other processes on a
-shared machine only ever add time); with --cpu-time, the process's CPU time instead of wall time, which on a busy
-shared machine leaves out the time other processes hold the cores (fair with --threads 1; with more threads it
-adds up the threads, spin-waits included). Peak memory: extra memory at peak during one call after the warm-up,
-over what the inputs already hold. On CPU the kernel's peak-RSS counter is reset just before that call
-(/proc/self/clear_refs, 5) and read after it (VmHWM − VmRSS before); the warm-up has already paged in the library
-code the call runs, and glibc is told to map every allocation over 64 KiB on its own (MALLOC_MMAP_THRESHOLD_), so
-freed tensors go back to the system at once and a reused heap cannot hide a peak. On CUDA:
+Each (method, T) is measured in fresh subprocesses, one for time and one for memory. Time: best of several calls
+after a warm-up (other processes on a shared machine only ever add time); with --cpu-time, the process's CPU time
+instead of wall time, which on a busy shared machine leaves out the time other processes hold the cores (fair
+with --threads 1; with more threads it adds up the threads, spin-waits included). Peak memory: extra memory at
+peak during one call after the warm-up, over what the inputs already hold. On CPU the kernel's peak-RSS counter
+is reset just before that call (/proc/self/clear_refs, 5) and read after it (VmHWM − VmRSS before); the warm-up
+has already paged in the library code the call runs, and glibc is told to map every allocation over 64 KiB on
+its own (MALLOC_MMAP_THRESHOLD_), so freed tensors go back to the system at once and a reused heap cannot hide a
+peak (that setting makes every allocation fault in fresh pages, which is why timing runs without it). On CUDA:
 torch.cuda.max_memory_allocated.
 """
 import argparse
-import json
 import math
 import os
 import subprocess
@@ -66,8 +66,8 @@ def rss_kb(field):
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def worker(method, T, chunk, device, clock):
-    """One (method, T) in this process: JSON with ms (best call) and mb (extra peak memory of one call)."""
+def worker(what, method, T, chunk, device, clock):
+    """One (method, T) in this process; prints its best call's ms (what = "ms") or one call's extra peak MB."""
     gen = torch.Generator().manual_seed(0)
     if method == "matmul":
         n = matmul_side(T, chunk)
@@ -83,30 +83,35 @@ def worker(method, T, chunk, device, clock):
     with torch.no_grad():
         fn(*args)  # warm-up
         sync()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-        else:
-            Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS to the current RSS
-            before = rss_kb("VmRSS") * 1024
+        if what == "mb":
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            else:
+                Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS to the current RSS
+                before = rss_kb("VmRSS") * 1024
+            fn(*args)
+            sync()
+            peak = torch.cuda.max_memory_allocated() if cuda else rss_kb("VmHWM") * 1024
+            return print((peak - before) / 2 ** 20)
         times = []
-        while not times or (len(times) < 20 and sum(times) < 2.0):  # slow calls: the first one only
+        while not times or (len(times) < 20 and sum(times) < 2.0):  # slow calls: one only
             t = clock()
             fn(*args)
             sync()
             times.append(clock() - t)
-            if len(times) == 1:
-                peak = torch.cuda.max_memory_allocated() if cuda else rss_kb("VmHWM") * 1024
-    print(json.dumps({"ms": 1e3 * min(times), "mb": (peak - before) / 2 ** 20}))
+    print(1e3 * min(times))
 
 
-def measure(method, T, chunk, a):
-    cmd = [sys.executable, __file__, "--worker", method, str(T), "--chunks", str(chunk), "--device", a.device,
+def measure(what, method, T, chunk, a):
+    """ms or MB from a fresh subprocess, or None and a note saying why not."""
+    cmd = [sys.executable, __file__, "--worker", what, method, str(T), "--chunks", str(chunk), "--device", a.device,
            "--threads", str(a.threads)] + ["--cpu-time"] * a.cpu_time
-    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"} if what == "mb" else None
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode:
-        return None, f"{method} T={T} failed: {out.stderr.strip().splitlines()[-1]}"
-    return json.loads(out.stdout), None
+        return math.nan, f"{method} T={T} ({what}) failed: {out.stderr.strip().splitlines()[-1]}"
+    return float(out.stdout), None
 
 
 def main():
@@ -116,12 +121,12 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--cpu-time", action="store_true", help="time by process CPU time, not wall time")
-    p.add_argument("--worker", nargs=2, metavar=("METHOD", "T"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", nargs=3, metavar=("WHAT", "METHOD", "T"), help=argparse.SUPPRESS)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     chunks = [int(c) for c in a.chunks.split(",")]
     if a.worker:
-        return worker(a.worker[0], int(a.worker[1]), chunks[0], a.device,
+        return worker(*a.worker[:2], int(a.worker[2]), chunks[0], a.device,
                       time.process_time if a.cpu_time else time.perf_counter)
 
     lengths = [256 * 2 ** i for i in range(5 if a.quick else 8)]
@@ -135,10 +140,11 @@ def main():
     crossover, notes = None, []
     for T in lengths:
         ms, mb = {}, {}
-        for method in ("chunked", "sdpa", "naive", "matmul"):
-            r, note = measure(method, T, chunk, a)
-            ms[method], mb[method] = (r["ms"], r["mb"]) if r else (math.nan, math.nan)
-            notes += [note] if note else []
+        for what, into, methods in (("ms", ms, ("chunked", "sdpa", "naive", "matmul")),
+                                    ("mb", mb, ("chunked", "sdpa", "naive"))):
+            for method in methods:
+                into[method], note = measure(what, method, T, chunk, a)
+                notes += [note] if note else []
         gf = chunked_flops(T, chunk) / ms["chunked"] / 1e6
         gf_mm = 2 * matmul_side(T, chunk) ** 3 / ms["matmul"] / 1e6
         if ms["sdpa"] > ms["chunked"] and crossover is None:
@@ -156,8 +162,8 @@ def main():
         print("\n## chunk size (chunked form, ms)\n| T | " + " | ".join(f"chunk {c}" for c in chunks) + " |\n|" +
               "---|" * (len(chunks) + 1), flush=True)
         for T in (1024, 8192, 32768):
-            cells = [measure("chunked", T, c, a)[0] for c in chunks]
-            print(f"| {T} | " + " | ".join(f"{c['ms']:.1f}" if c else "failed" for c in cells) + " |", flush=True)
+            print(f"| {T} | " + " | ".join(f"{measure('ms', 'chunked', T, c, a)[0]:.1f}" for c in chunks) + " |",
+                  flush=True)
 
 
 if __name__ == "__main__":

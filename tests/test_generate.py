@@ -74,16 +74,17 @@ def test_student_recurrent_decode_equals_chunked_forward(name):
 
 
 def test_standin_student_generates_as_its_chunked_forward(standin_gpt2):
-    model = student(standin_gpt2, [32, 96, 64, 48, 80, 64])
+    dims = [32, 96, 64, 48, 80, 64]
+    model = student(standin_gpt2, dims)
     prompt = torch.randint(0, 50257, (1, 50), generator=torch.Generator().manual_seed(1))
     ids = generate(model, prompt, 24)  # decodes across the chunk boundary at 64
     assert torch.equal(ids, uncached_greedy(model, prompt, 24))
     ids = torch.cat([ids, prompt[:, :60]], 1)  # [1, 134]: past the next boundary at 128
-    logits, caches = cached_logits(model, ids, 20)
+    logits, caches = cached_logits(model, ids, 90)  # 44 recurrent steps
     with torch.no_grad():
         full = model(ids)  # [1, 134, V]
     assert (logits - full).abs().max().item() < 1e-5 * full.abs().max().item()
-    assert all(isinstance(c, LinearState) and c.S.shape[2:] == (m, 65) for c, m in zip(caches, [32, 96, 64, 48, 80, 64]))
+    assert all(isinstance(c, LinearState) and c.S.shape[2:] == (m, 65) for c, m in zip(caches, dims))
 
 
 def test_mixed_softmax_and_linear_layers_share_one_generate():
@@ -92,6 +93,8 @@ def test_mixed_softmax_and_linear_layers_share_one_generate():
     model.blocks[1].attn = LinearAttention(model.blocks[1].attn, 6, seed=3)  # layer 0 keeps softmax and a KV cache
     prompt = torch.tensor(ref["ids"])
     assert torch.equal(generate(model, prompt, 30), uncached_greedy(model, prompt, 30))
+    one = prompt[:, :1]  # a 1-token prompt: even the prefill takes the recurrent step
+    assert torch.equal(generate(model, one, 20), uncached_greedy(model, one, 20))
 
 
 def test_sampling_is_seeded_and_respects_top_k():
