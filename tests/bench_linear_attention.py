@@ -104,7 +104,7 @@ def worker(what, method, T, chunk, device, clock):
 
 
 def measure(what, method, T, chunk, a):
-    """ms or MB from a fresh subprocess, or None and a note saying why not."""
+    """ms or MB from a fresh subprocess; nan and a note saying why when it fails."""
     cmd = [sys.executable, __file__, "--worker", what, method, str(T), "--chunks", str(chunk), "--device", a.device,
            "--threads", str(a.threads)] + ["--cpu-time"] * a.cpu_time
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"} if what == "mb" else None
