@@ -2,21 +2,24 @@
 fixed recurrent state), printed as tables. Not a test: nothing here passes or fails.
 
     python tests/bench_inference.py [--quick] [--device cuda] [--models standin,gpt2-small] [--threads N]
-                                    [--contexts 1024,8192] [--batch B] [--no-sequences]
+                                    [--contexts 1024,8192] [--batch B] [--tables prefill,decode,sequence]
 
 Models: the GPT-2 stand-in (../shared/weights/standin-gpt2, positions tiled past its 1024 for timing only) and a
 random-weight model with GPT-2 small's shape (12 layers, 12 heads, 768 wide, vocab 50257, weights seeded
-N(0, 0.02), positions extended to 16K+). Every measurement runs in a fresh subprocess. Peak memory is that
-process's own accounting above its state once the model is built and warmed up: on CPU (Linux, glibc) the
-kernel's RSS high-water mark VmHWM, restarted through /proc/self/clear_refs after malloc_trim; on GPU
-torch.cuda.max_memory_allocated. It includes the [T, V] logits of the prefill, which generate() also pays.
-Decode times include the LM head ([D] x [D, V] per token, the same for teacher and student); it is timed alone
-too, and the speed-up without it is given beside.
-Cache bytes are exact: the KV buffers (allocated for context + decode steps) or the LinearState tensors.
+N(0, 0.02), positions extended to 16K+). Every measurement runs in a fresh subprocess.
+- Prefill: one call on T tokens filling the caches, as generate() does. Peak memory is the process's own
+  accounting above its state once the model is built and warmed up: on CPU (Linux, glibc) the kernel's RSS
+  high-water mark VmHWM, restarted through /proc/self/clear_refs after malloc_trim; on GPU
+  torch.cuda.max_memory_allocated. It includes the [T, V] logits, which generate() also pays.
+- Decode: teacher and student in one process, reaching each context by chunked prefill, their single-token steps
+  interleaved so that a shared machine's changing load hits both alike; medians of single steps. Times include
+  the LM head ([D] x [D, V] per token, the same for both); it is timed alone too, with the speed-up without it.
+  KV cache bytes: 2·layers·heads·64·T·itemsize in use; student state bytes: the LinearState tensors, exactly.
 On a machine shared with other jobs, run with OMP_WAIT_POLICY=PASSIVE: OpenMP threads that spin between parallel
 regions then steal the core of their own main thread, and the many small ops of a decode step slow down ~70x.
 """
 import argparse
+import copy
 import ctypes
 import json
 import os
@@ -95,33 +98,47 @@ def cache_bytes(caches) -> int:
     return sum(t.numel() * t.element_size() for c in caches for t in vars(c).values() if torch.is_tensor(t))
 
 
+def decode_sweep(teacher, student, ids, contexts, steps: int, dev: str) -> list:
+    """Rows of decode time per token at each context, teacher and student steps interleaved (module docstring)."""
+    models = (teacher, student)
+    caches = [[b.attn.new_cache(ids.shape[0], ids.shape[1]) for b in m.blocks] for m in models]
+    x = torch.randn(ids.shape[0], 1, teacher.config.d_model, device=dev, dtype=teacher.wte.dtype)  # [B, 1, D]
+    rows, pos = [], 0
+    for T in contexts:
+        for lo in range(pos, T, 1024):
+            for m, c in zip(models, caches):
+                m(ids[:, lo:min(T, lo + 1024)], lo, c)
+        times = [[], [], []]  # teacher, student, LM head alone
+        for t in range(T, T + WARMUP + steps):
+            for i, (m, c) in enumerate(zip(models, caches)):
+                times[i].append(timed(lambda: m(ids[:, t:t + 1], t, c), dev))
+            times[2].append(timed(lambda: teacher.ln_f(x) @ teacher.head.T, dev))  # [B, 1, V]
+        pos = T + WARMUP + steps
+        # medians of single steps: robust to the bursts of a machine shared with other jobs
+        ms = [1e3 * statistics.median(ts[WARMUP:]) for ts in times]
+        rows.append({"T": T, "teacher_ms": ms[0], "student_ms": ms[1], "head_ms": ms[2],
+                     "state_bytes": cache_bytes(caches[1])})
+    return rows
+
+
 @torch.no_grad()
 def worker(job: dict) -> dict:
     """One measurement in this (fresh) process; see the module docstring for what the memory figures hold."""
     torch.set_num_threads(job["threads"])
-    dev, dtype = job["device"], getattr(torch, job["dtype"])
-    model = build(job["model"], job["n_ctx"], job["dims"], dev, dtype)
-    V = model.config.vocab_size
-    B = job["batch"]
-    ids = torch.randint(0, V, (B, job["n_ctx"]), generator=torch.Generator().manual_seed(SEED)).to(dev)  # [B, n_ctx]
+    dev, dtype, B = job["device"], getattr(torch, job["dtype"]), job["batch"]
+    model = build(job["model"], job["n_ctx"], job["dims"] if job["mode"] != "sweep" else None, dev, dtype)
+    ids = torch.randint(0, model.config.vocab_size, (B, job["n_ctx"]), generator=torch.Generator().manual_seed(SEED))
+    ids = ids.to(dev)  # [B, n_ctx]
     model(ids[:, :64])  # warm-up: thread pools, allocator
     sync(dev)
     base = reset_peak(dev)
-    out = {}
-    if job["mode"] == "context":  # prefill T tokens, then time decode steps at context T
-        T, steps = job["T"], job["steps"]
-        times = []
-        for _ in range(job["reps"]):
-            caches = [b.attn.new_cache(B, T + WARMUP + steps) for b in model.blocks]
-            times.append(timed(lambda: model(ids[:, :T], 0, caches), dev))
-        for t in range(T, T + WARMUP):
-            model(ids[:, t:t + 1], t, caches)
-        # medians of single steps: robust to the bursts of a machine shared with other jobs
-        step = [timed(lambda: model(ids[:, t:t + 1], t, caches), dev) for t in range(T + WARMUP, T + WARMUP + steps)]
-        x = torch.randn(B, 1, model.config.d_model, device=dev, dtype=dtype)  # [B, 1, D]
-        head = [timed(lambda: model.ln_f(x) @ model.head.T, dev) for _ in range(steps)]  # [B, 1, V]
-        out = {"prefill_s": min(times), "decode_ms": 1e3 * statistics.median(step),
-               "head_ms": 1e3 * statistics.median(head), "cache_bytes": cache_bytes(caches)}
+    if job["mode"] == "prefill":  # T tokens in one call, filling the caches as generate() does
+        T = job["T"]
+        fill = lambda: model(ids[:, :T], 0, [b.attn.new_cache(B, T) for b in model.blocks])  # noqa: E731
+        out = {"prefill_s": min(timed(fill, dev) for _ in range(job["reps"]))}
+    elif job["mode"] == "sweep":
+        student = replace_attention(copy.deepcopy(model), job["dims"], SEED).to(dev)
+        out = {"rows": decode_sweep(model, student, ids, job["contexts"], job["steps"], dev)}
     else:  # one sequence (batch 1) of L tokens: a chunked/SDPA forward, and generating it from a 1-token prompt
         L = job["seq_len"]
         out = {"forward_s": min(timed(lambda: model(ids[:1, :L]), dev) for _ in range(job["reps"])),
@@ -159,6 +176,54 @@ def mib(b):
     return f"{b / 2**20:9.1f}"
 
 
+def prefill_table(name, Ts, common):
+    n_layer = SHAPES[name][0]
+    rows = {(T, kind): run({**common, "model": name, "dims": dims, "mode": "prefill", "T": T,
+                            "reps": 3 if T <= 2048 else 1})
+            for T in Ts for kind, dims in (("teacher", None), ("student", [BUDGET] * n_layer))}
+    print(f"\n## {name}: prefill of T tokens in one call, caches filled (student: M={BUDGET} per layer, chunk 64)")
+    print("      T | teacher s | student s | teacher/student | peak MiB teacher | peak MiB student")
+    for T in Ts:
+        t, s = rows[T, "teacher"], rows[T, "student"]
+        print(f"{T:7d} | {t['prefill_s']:9.3f} | {s['prefill_s']:9.3f} | {t['prefill_s'] / s['prefill_s']:15.2f} "
+              f"|        {mib(t['peak_bytes'])} |        {mib(s['peak_bytes'])}")
+    faster = [T for T in Ts if rows[T, "student"]["prefill_s"] < rows[T, "teacher"]["prefill_s"]]
+    cross = next((T for T in Ts if all(u in faster for u in Ts if u >= T)), None)
+    print(f"crossover: the student prefills faster from T = {cross} on" if cross else
+          "crossover: the student is not faster from any T measured on")
+
+
+def decode_table(name, Ts, common, steps):
+    n_layer, n_head = SHAPES[name]
+    r = run({**common, "model": name, "dims": [BUDGET] * n_layer, "mode": "sweep", "contexts": Ts, "steps": steps})
+    kv_per_token = 2 * n_layer * common["batch"] * n_head * 64 * getattr(torch, common["dtype"]).itemsize
+    print(f"\n## {name}: decode time per token at context T (one process, teacher and student steps interleaved; "
+          f"median of {steps} steps after {WARMUP} warm-up)")
+    print("      T | teacher ms | student ms | speed-up | LM head ms | speed-up w/o head | KV cache MiB "
+          "| student state MiB")
+    for row in r["rows"]:
+        t, s, head = row["teacher_ms"], row["student_ms"], row["head_ms"]
+        print(f"{row['T']:7d} | {t:10.2f} | {s:10.2f} | {t / s:8.2f} | {head:10.2f} | {(t - head) / (s - head):17.2f} "
+              f"|    {mib(kv_per_token * row['T'])} |         {mib(row['state_bytes'])}")
+    rows = [row for row in r["rows"] if row["T"] >= 1024] or r["rows"]
+    flat = [row["student_ms"] for row in rows]
+    print(f"from T = {rows[0]['T']} to {rows[-1]['T']}: student decode max/min = {max(flat) / min(flat):.2f}; "
+          f"teacher {rows[-1]['teacher_ms'] / rows[0]['teacher_ms']:.2f}x slower at the end")
+
+
+def sequence_table(name, layer_dof, common, seq_len):
+    n_layer, n_head = SHAPES[name]
+    print(f"\n## {name}: one {seq_len}-token sequence, batch 1, equal budget (mean {BUDGET} features per layer)"
+          + ("" if name == "standin" else "; dims: the stand-in's DoF profile, each layer twice (illustrative)"))
+    print("variant            | total M | forward s | generate s | cache KiB at the end | dims")
+    for label, dims in {"teacher (softmax)": None, **variant_dims(layer_dof, n_layer)}.items():
+        r = run({**common, "model": name, "dims": dims, "mode": "sequence", "seq_len": seq_len, "reps": 3})
+        # fp32 LinearState [H, M, d + 1] per layer, or the KV cache of seq_len positions (model dtype)
+        cache = 4 * n_head * 65 * sum(dims) if dims else 2 * n_layer * n_head * 64 * seq_len * r["itemsize"]
+        print(f"{label:18s} | {sum(dims) if dims else '-':>7} | {r['forward_s']:9.3f} | {r['generate_s']:10.3f} "
+              f"| {cache / 1024:20.1f} | {dims or 'softmax'}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="contexts 512-2048, 8 decode steps, 256-token sequences")
@@ -166,9 +231,9 @@ def main():
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--models", default="standin,gpt2-small")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--batch", type=int, default=1, help="sequences per prefill/decode call (the 1,000-token table: 1)")
-    ap.add_argument("--contexts", help="comma-separated T to measure instead of the default list")
-    ap.add_argument("--no-sequences", action="store_true", help="skip the Fix/DoF/DoF+clip table")
+    ap.add_argument("--batch", type=int, default=1, help="sequences per call in the prefill and decode tables")
+    ap.add_argument("--contexts", help="comma-separated T, increasing, instead of the default list")
+    ap.add_argument("--tables", default="prefill,decode,sequence")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -177,63 +242,28 @@ def main():
     Ts = [512, 1024, 2048] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
     Ts = [int(T) for T in args.contexts.split(",")] if args.contexts else Ts
     steps, seq_len = (8, 256) if args.quick else (32, 1000)
-    common = {"device": args.device, "dtype": args.dtype, "threads": args.threads, "n_ctx": max(Ts[-1], seq_len) + 64,
-              "batch": args.batch}
+    common = {"device": args.device, "dtype": args.dtype, "threads": args.threads, "batch": args.batch,
+              "n_ctx": max(Ts[-1], seq_len) + 64}
     print(f"torch {torch.__version__}, device {args.device}, {args.dtype}, {args.threads} threads, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, load average {os.getloadavg()[0]:.2f}; "
           f"seed {SEED}; batch {args.batch}")
     layer_dof = None
-    if STANDIN.exists() and WIKI.exists() and not args.no_sequences:
-        layer_dof = standin_dof()
-        print("stand-in layer DoF (J=1024, lambda=2^-4, G/J, WikiText-2 valid):", [round(x, 1) for x in layer_dof])
+    if "sequence" in args.tables:
+        if not (STANDIN.exists() and WIKI.exists()):
+            print(f"{STANDIN} or {WIKI} is absent: no DoF dims, so no Fix/DoF/DoF+clip table")
+        else:
+            layer_dof = standin_dof()
+            print("stand-in layer DoF (J=1024, lambda=2^-4, G/J, WikiText-2 valid):", [round(x, 1) for x in layer_dof])
     for name in args.models.split(","):
         if name == "standin" and not STANDIN.exists():
             print(f"\n{STANDIN} is absent: skipping the stand-in")
             continue
-        n_layer, n_head = SHAPES[name]
-        rows = {}
-        for T in Ts:
-            for kind, dims in (("teacher", None), ("student", [BUDGET] * n_layer)):
-                rows[T, kind] = run({**common, "model": name, "dims": dims, "mode": "context", "T": T,
-                                     "steps": steps, "reps": 3 if T <= 2048 else 1})
-        print(f"\n## {name}: prefill of T tokens (one call; student M={BUDGET} per layer, chunk 64)")
-        print("      T | teacher s | student s | teacher/student | peak MiB teacher | peak MiB student")
-        for T in Ts:
-            t, s = rows[T, "teacher"], rows[T, "student"]
-            print(f"{T:7d} | {t['prefill_s']:9.3f} | {s['prefill_s']:9.3f} | {t['prefill_s'] / s['prefill_s']:15.2f} "
-                  f"|        {mib(t['peak_bytes'])} |        {mib(s['peak_bytes'])}")
-        faster = [T for T in Ts if rows[T, "student"]["prefill_s"] < rows[T, "teacher"]["prefill_s"]]
-        cross = next((T for T in Ts if all(u in faster for u in Ts if u >= T)), None)
-        print(f"crossover: the student prefills faster from T = {cross} on" if cross else
-              "crossover: the student is not faster at any T measured (up to the last)")
-        print(f"\n## {name}: decode time per token at context T (median of {steps} steps after {WARMUP} warm-up steps)")
-        print("      T | teacher ms | student ms | speed-up | LM head ms | speed-up w/o head | KV cache MiB "
-              "| student state MiB | peak MiB teacher | peak MiB student")
-        for T in Ts:
-            t, s = rows[T, "teacher"], rows[T, "student"]
-            head = (t["head_ms"] + s["head_ms"]) / 2
-            print(f"{T:7d} | {t['decode_ms']:10.2f} | {s['decode_ms']:10.2f} | {t['decode_ms'] / s['decode_ms']:8.2f} "
-                  f"| {head:10.2f} | {(t['decode_ms'] - head) / (s['decode_ms'] - head):17.2f} "
-                  f"|    {mib(t['cache_bytes'])} |         {mib(s['cache_bytes'])} "
-                  f"|        {mib(t['peak_bytes'])} |        {mib(s['peak_bytes'])}")
-        long = [T for T in Ts if T >= 1024] or Ts
-        flat = [rows[T, "student"]["decode_ms"] for T in long]
-        grow = rows[long[-1], "teacher"]["decode_ms"] / rows[long[0], "teacher"]["decode_ms"]
-        print(f"from T = {long[0]} to {long[-1]}: student decode max/min = {max(flat) / min(flat):.2f}; "
-              f"teacher {grow:.2f}x slower at {long[-1]} than at {long[0]}")
-        if layer_dof is None or args.no_sequences:
-            continue
-        variants = {"teacher (softmax)": None, **variant_dims(layer_dof, n_layer)}
-        print(f"\n## {name}: one {seq_len}-token sequence, equal budget (mean {BUDGET} features per layer)"
-              + ("" if name == "standin" else "; dims: the stand-in's DoF profile, each layer twice (illustrative)"))
-        print("variant            | total M | forward s | generate s | cache KiB at the end | dims")
-        for label, dims in variants.items():
-            r = run({**common, "model": name, "dims": dims, "mode": "sequence", "seq_len": seq_len, "reps": 3})
-            # fp32 LinearState [H, M, d + 1] per layer, or the KV cache of seq_len positions (model dtype)
-            cache = 4 * n_head * 65 * sum(dims) if dims else 2 * n_layer * n_head * 64 * seq_len * r["itemsize"]
-            total = "-" if dims is None else sum(dims)
-            print(f"{label:18s} | {total:>7} | {r['forward_s']:9.3f} | {r['generate_s']:10.3f} | {cache / 1024:20.1f} "
-                  f"| {dims or 'softmax'}")
+        if "prefill" in args.tables:
+            prefill_table(name, Ts, common)
+        if "decode" in args.tables:
+            decode_table(name, Ts, common, steps)
+        if layer_dof is not None:
+            sequence_table(name, layer_dof, common, seq_len)
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
 
 
