@@ -34,8 +34,8 @@ LOSSES = ("softmax", "l2", "direct")
 PROFILES = {
     "quick": dict(ctx=64, J=128, calib_windows=8, steps=4, batch=2, eval_windows=4, limit=4, error_windows=1,
                   train_chars=200_000),
-    "default": dict(ctx=256, J=1024, calib_windows=64, steps=100, batch=8, eval_windows=128, limit=100,
-                    error_windows=4, train_chars=None),
+    "default": dict(ctx=256, J=1024, calib_windows=64, steps=400, batch=8, eval_windows=128, limit=100,
+                    error_windows=8, train_chars=None),
     "paper": dict(ctx=None, J=1024, calib_windows=64, steps=None, batch=8, eval_windows=None, limit=None,
                   error_windows=8, train_chars=None),
 }
@@ -76,7 +76,7 @@ def parse_args(argv):
 def stage(path: Path, compute, log):
     """Run `compute` unless `path` holds its saved result; save atomically so an interruption loses nothing."""
     if path.is_file():
-        log(f"skip: {path.name} already done")
+        log(f"skip: {path} already done")
         return json.loads(path.read_text())
     result = compute()
     tmp = path.with_name(path.name + ".tmp")
@@ -163,12 +163,22 @@ def main(argv=None):
                 return {"dims": dims, "train_seconds": train_seconds, "layer_error": errors,
                         **evaluate_model(student)}
 
+            def evaluate_untrained():  # the draw that training started from, shared by every loss
+                return distill.layer_errors(teacher, distill.make_student(teacher, dims, args.seed), heldout_ids,
+                                            ctx, prof["error_windows"])
+
             variants[key] = stage(out / "eval" / f"{variant}-{loss}.json", evaluate_student, log)
+            if variant in ("fix", "dof", "dof_clip"):
+                variants[key]["layer_error_before"] = stage(out / "eval" / f"{variant}-untrained.json",
+                                                            evaluate_untrained, log)
             log(f"{key}: WikiText-2 perplexity {variants[key]['wikitext2_ppl']:.2f}")
 
     results = {"teacher": {"name": cfg.name, "identity": teacher.identity, **teacher_result},
                "dof": dof_result, "variants": variants,
-               "timings": {"total_seconds": time.time() - t_start, "dof_seconds": dof_result["seconds"]},
+               # a resumed run skips finished stages, so its own wall time says little: the stages' sum is the cost
+               "timings": {"stages_seconds": teacher_result["eval_seconds"] + dof_result["seconds"]
+                           + sum(v["train_seconds"] + v["eval_seconds"] for v in variants.values()),
+                           "this_invocation_seconds": time.time() - t_start, "dof_seconds": dof_result["seconds"]},
                "config": {"profile": args.profile, **prof, "ctx": ctx, "seed": args.seed, "device": args.device,
                           "losses": args.loss, "variants": args.variants},
                "versions": {"python": platform.python_version(), "torch": torch.__version__,
@@ -254,23 +264,30 @@ def write_report(out: Path, results: dict) -> dict:
         n_layer = len(next(iter(series.values())))
         errors += [f"\n**{metric}**\n", "| variant | " + " | ".join(f"L{l}" for l in range(n_layer)) + " | mean |",
                    "|---" * (n_layer + 2) + "|"]
-        errors += [f"| {k} | " + " | ".join(f"{e:.4g}" for e in s) + f" | {np.mean(s):.4g} |" for k, s in series.items()]
+        for k, s in series.items():
+            before = variants[k].get("layer_error_before", {}).get(metric)
+            for label, e in ((k, s), (f"{k} before training", before)):
+                if e is not None:
+                    errors.append(f"| {label} | " + " | ".join(f"{x:.4g}" for x in e) + f" | {np.mean(e):.4g} |")
         plots.line_chart(series, out / f"error_{metric}.svg", f"per-layer {metric} by variant", metric,
                          log_y=metric != "output_rel")
         charts.append(f"![{metric}](error_{metric}.svg)")
     times = ["| model | train s | perplexity pass s | full evaluation s |", "|---|---|---|---|"]
     times += [f"| {k} | {v.get('train_seconds', 0):.1f} | {v['ppl_seconds']:.1f} | {v['eval_seconds']:.1f} |"
               for k, v in {"teacher": teacher, **variants}.items()]
-    cfg = results["config"]
+    cfg, timings = results["config"], results["timings"]
     text = "\n".join([
         f"# dofmini report: {teacher['name']} ({cfg['profile']} profile)", "",
         f"ctx {cfg['ctx']}, seed {cfg['seed']}, DoF λ={results['dof']['lam']:g}, J={results['dof']['J']}, "
-        f"{'G/J' if results['dof']['normalize'] else 'raw G'}; total wall time {results['timings']['total_seconds']:.0f} s.",
+        f"{'G/J' if results['dof']['normalize'] else 'raw G'}; the stages took {timings['stages_seconds']:.0f} s in all "
+        f"(this invocation: {timings['this_invocation_seconds']:.0f} s).",
         "", "## Feature dimensions per layer", "", allocation_table(results["dof"]), "", "![allocation](allocation.svg)",
         "", "## Perplexity and zero-shot accuracy", "", "\n".join(summary), "",
         evaluate.results_table(rows), "", "## Share of the Fix degradation removed by DoF", "",
         "\n".join(headline) or "(needs both fix and dof variants)", "",
-        "## Per-layer approximation error (teacher inputs, held-out text, mean over heads)", "\n".join(errors), "",
+        "## Per-layer approximation error (teacher inputs, held-out text, mean over heads)", "",
+        "kernel_l2 compares unnormalised kernel values. The softmax and direct losses leave each row's scale free,",
+        "so for students trained with them kl and output_rel are the errors that count.", "\n".join(errors), "",
         " ".join(charts), "", "## Times", "", "\n".join(times), ""])
     (out / "report.md").write_text(text)
     return {"summary": "\n".join(summary + [""] + headline)}

@@ -37,6 +37,12 @@ def encode_file(path, tokenizer) -> torch.Tensor:
     return torch.tensor(tokenizer.encode(Path(path).read_text(encoding="utf-8")).ids)
 
 
+def _device(model) -> torch.device:
+    """Where the model's weights live; inputs are built on the CPU and moved there."""
+    weight = next(model.parameters(), None)
+    return torch.device("cpu") if weight is None else weight.device
+
+
 @torch.no_grad()
 def perplexity(model, token_ids, ctx: int, stride=None, batch: int = 8):
     """(ppl, total NLL, scored tokens). Without `stride`: non-overlapping windows of `ctx` tokens from the
@@ -48,11 +54,11 @@ def perplexity(model, token_ids, ctx: int, stride=None, batch: int = 8):
         raise ValueError(f"ctx={ctx}: expected 2..{n_pos} (the positions of {model.config.name})")
     if stride is not None and not 1 <= stride < ctx:
         raise ValueError(f"stride={stride}: expected 1..{ctx - 1} (ctx={ctx}), or None for disjoint windows")
-    token_ids = torch.as_tensor(token_ids).flatten()
+    token_ids = torch.as_tensor(token_ids).flatten().to(_device(model))
     if len(token_ids) < ctx:
         raise ValueError(f"{len(token_ids)} tokens do not fill one window of ctx={ctx}")
     windows = token_ids.unfold(0, ctx, stride or ctx)  # [W, ctx]
-    first_scored = torch.zeros(len(windows), dtype=torch.long)  # [W] first target index scored per window
+    first_scored = torch.zeros(len(windows), dtype=torch.long, device=windows.device)  # [W] first target scored
     if stride is not None:
         first_scored[1:] = ctx - 1 - stride
     nll, scored = 0.0, 0
@@ -61,7 +67,7 @@ def perplexity(model, token_ids, ctx: int, stride=None, batch: int = 8):
         chunk = windows[i:i + batch]  # [b, ctx]
         logits = model(chunk[:, :-1])  # [b, ctx-1, V]
         token_nll = F.cross_entropy(logits.flatten(0, 1).float(), chunk[:, 1:].flatten(), reduction="none")
-        keep = torch.arange(ctx - 1) >= first_scored[i:i + batch, None]  # [b, ctx-1]
+        keep = torch.arange(ctx - 1, device=windows.device) >= first_scored[i:i + batch, None]  # [b, ctx-1]
         nll += token_nll.view_as(keep)[keep].double().sum().item()
         scored += int(keep.sum())
         progress(i + len(chunk), f"ppl {math.exp(nll / scored):.2f} ")
@@ -97,6 +103,7 @@ def score_requests(model, requests, ctx=None, batch_tokens: int = 4096, what: st
         rows.setdefault(tuple((list(context) + list(continuation))[:-1][-max_len:]), []).append(i)
     inputs = sorted(rows, key=len, reverse=True)
     results, start, progress = [None] * len(requests), 0, _Progress(what, len(inputs))
+    device = _device(model)
     while start < len(inputs):
         batch = inputs[start:start + max(1, batch_tokens // len(inputs[start]))]
         depth = [max(len(requests[i][1]) for i in rows[row]) for row in batch]  # scored positions per row
@@ -105,12 +112,13 @@ def score_requests(model, requests, ctx=None, batch_tokens: int = 4096, what: st
         for b, (row, n) in enumerate(zip(batch, depth)):
             ids[b, :len(row)] = torch.tensor(row)
             keep[b, len(row) - n:len(row)] = True
+        ids, keep = ids.to(device), keep.to(device)
         logprobs = _logits_at(model, ids, keep).float().log_softmax(-1)  # [N, V], rows in `keep` order
         best, end = logprobs.argmax(-1), 0  # [N]; one call: thousands of small ones cost as much as the forward
         for row, n in zip(batch, depth):
             end += n
             for i in rows[row]:
-                target = torch.tensor(requests[i][1])  # [k]
+                target = torch.tensor(requests[i][1], device=device)  # [k]
                 at = slice(end - len(target), end)
                 results[i] = (logprobs[at].gather(1, target[:, None]).sum().item(), bool((best[at] == target).all()))
         start += len(batch)
@@ -170,3 +178,45 @@ def results_table(rows: dict, metric: str = "acc") -> str:
         average = "—" if None in values else f"{np.mean(values):.4f}"
         lines.append(f"| {model} | " + " | ".join(cells) + f" | {average} |")
     return "\n".join(lines)
+
+
+def main(argv=None):
+    """A full evaluation pass of one checkpoint: WikiText-2 and held-out perplexity, then every task."""
+    import argparse
+    import json
+
+    from .checkpoint import CheckpointError, load_tokenizer
+    from .model import load
+    from .tasks import DEFAULT_DATA, TASKS
+
+    p = argparse.ArgumentParser(prog="python -m dofmini.evaluate", description=main.__doc__)
+    p.add_argument("model", help="a known name or a checkpoint folder")
+    p.add_argument("--ctx", type=int, default=256, help="perplexity window (default 256, the stand-ins' protocol)")
+    p.add_argument("--windows", type=int, help="perplexity on the first N windows of each text (default: all)")
+    p.add_argument("--limit", type=int, help="first N examples per task")
+    p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated task names")
+    p.add_argument("--data", default=str(DEFAULT_DATA), help="the shared data folder")
+    p.add_argument("--out", help="also write the results here as JSON")
+    args = p.parse_args(argv)
+    try:
+        model, tokenizer, t0 = load(args.model), load_tokenizer(args.model), time.time()
+    except CheckpointError as err:
+        raise SystemExit(f"python -m dofmini.evaluate: error: {err}")
+    result = {"model": model.config.name, "ctx": args.ctx, "threads": torch.get_num_threads()}
+    texts = {"wikitext2": "wikitext-2-raw/wiki.test.raw", "heldout": "corpus/wikipedia-heldout.txt"}
+    for key, relative in texts.items():
+        ids = encode_file(Path(args.data) / relative, tokenizer)[:args.windows and args.windows * args.ctx]
+        ppl, _, n = perplexity(model, ids, args.ctx)
+        result[f"{key}_ppl"], result[f"{key}_tokens"] = ppl, n
+        print(f"{key} perplexity {ppl:.4f} over {n} tokens ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
+    result["tasks"] = evaluate_tasks(model, tokenizer, args.tasks.split(","), args.limit, data_dir=args.data)
+    result["wall_seconds"] = time.time() - t0
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print(results_table({result["model"]: result["tasks"]}))
+    print(f"WikiText-2 ppl {result['wikitext2_ppl']:.4f}, held-out ppl {result['heldout_ppl']:.4f}; "
+          f"{result['wall_seconds']:.0f} s on {result['threads']} threads")
+
+
+if __name__ == "__main__":
+    main()

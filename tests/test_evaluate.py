@@ -161,3 +161,18 @@ def test_standin_wikitext2_perplexity_matches_reference(name):
     ppl, _, scored = perplexity(load(folder), ids[:64 * ctx], ctx)
     assert scored == 64 * (ctx - 1)
     assert ppl == pytest.approx(reference["wikitext2_test_ppl_first64_windows"], rel=1e-3)
+
+
+def test_evaluate_command_writes_reference_perplexity_and_tasks(tmp_path, capsys):
+    from dofmini.evaluate import main
+    folder = shared_path("weights", "standin-gpt2")
+    reference = json.loads((folder / "reference.json").read_text())
+    out = tmp_path / "eval.json"
+    main([str(folder), "--windows", "64", "--limit", "3", "--tasks", "piqa,lambada", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["wikitext2_ppl"] == pytest.approx(reference["wikitext2_test_ppl_first64_windows"], rel=1e-3)
+    assert result["wikitext2_tokens"] == 64 * 255
+    assert {t: r["n"] for t, r in result["tasks"].items()} == {"piqa": 3, "lambada": 3}
+    assert "| standin-gpt2 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="config.json"):
+        main([str(tmp_path)])

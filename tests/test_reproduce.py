@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +44,8 @@ def test_quick_profile_writes_every_variant_and_task(quick_run):
         assert set(variant["tasks"]) == TASKS, key
         assert variant["wikitext2_ppl"] > 1 and len(variant["dims"]) == 6
         assert set(variant["layer_error"]) == {"kernel_l2", "kl", "output_rel"}
+        if key.startswith(("fix/", "dof/", "dof_clip/")):
+            assert set(variant["layer_error_before"]) == {"kernel_l2", "kl", "output_rel"}
     dims = results["dof"]["dims"]
     assert sum(dims["dof"]) == sum(dims["fix"]) == 6 * 64 and max(dims["dof_clip"]) <= 64
     assert results["dof"]["seed"] == results["config"]["seed"] == 0
@@ -62,9 +65,13 @@ def test_second_run_skips_every_stage(quick_run):
     model, out, _ = quick_run
     again = reproduce(model, "--profile", "quick", "--out", out)
     assert again.returncode == 0, again.stderr[-3000:]
-    skipped = sorted(line.split("skip: ")[1].split()[0] for line in again.stdout.splitlines() if "skip: " in line)
+    skipped = sorted(Path(line.split("skip: ")[1].split()[0]).relative_to(out).as_posix()
+                     for line in again.stdout.splitlines() if "skip: " in line)
     # each variant has two stages (train, evaluate), saved as students/<key>.json and eval/<key>.json
-    assert skipped == sorted(["teacher.json", "allocation.json"] + 2 * [f"{k.replace('/', '-')}.json" for k in VARIANT_KEYS])
+    keys = [k.replace("/", "-") for k in VARIANT_KEYS]
+    untrained = [f"eval/{v}-untrained.json" for v in ("fix", "dof", "dof_clip")]  # errors before training
+    assert skipped == sorted(["teacher.json", "allocation.json"] + untrained
+                             + [f"{d}/{k}.json" for d in ("students", "eval") for k in keys])
     assert not TRAINING_LINE.search(again.stdout), "a finished student was trained again"
 
 
