@@ -184,9 +184,11 @@ def recurrent_step(state: LinearState, phi_q, phi_k, v, decay=None, normalize: b
     """Token-by-token form for decoding: O(M·dv) per token, the state updated in place. [B, H, T, dv] out."""
     dv, dtype = v.shape[-1], v.dtype
     q, k, v, log_g, S = _prepare(phi_q, phi_k, v, decay, normalize, state)
-    v, g, ys = _with_ones(v, normalize), (1.0 if log_g is None else torch.exp(log_g)), []  # γ [H, 1, 1]
+    v, g, ys = _with_ones(v, normalize), (None if log_g is None else torch.exp(log_g)), []  # γ [H, 1, 1]
     for t in range(q.shape[2]):
-        S = g * S + k[:, :, t, :, None] * v[:, :, t, None, :]  # [B, H, M, E]
+        if g is not None:  # without decay S is only added to: no multiply by 1 on the decoding path
+            S = g * S
+        S = S + k[:, :, t, :, None] * v[:, :, t, None, :]  # [B, H, M, E]
         ys.append(q[:, :, t, None] @ S)  # [B, H, 1, E]
     state.S, state.n = S, state.n + q.shape[2]
     return _finish(torch.cat(ys, 2), dv, normalize, dtype)
