@@ -7,11 +7,9 @@ variant, evaluate everything, and write results.json, report.md and SVG charts.
 Each stage saves what it made under --out; running the same command again skips finished stages.
 """
 import argparse
-import copy
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
@@ -21,10 +19,8 @@ import torch
 import dofmini
 from dofmini import dijiang, distill, dof, evaluate, plots
 from dofmini.checkpoint import CheckpointError, load_tokenizer
-from dofmini.linear_attention import replace_attention
 
 DATA = Path(__file__).resolve().parent.parent / "shared" / "data"
-TASKS = ("piqa", "arc_easy", "arc_challenge", "winogrande", "wsc273", "mmlu", "logiqa", "lambada")
 VARIANTS = ("performer", "dijiang", "fix", "dof", "dof_clip")
 LOSSES = ("softmax", "l2", "direct")
 # ctx None: the model's own context, at most 2048. steps: optimiser steps of `batch` windows of ctx tokens (None:
@@ -115,22 +111,16 @@ def main(argv=None):
         f"profile {args.profile}, ctx {ctx}, seed {args.seed}, out {out}")
 
     wiki = args.data / "wikitext-2-raw"
-    test_ids = tokens(out, "wikitext2-test", [wiki / "wiki.test.raw"], tokenizer)
-    heldout_ids = tokens(out, "heldout", [args.data / "corpus" / "wikipedia-heldout.txt"], tokenizer)
+    test_ids = tokens(out, "wikitext2-test", [args.data / evaluate.PPL_TEXTS["wikitext2"]], tokenizer)
+    heldout_ids = tokens(out, "heldout", [args.data / evaluate.PPL_TEXTS["heldout"]], tokenizer)
     train_ids = tokens(out, "train", sorted((args.data / "corpus" / "wikipedia").glob("*.txt")), tokenizer,
                        prof["train_chars"])
     calib_ids = tokens(out, "wikitext2-valid", [wiki / "wiki.valid.raw"], tokenizer)[: prof["calib_windows"] * ctx]
     prof["steps"] = prof["steps"] or max(1, len(train_ids) // (prof["batch"] * ctx))
 
     def evaluate_model(model):
-        t0 = time.time()
-        windows = None if prof["eval_windows"] is None else prof["eval_windows"] * ctx
-        ppl = evaluate.perplexity(model, test_ids[:windows], ctx)[0]
-        held = evaluate.perplexity(model, heldout_ids[:windows], ctx)[0]
-        infer = time.time() - t0
-        tasks = evaluate.evaluate_tasks(model, tokenizer, TASKS, limit=prof["limit"], data_dir=args.data)
-        return {"wikitext2_ppl": ppl, "heldout_ppl": held, "tasks": tasks, "ppl_seconds": infer,
-                "eval_seconds": time.time() - t0}
+        return evaluate.evaluate_model(model, tokenizer, {"wikitext2": test_ids, "heldout": heldout_ids}, ctx,
+                                       prof["eval_windows"], prof["limit"], data_dir=args.data)
 
     teacher_result = stage(out / "teacher.json", lambda: evaluate_model(teacher), log)
     log(f"teacher: WikiText-2 perplexity {teacher_result['wikitext2_ppl']:.2f} (ctx {ctx})")

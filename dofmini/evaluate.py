@@ -15,7 +15,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .tasks import load_task
+from .tasks import DEFAULT_DATA, TASKS, load_task
+
+# the perplexity texts, relative to the data folder
+PPL_TEXTS = {"wikitext2": "wikitext-2-raw/wiki.test.raw", "heldout": "corpus/wikipedia-heldout.txt"}
 
 
 class _Progress:
@@ -37,12 +40,6 @@ def encode_file(path, tokenizer) -> torch.Tensor:
     return torch.tensor(tokenizer.encode(Path(path).read_text(encoding="utf-8")).ids)
 
 
-def _device(model) -> torch.device:
-    """Where the model's weights live; inputs are built on the CPU and moved there."""
-    weight = next(model.parameters(), None)
-    return torch.device("cpu") if weight is None else weight.device
-
-
 @torch.no_grad()
 def perplexity(model, token_ids, ctx: int, stride=None, batch: int = 8):
     """(ppl, total NLL, scored tokens). Without `stride`: non-overlapping windows of `ctx` tokens from the
@@ -54,7 +51,7 @@ def perplexity(model, token_ids, ctx: int, stride=None, batch: int = 8):
         raise ValueError(f"ctx={ctx}: expected 2..{n_pos} (the positions of {model.config.name})")
     if stride is not None and not 1 <= stride < ctx:
         raise ValueError(f"stride={stride}: expected 1..{ctx - 1} (ctx={ctx}), or None for disjoint windows")
-    token_ids = torch.as_tensor(token_ids).flatten().to(_device(model))
+    token_ids = torch.as_tensor(token_ids).flatten().to(next(model.parameters()).device)
     if len(token_ids) < ctx:
         raise ValueError(f"{len(token_ids)} tokens do not fill one window of ctx={ctx}")
     windows = token_ids.unfold(0, ctx, stride or ctx)  # [W, ctx]
@@ -103,7 +100,7 @@ def score_requests(model, requests, ctx=None, batch_tokens: int = 4096, what: st
         rows.setdefault(tuple((list(context) + list(continuation))[:-1][-max_len:]), []).append(i)
     inputs = sorted(rows, key=len, reverse=True)
     results, start, progress = [None] * len(requests), 0, _Progress(what, len(inputs))
-    device = _device(model)
+    device = next(model.parameters()).device
     while start < len(inputs):
         batch = inputs[start:start + max(1, batch_tokens // len(inputs[start]))]
         depth = [max(len(requests[i][1]) for i in rows[row]) for row in batch]  # scored positions per row
@@ -180,6 +177,22 @@ def results_table(rows: dict, metric: str = "acc") -> str:
     return "\n".join(lines)
 
 
+def evaluate_model(model, tokenizer, texts: dict, ctx: int, windows=None, limit=None, tasks=tuple(TASKS),
+                   data_dir=None) -> dict:
+    """Perplexity on the first `windows` windows of ctx tokens (all when None) of each {name: token ids} text,
+    then the tasks on their first `limit` examples: {"<name>_ppl", "<name>_tokens" per text, "tasks",
+    "ppl_seconds", "eval_seconds"}."""
+    t0, result = time.time(), {}
+    for name, ids in texts.items():
+        ppl, _, n = perplexity(model, ids[:windows and windows * ctx], ctx)
+        result[f"{name}_ppl"], result[f"{name}_tokens"] = ppl, n
+        print(f"{name} perplexity {ppl:.4f} over {n} tokens ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
+    result["ppl_seconds"] = time.time() - t0
+    result["tasks"] = evaluate_tasks(model, tokenizer, tasks, limit, data_dir=data_dir)
+    result["eval_seconds"] = time.time() - t0
+    return result
+
+
 def main(argv=None):
     """A full evaluation pass of one checkpoint: WikiText-2 and held-out perplexity, then every task."""
     import argparse
@@ -187,7 +200,6 @@ def main(argv=None):
 
     from .checkpoint import CheckpointError, load_tokenizer
     from .model import load
-    from .tasks import DEFAULT_DATA, TASKS
 
     p = argparse.ArgumentParser(prog="python -m dofmini.evaluate", description=main.__doc__)
     p.add_argument("model", help="a known name or a checkpoint folder")
@@ -199,23 +211,18 @@ def main(argv=None):
     p.add_argument("--out", help="also write the results here as JSON")
     args = p.parse_args(argv)
     try:
-        model, tokenizer, t0 = load(args.model), load_tokenizer(args.model), time.time()
+        model, tokenizer = load(args.model), load_tokenizer(args.model)
     except CheckpointError as err:
         raise SystemExit(f"python -m dofmini.evaluate: error: {err}")
-    result = {"model": model.config.name, "ctx": args.ctx, "threads": torch.get_num_threads()}
-    texts = {"wikitext2": "wikitext-2-raw/wiki.test.raw", "heldout": "corpus/wikipedia-heldout.txt"}
-    for key, relative in texts.items():
-        ids = encode_file(Path(args.data) / relative, tokenizer)[:args.windows and args.windows * args.ctx]
-        ppl, _, n = perplexity(model, ids, args.ctx)
-        result[f"{key}_ppl"], result[f"{key}_tokens"] = ppl, n
-        print(f"{key} perplexity {ppl:.4f} over {n} tokens ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
-    result["tasks"] = evaluate_tasks(model, tokenizer, args.tasks.split(","), args.limit, data_dir=args.data)
-    result["wall_seconds"] = time.time() - t0
+    texts = {name: encode_file(Path(args.data) / relative, tokenizer) for name, relative in PPL_TEXTS.items()}
+    result = {"model": model.config.name, "ctx": args.ctx, "threads": torch.get_num_threads(),
+              **evaluate_model(model, tokenizer, texts, args.ctx, args.windows, args.limit, args.tasks.split(","),
+                               args.data)}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     print(results_table({result["model"]: result["tasks"]}))
     print(f"WikiText-2 ppl {result['wikitext2_ppl']:.4f}, held-out ppl {result['heldout_ppl']:.4f}; "
-          f"{result['wall_seconds']:.0f} s on {result['threads']} threads")
+          f"{result['eval_seconds']:.0f} s on {result['threads']} threads")
 
 
 if __name__ == "__main__":

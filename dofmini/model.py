@@ -4,7 +4,6 @@
 [in, out] and applied as `x @ W + b` (GPT-2's Conv1D layout; NeoX's Linear weights are transposed at load).
 Each layer's attention is its own module so a student can swap it while keeping the teacher's projections.
 """
-import math
 from dataclasses import dataclass
 
 import torch

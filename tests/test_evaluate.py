@@ -29,7 +29,7 @@ class Bigram(nn.Module):
             row = {WORDS.index(b): p for (a_, b), p in probs.items() if a_ == word}
             table[a] = (1 - sum(row.values())) / (V - len(row))  # the leftover spread over the other words
             table[a, list(row)] = torch.tensor(list(row.values()), dtype=torch.float64)
-        self.table = table.log().float()
+        self.table = nn.Parameter(table.log().float(), requires_grad=False)  # a weight: evaluate finds its device
         self.ln_f = nn.Identity()  # the final norm evaluate hooks to keep only scored positions
 
     def forward(self, ids):
