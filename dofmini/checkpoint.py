@@ -1,5 +1,6 @@
 """Finding, downloading and reading Hugging Face-layout checkpoints (config.json, model.safetensors,
 tokenizer.json) without transformers. Weights are read with safetensors only: nothing is unpickled."""
+
 import hashlib
 import json
 import os
@@ -19,7 +20,9 @@ HUB_REPOS = {
     "pythia-1b": "EleutherAI/pythia-1b",
 }
 # Named models live here; DOFMINI_WEIGHTS moves it (e.g. for a non-editable install).
-WEIGHTS_DIR = Path(os.environ.get("DOFMINI_WEIGHTS", Path(__file__).resolve().parents[1] / "weights"))
+WEIGHTS_DIR = Path(
+    os.environ.get("DOFMINI_WEIGHTS", Path(__file__).resolve().parents[1] / "weights")
+)
 
 
 class CheckpointError(ValueError):
@@ -31,11 +34,15 @@ def resolve(path_or_name) -> Path:
     path = Path(path_or_name)
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise CheckpointError(f"{path} has no config.json: expected a Hugging Face-layout folder {FILES}")
+            raise CheckpointError(
+                f"{path} has no config.json: expected a Hugging Face-layout folder {FILES}"
+            )
         return path
     name = str(path_or_name)
     if name not in HUB_REPOS:
-        raise CheckpointError(f"unknown model {name!r}: not a folder, and not one of {', '.join(HUB_REPOS)}")
+        raise CheckpointError(
+            f"unknown model {name!r}: not a folder, and not one of {', '.join(HUB_REPOS)}"
+        )
     folder = WEIGHTS_DIR / name
     if not all((folder / f).is_file() for f in FILES):
         download(name, folder)
@@ -48,21 +55,33 @@ def download(name: str, folder: Path) -> None:
     from huggingface_hub import constants, hf_hub_download  # only the download path needs it
 
     repo = HUB_REPOS[name]
-    advice = (f"Download {', '.join(FILES)} from {constants.ENDPOINT}/{repo} and put them in {folder}/")
+    advice = (
+        f"Download {', '.join(FILES)} from {constants.ENDPOINT}/{repo} and put them in {folder}/"
+    )
     url = urlsplit(constants.ENDPOINT)
     try:  # the hub client retries for about 30 s when offline; one quick connect tells us first
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), 5).close()
+        socket.create_connection(
+            (url.hostname, url.port or (443 if url.scheme == "https" else 80)), 5
+        ).close()
     except OSError as err:
-        raise CheckpointError(f"{name!r} is not in {folder} and the hub is unreachable ({err}). {advice}") from None
+        raise CheckpointError(
+            f"{name!r} is not in {folder} and the hub is unreachable ({err}). {advice}"
+        ) from None
     scratch = folder.with_name(folder.name + ".partial")
     try:
         for filename in FILES:
             if not (folder / filename).is_file():
-                fetched = hf_hub_download(repo, filename, local_dir=scratch)  # shows its own progress bar
+                fetched = hf_hub_download(
+                    repo, filename, local_dir=scratch
+                )  # shows its own progress bar
                 folder.mkdir(parents=True, exist_ok=True)
                 os.replace(fetched, folder / filename)
-    except Exception as err:  # hub down, file renamed upstream, disk full: all end in the same advice
-        raise CheckpointError(f"could not download {name!r} ({type(err).__name__}: {err}). {advice}") from None
+    except (
+        Exception
+    ) as err:  # hub down, file renamed upstream, disk full: all end in the same advice
+        raise CheckpointError(
+            f"could not download {name!r} ({type(err).__name__}: {err}). {advice}"
+        ) from None
     shutil.rmtree(scratch, ignore_errors=True)
 
 
@@ -82,7 +101,9 @@ def fingerprint(folder: Path) -> str:
     return f"{folder.resolve().name}:{digest.hexdigest()[:16]}"
 
 
-def read_tensors(file: Path, expected: dict, aliases: dict, ignored: tuple, dtype: torch.dtype) -> dict:
+def read_tensors(
+    file: Path, expected: dict, aliases: dict, ignored: tuple, dtype: torch.dtype
+) -> dict:
     """Load `file` and check it against `expected` {name: shape}. `aliases` maps other spellings of a name
     (prefixes, renamed heads) to the expected one; names ending in one of `ignored` (mask buffers) are skipped."""
     from safetensors import SafetensorError
@@ -103,14 +124,19 @@ def read_tensors(file: Path, expected: dict, aliases: dict, ignored: tuple, dtyp
             raise CheckpointError(f"unexpected tensor {name!r} in {file}")
         if tuple(tensor.shape) != tuple(expected[key]):
             raise CheckpointError(
-                f"tensor {name!r} in {file} has shape {list(tensor.shape)}, expected {list(expected[key])}")
+                f"tensor {name!r} in {file} has shape {list(tensor.shape)}, expected {list(expected[key])}"
+            )
         if not tensor.is_floating_point():
-            raise CheckpointError(f"tensor {name!r} in {file} has dtype {tensor.dtype}, expected a float dtype")
+            raise CheckpointError(
+                f"tensor {name!r} in {file} has dtype {tensor.dtype}, expected a float dtype"
+            )
         tensors[key] = tensor.to(dtype)
     missing = [name for name in expected if name not in tensors]
     if missing:
-        raise CheckpointError(f"missing tensor {missing[0]!r} in {file} (expected shape {list(expected[missing[0]])})"
-                              + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+        raise CheckpointError(
+            f"missing tensor {missing[0]!r} in {file} (expected shape {list(expected[missing[0]])})"
+            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+        )
     return tensors
 
 

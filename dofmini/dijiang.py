@@ -7,6 +7,7 @@ and recurrent forms (the released code is quadratic); each head's output is Grou
 sent through the teacher's output projection. No per-layer output error (SPEC §6): the gate needs the block input,
 not only q, k, v, so there is neither PRF `features` nor `mix` here and distill.layer_errors reports None.
 """
+
 import math
 
 import torch
@@ -20,7 +21,9 @@ from .linear_attention import LinearState, causal_linear_attention, recurrent_st
 def dct_matrix(d: int) -> torch.Tensor:
     """Orthonormal DCT-II [d, d] (fp64): C[k, n] = sqrt((2 − [k=0]) / d) · cos(π (2n + 1) k / (2d))."""
     k, n = torch.arange(d, dtype=torch.float64)[:, None], torch.arange(d, dtype=torch.float64)[None]
-    return torch.cos(math.pi * (2 * n + 1) * k / (2 * d)) * torch.where(k == 0, 1.0, 2.0).div(d).sqrt()  # [d, d]
+    return (
+        torch.cos(math.pi * (2 * n + 1) * k / (2 * d)) * torch.where(k == 0, 1.0, 2.0).div(d).sqrt()
+    )  # [d, d]
 
 
 def dijiang_projection(d: int, gen: torch.Generator) -> torch.Tensor:
@@ -41,14 +44,18 @@ class DiJiangAttention(nn.Module):
         H, d = base.n_head, base.head_dim
         gen = torch.Generator().manual_seed(seed)
         self.register_buffer("proj", dijiang_projection(d, gen).float())  # [d, d]
-        log_1mg = torch.linspace(math.log(1 / 32), math.log(1 / 512), H, dtype=torch.float64)  # log(1 − γ) [H]
-        self.decay_logit = nn.Parameter((torch.log1p(-log_1mg.exp()) - log_1mg).float())  # logit γ [H]
+        log_1mg = torch.linspace(
+            math.log(1 / 32), math.log(1 / 512), H, dtype=torch.float64
+        )  # log(1 − γ) [H]
+        self.decay_logit = nn.Parameter(
+            (torch.log1p(-log_1mg.exp()) - log_1mg).float()
+        )  # logit γ [H]
         self.norm = nn.GroupNorm(H, H * d)
         # W_G = gate / √D: an Adam step at lr 0.02 moves each entry by ~lr, which would shift x W_G by ~lr·D on the
         # raw matrix (held-out loss rose over 60 steps on the stand-in); ~lr·√D here. Init: the released code's small
         # gate, Xavier-uniform with gain 2^−2.5 on W_G, i.e. bound 2^−2.5·√(6/2D)·√D on `gate`.
         u = torch.rand(H * d, H * d, generator=gen, dtype=torch.float64)  # [D, D]
-        self.gate = nn.Parameter(((2 * u - 1) * 2 ** -2.5 * math.sqrt(3)).float())  # [D, D]
+        self.gate = nn.Parameter(((2 * u - 1) * 2**-2.5 * math.sqrt(3)).float())  # [D, D]
 
     def decay(self) -> torch.Tensor:
         return torch.sigmoid(self.decay_logit)  # [H] in (0, 1)
@@ -68,10 +75,17 @@ class DiJiangAttention(nn.Module):
         if cache is not None and q.shape[2] == 1:
             o = recurrent_step(cache, phi_q, phi_k, v, decay=gamma, normalize=False)  # [B, H, 1, d]
         else:
-            o = causal_linear_attention(phi_q, phi_k, v, self.chunk, decay=gamma, normalize=False, state=cache)
+            o = causal_linear_attention(
+                phi_q, phi_k, v, self.chunk, decay=gamma, normalize=False, state=cache
+            )
         (B, H, T, d), f = o.shape, torch.promote_types(x.dtype, torch.float32)
-        o = F.group_norm(o.to(f).transpose(1, 2).reshape(B * T, H * d), H, self.norm.weight.to(f),
-                         self.norm.bias.to(f), self.norm.eps)  # [B*T, D] each head normalised on its own
+        o = F.group_norm(
+            o.to(f).transpose(1, 2).reshape(B * T, H * d),
+            H,
+            self.norm.weight.to(f),
+            self.norm.bias.to(f),
+            self.norm.eps,
+        )  # [B*T, D] each head normalised on its own
         o = F.silu(x.to(f) @ self.gate.to(f) / math.sqrt(H * d)) * o.view(B, T, H * d)  # [B, T, D]
         return self.base.output(o.view(B, T, H, d).transpose(1, 2).to(x.dtype))  # [B, T, D]
 
@@ -90,8 +104,14 @@ def to_dijiang(model: nn.Module, seed: int) -> nn.Module:
 def make_dijiang(teacher: nn.Module, seed: int) -> nn.Module:
     """A DiJiang student sharing the teacher's frozen tensors (none copied; the teacher is left untouched)."""
     student = to_dijiang(sharing_copy(teacher), seed)
-    student.meta = {"kind": "dijiang", "dims": [teacher.config.head_dim] * len(student.blocks), "seed": seed}
+    student.meta = {
+        "kind": "dijiang",
+        "dims": [teacher.config.head_dim] * len(student.blocks),
+        "seed": seed,
+    }
     return student
 
 
-BUILDERS["dijiang"] = lambda teacher, meta: make_dijiang(teacher, meta["seed"])  # distill.load_student's lookup
+BUILDERS["dijiang"] = lambda teacher, meta: make_dijiang(
+    teacher, meta["seed"]
+)  # distill.load_student's lookup

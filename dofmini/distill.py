@@ -13,6 +13,7 @@ would make log p̂ −inf. Only the student's row sum is clamped (against a row 
 a non-finite loss stops training with an error. Memory: one layer and one chunk of queries (× keys ≤ query)
 at a time, each chunk back-propagated at once.
 """
+
 import copy
 import hashlib
 import importlib
@@ -43,11 +44,18 @@ def make_student(teacher, dims, seed: int, orthogonal: bool = True):
     """The teacher with every attention layer swapped for PRF linear attention (dims[i] features, seed + i),
     sharing the teacher's frozen tensors (none is copied)."""
     student = replace_attention(sharing_copy(teacher), dims, seed, orthogonal)
-    student.meta = {"kind": "prf", "dims": [int(m) for m in dims], "seed": seed, "orthogonal": orthogonal}
+    student.meta = {
+        "kind": "prf",
+        "dims": [int(m) for m in dims],
+        "seed": seed,
+        "orthogonal": orthogonal,
+    }
     return student.to(next(teacher.parameters()).device)
 
 
-BUILDERS["prf"] = lambda teacher, meta: make_student(teacher, meta["dims"], meta["seed"], meta["orthogonal"])
+BUILDERS["prf"] = lambda teacher, meta: make_student(
+    teacher, meta["dims"], meta["seed"], meta["orthogonal"]
+)
 
 
 @torch.no_grad()
@@ -66,7 +74,9 @@ def _chunk_terms(features, q, k, v, phi_k, lo, hi, want):
     """Sums over queries lo:hi (keys ≤ each query), per [B, H], of the terms in `want`: "l2" squared scaled
     kernel error, "ce" cross-entropy, "kl" KL(p‖p̂), "err"/"norm" squared output error / output norm."""
     causal = torch.ones(hi - lo, hi, dtype=torch.bool, device=q.device).tril(lo)  # [c, hi]
-    s = torch.where(causal, q[:, :, lo:hi] @ k[:, :, :hi].mT / math.sqrt(q.shape[-1]), -math.inf)  # [B, H, c, hi]
+    s = torch.where(
+        causal, q[:, :, lo:hi] @ k[:, :, :hi].mT / math.sqrt(q.shape[-1]), -math.inf
+    )  # [B, H, c, hi]
     m = s.amax(-1, keepdim=True)  # [B, H, c, 1]
     kern = torch.exp(s - m)  # [B, H, c, hi] teacher kernel over its row max, 0 above the diagonal
     phi_q, log_scale = features.queries(q[:, :, lo:hi])  # [B, H, c, M], [B, H, c, 1]
@@ -84,7 +94,10 @@ def _chunk_terms(features, q, k, v, phi_k, lo, hi, want):
             out["kl"] = out["ce"] + torch.xlogy(p, p).sum((-2, -1))
         if "err" in want:
             y = p @ v[:, :, :hi]  # [B, H, c, dv]
-            out["err"], out["norm"] = ((dot / row) @ v[:, :, :hi] - y).square().sum((-2, -1)), y.square().sum((-2, -1))
+            out["err"], out["norm"] = (
+                ((dot / row) @ v[:, :, :hi] - y).square().sum((-2, -1)),
+                y.square().sum((-2, -1)),
+            )
     return out
 
 
@@ -112,13 +125,29 @@ def _layer_pass(features, q, k, v, want, chunk: int, train: bool = False):
 def _tokens(token_ids, need: int, what: str) -> torch.Tensor:
     token_ids = torch.as_tensor(token_ids)
     if token_ids.dim() != 1 or len(token_ids) < need:
-        raise ValueError(f"{what}: token_ids must be 1-D with >= {need} tokens; got shape {tuple(token_ids.shape)}")
+        raise ValueError(
+            f"{what}: token_ids must be 1-D with >= {need} tokens; got shape {tuple(token_ids.shape)}"
+        )
     return token_ids.long().cpu().contiguous()
 
 
-def _train(student, step_fn, token_ids, loss: str, steps: int = 200, batch: int = 8, ctx: int = 256, seed: int = 0,
-           lr: float = 0.02, lr_a: float = 0.2, out_path=None, save_every: int = 50, log=print, log_every=None,
-           meta=None):
+def _train(
+    student,
+    step_fn,
+    token_ids,
+    loss: str,
+    steps: int = 200,
+    batch: int = 8,
+    ctx: int = 256,
+    seed: int = 0,
+    lr: float = 0.02,
+    lr_a: float = 0.2,
+    out_path=None,
+    save_every: int = 50,
+    log=print,
+    log_every=None,
+    meta=None,
+):
     """The loop distill and train_direct share. Adam over the student's trainable tensors (names ending in `.a`
     at lr_a, the rest at lr) on `batch` windows of ctx tokens per step, drawn by a generator seeded with `seed`;
     step_fn(ids) back-propagates and returns per-layer losses. A line per log_every steps (default a tenth).
@@ -126,15 +155,36 @@ def _train(student, step_fn, token_ids, loss: str, steps: int = 200, batch: int 
     settings resumes from it, and the finished student is saved to out_path (with `meta`, e.g. {"lam": ...})."""
     what = "direct" if loss == "direct" else f"distill {loss}"
     if not 2 <= ctx <= student.config.n_ctx or min(steps, batch, save_every) < 1:
-        raise ValueError(f"{what}: need 2 <= ctx <= {student.config.n_ctx} and steps, batch, save_every >= 1; "
-                         f"got ctx={ctx}, steps={steps}, batch={batch}, save_every={save_every}")
+        raise ValueError(
+            f"{what}: need 2 <= ctx <= {student.config.n_ctx} and steps, batch, save_every >= 1; "
+            f"got ctx={ctx}, steps={steps}, batch={batch}, save_every={save_every}"
+        )
     token_ids = _tokens(token_ids, ctx, what)
     params = {n: p for n, p in student.named_parameters() if p.requires_grad}
-    groups = [([n for n in params if n.endswith(".a") == is_a], rate) for is_a, rate in ((False, lr), (True, lr_a))]
-    opt = torch.optim.Adam([{"params": [params[n] for n in names], "lr": rate} for names, rate in groups if names])
-    settings = json.loads(json.dumps({**student.meta, **(meta or {}), "loss": loss, "teacher": student.identity,
-                                      "steps": steps, "batch": batch, "ctx": ctx, "data_seed": seed, "lr": lr,
-                                      "lr_a": lr_a, "tokens": hashlib.sha256(token_ids.numpy()).hexdigest()[:16]}))
+    groups = [
+        ([n for n in params if n.endswith(".a") == is_a], rate)
+        for is_a, rate in ((False, lr), (True, lr_a))
+    ]
+    opt = torch.optim.Adam(
+        [{"params": [params[n] for n in names], "lr": rate} for names, rate in groups if names]
+    )
+    settings = json.loads(
+        json.dumps(
+            {
+                **student.meta,
+                **(meta or {}),
+                "loss": loss,
+                "teacher": student.identity,
+                "steps": steps,
+                "batch": batch,
+                "ctx": ctx,
+                "data_seed": seed,
+                "lr": lr,
+                "lr_a": lr_a,
+                "tokens": hashlib.sha256(token_ids.numpy()).hexdigest()[:16],
+            }
+        )
+    )
     gen, device = torch.Generator().manual_seed(seed), next(student.parameters()).device
     progress, start = (Path(f"{out_path}.progress") if out_path else None), 0
     if progress and progress.exists():
@@ -146,10 +196,16 @@ def _train(student, step_fn, token_ids, loss: str, steps: int = 200, batch: int 
         losses = step_fn(token_ids[first + torch.arange(ctx)].to(device))  # ids [batch, ctx]
         bad = [i for i, x in enumerate(losses) if not math.isfinite(x)]
         if bad:
-            raise FloatingPointError(f"{what}: loss {losses[bad[0]]} at step {step + 1}, layer {bad[0]}")
+            raise FloatingPointError(
+                f"{what}: loss {losses[bad[0]]} at step {step + 1}, layer {bad[0]}"
+            )
         opt.step()
         opt.zero_grad(set_to_none=True)
-        totals, seen, done = [x + (totals[i] if seen else 0) for i, x in enumerate(losses)], seen + 1, step + 1
+        totals, seen, done = (
+            [x + (totals[i] if seen else 0) for i, x in enumerate(losses)],
+            seen + 1,
+            step + 1,
+        )
         if progress and done % save_every == 0 and done < steps:
             state = opt.state_dict()["state"]
             tensors = {f"adam.{i}.{key}": t for i, st in state.items() for key, t in st.items()}
@@ -157,8 +213,10 @@ def _train(student, step_fn, token_ids, loss: str, steps: int = 200, batch: int 
             _atomic_save(tensors, progress, {"settings": json.dumps(settings), "step": str(done)})
         if done % log_every == 0 or done == steps:
             elapsed = time.time() - t0
-            log(f"{what} {done}/{steps}: loss {' '.join(f'{x / seen:.4g}' for x in totals)} "
-                f"({elapsed:.0f}s elapsed, ~{elapsed / (done - start) * (steps - done):.0f}s left)")
+            log(
+                f"{what} {done}/{steps}: loss {' '.join(f'{x / seen:.4g}' for x in totals)} "
+                f"({elapsed:.0f}s elapsed, ~{elapsed / (done - start) * (steps - done):.0f}s left)"
+            )
             seen = 0
     if out_path:
         save_student(student, out_path, {k: v for k, v in settings.items() if k != "teacher"})
@@ -171,9 +229,15 @@ def _resume(path: Path, settings, params, opt, gen) -> int:
     stored, meta = _read(path)
     saved = json.loads(meta["settings"])
     if saved != settings:
-        diff = {k: (saved.get(k), settings.get(k)) for k in saved | settings if saved.get(k) != settings.get(k)}
-        raise CheckpointError(f"{path} is the progress of a run with other settings {{name: (saved, now)}}: {diff}; "
-                              f"delete it to start over")
+        diff = {
+            k: (saved.get(k), settings.get(k))
+            for k in saved | settings
+            if saved.get(k) != settings.get(k)
+        }
+        raise CheckpointError(
+            f"{path} is the progress of a run with other settings {{name: (saved, now)}}: {diff}; "
+            f"delete it to start over"
+        )
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(stored[f"param.{n}"])
@@ -193,11 +257,18 @@ def distill(teacher, dims, token_ids, loss: str = "softmax", chunk: int = 256, *
     out_path, save_every, log, log_every, meta, as `_train` takes them. The teacher stays untouched."""
     if loss not in ("l2", "softmax"):
         raise ValueError(f"distill: loss {loss!r}; expected 'l2' or 'softmax'")
-    student, term = make_student(teacher, dims, settings.get("seed", 0)), "l2" if loss == "l2" else "ce"
+    student, term = (
+        make_student(teacher, dims, settings.get("seed", 0)),
+        "l2" if loss == "l2" else "ce",
+    )
 
     def step(ids):
-        return [_layer_pass(block.attn.features, q, k, None, {term}, chunk, train=True)[term].mean().item()
-                for block, (q, k, _) in zip(student.blocks, _capture(teacher, ids))]
+        return [
+            _layer_pass(block.attn.features, q, k, None, {term}, chunk, train=True)[term]
+            .mean()
+            .item()
+            for block, (q, k, _) in zip(student.blocks, _capture(teacher, ids))
+        ]
 
     return _train(student, step, token_ids, loss, **settings)
 
@@ -205,8 +276,11 @@ def distill(teacher, dims, token_ids, loss: str = "softmax", chunk: int = 256, *
 def train_direct(student, token_ids, **settings):
     """The direct baseline, in place: next-token cross-entropy of the whole student (positions 1..ctx-1 of each
     window), end to end, training only its own tensors (requires_grad). settings as for distill."""
+
     def step(ids):
-        nll = F.cross_entropy(student(ids[:, :-1]).flatten(0, 1).float(), ids[:, 1:].flatten())  # logits [B·(T-1), V]
+        nll = F.cross_entropy(
+            student(ids[:, :-1]).flatten(0, 1).float(), ids[:, 1:].flatten()
+        )  # logits [B·(T-1), V]
         nll.backward()
         return [nll.item()]
 
@@ -241,19 +315,28 @@ def load_student(teacher, path):
     stored, raw = _read(path)
     meta = {k: json.loads(v) for k, v in raw.items()}
     if meta.get("teacher") != teacher.identity:
-        raise CheckpointError(f"{path} holds a student of teacher {meta.get('teacher')!r}; this teacher is "
-                              f"{teacher.identity!r}")
+        raise CheckpointError(
+            f"{path} holds a student of teacher {meta.get('teacher')!r}; this teacher is "
+            f"{teacher.identity!r}"
+        )
     kind = meta.get("kind")
     if kind in LAZY_KINDS and kind not in BUILDERS:
         importlib.import_module(LAZY_KINDS[kind], __package__)
     if kind not in BUILDERS:
-        raise CheckpointError(f"{path}: student kind {kind!r} unknown; known kinds: {sorted(BUILDERS)}")
+        raise CheckpointError(
+            f"{path}: student kind {kind!r} unknown; known kinds: {sorted(BUILDERS)}"
+        )
     student = BUILDERS[kind](teacher, meta)
     params = {n: p for n, p in student.named_parameters() if p.requires_grad}
     for n in params.keys() | stored.keys():
-        want, got = tuple(params[n].shape) if n in params else None, tuple(stored[n].shape) if n in stored else None
+        want, got = (
+            tuple(params[n].shape) if n in params else None,
+            tuple(stored[n].shape) if n in stored else None,
+        )
         if want != got:
-            raise CheckpointError(f"{path}: tensor {n!r} has shape {got}, the {kind} student expects {want}")
+            raise CheckpointError(
+                f"{path}: tensor {n!r} has shape {got}, the {kind} student expects {want}"
+            )
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(stored[n])
@@ -262,14 +345,20 @@ def load_student(teacher, path):
 
 
 @torch.no_grad()
-def layer_errors(teacher, student, token_ids, ctx: int = 256, batches: int = 2, batch: int = 4, chunk: int = 256):
+def layer_errors(
+    teacher, student, token_ids, ctx: int = 256, batches: int = 2, batch: int = 4, chunk: int = 256
+):
     """Per-layer approximation error on the first batches·batch disjoint windows of ctx tokens of token_ids,
     from the teacher's q, k, v, each a list over layers of the mean over heads: "kernel_l2" (the l2 loss),
     "kl" (KL(p‖p̂) per query) and "output_rel" (‖ŷ − y‖/‖y‖ of the per-head attention outputs before the
     output projection). None where a layer's module has no PRF `features` (kernel metrics) or neither
     `features` nor a `mix(q, k, v) -> [B, H, T, d]` method (output_rel)."""
     token_ids = _tokens(token_ids, batches * batch * ctx, "layer_errors")
-    windows = token_ids[:batches * batch * ctx].view(batches, batch, ctx).to(next(teacher.parameters()).device)
+    windows = (
+        token_ids[: batches * batch * ctx]
+        .view(batches, batch, ctx)
+        .to(next(teacher.parameters()).device)
+    )
     sums = [{} for _ in student.blocks]
     for ids in windows:
         for acc, block, (q, k, v) in zip(sums, student.blocks, _capture(teacher, ids)):
@@ -279,10 +368,18 @@ def layer_errors(teacher, student, token_ids, ctx: int = 256, batches: int = 2, 
                 terms = _layer_pass(attn.features, q, k, v.double(), {"l2", "kl", "err"}, chunk)
             elif hasattr(attn, "mix"):
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True).double()  # [B, H, T, d]
-                terms = {"err": (attn.mix(q, k, v).double() - y).square().sum((0, 2, 3)),
-                         "norm": y.square().sum((0, 2, 3))}
+                terms = {
+                    "err": (attn.mix(q, k, v).double() - y).square().sum((0, 2, 3)),
+                    "norm": y.square().sum((0, 2, 3)),
+                }
             for name, t in terms.items():
                 acc[name] = acc.get(name, 0) + t  # [H]
     mean = lambda acc, name: acc[name].mean().item() / batches if name in acc else None  # noqa: E731
-    return {"kernel_l2": [mean(acc, "l2") for acc in sums], "kl": [mean(acc, "kl") for acc in sums],
-            "output_rel": [(acc["err"] / acc["norm"]).sqrt().mean().item() if "err" in acc else None for acc in sums]}
+    return {
+        "kernel_l2": [mean(acc, "l2") for acc in sums],
+        "kl": [mean(acc, "kl") for acc in sums],
+        "output_rel": [
+            (acc["err"] / acc["norm"]).sqrt().mean().item() if "err" in acc else None
+            for acc in sums
+        ],
+    }

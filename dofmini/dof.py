@@ -2,12 +2,15 @@
 
 Vendorable: torch and the standard library only.
 """
+
 import math
 from fractions import Fraction
 
 import torch
 
-GRAM_ENTRIES = 2**24  # float64 Gram entries held at once (128 MiB): heads are processed in chunks of this size
+GRAM_ENTRIES = (
+    2**24
+)  # float64 Gram entries held at once (128 MiB): heads are processed in chunks of this size
 
 
 def degrees_of_freedom(x, lam, normalize=True):
@@ -16,7 +19,9 @@ def degrees_of_freedom(x, lam, normalize=True):
     Σ̂ = G/J, the empirical kernel operator (SPEC §3 default); normalize=False uses the raw Gram G (the paper's text).
     """
     if x.dim() < 2 or x.shape[-2] < 1 or x.shape[-1] < 1:
-        raise ValueError(f"degrees_of_freedom: x must be [..., J, d] with J, d >= 1, got {tuple(x.shape)}")
+        raise ValueError(
+            f"degrees_of_freedom: x must be [..., J, d] with J, d >= 1, got {tuple(x.shape)}"
+        )
     if not (lam > 0 and math.isfinite(lam)):
         raise ValueError(f"degrees_of_freedom: lam must be positive and finite, got {lam}")
     *batch, J, d = x.shape
@@ -33,26 +38,38 @@ def degrees_of_freedom(x, lam, normalize=True):
         # DoF = tr C(C+R)⁻¹ with R = λ·J·D⁻² (λ·D⁻² for the raw Gram). Scaling by G's largest entry alone would
         # drown every point whose norm is far below the largest in rounding (DoF 84 instead of 95.9 on a Pythia
         # stand-in head, J = 96, against an 80-digit reference); this keeps each point at its own scale.
-        mat.mul_(-2).add_(sq[:, :, None]).add_(sq[:, None, :]).clamp_(min=0).mul_(-0.5).exp_()  # [n, J, J] C
+        mat.mul_(-2).add_(sq[:, :, None]).add_(sq[:, None, :]).clamp_(min=0).mul_(
+            -0.5
+        ).exp_()  # [n, J, J] C
         ridge = torch.exp(math.log(lam) + (math.log(J) if normalize else 0.0) - sq)  # [n, J]
         # C carries rounding of about d·eps·max sq per entry, so its eigenvalues below J·eps·(d·max sq) are noise;
         # flooring the ridge at J·eps·(J + 1 + d·max sq) loses nothing resolvable and meets Demmel's condition for
         # Cholesky to complete (λ_min > J(J+1)·eps/2; Higham, Accuracy and Stability of Numerical Algorithms, 10.7).
-        floor = J * torch.finfo(torch.float64).eps * (J + 1 + d * sq.amax(-1, keepdim=True))  # [n, 1]
+        floor = (
+            J * torch.finfo(torch.float64).eps * (J + 1 + d * sq.amax(-1, keepdim=True))
+        )  # [n, 1]
         ridge = torch.maximum(ridge, floor)  # [n, J]
         mat.diagonal(0, -2, -1).add_(ridge)  # [n, J, J] C+R
         chol, info = torch.linalg.cholesky_ex(mat)  # [n, J, J]
         if info.any():
-            raise ValueError(f"degrees_of_freedom: Cholesky failed for heads {(i + info.nonzero().flatten()).tolist()}")
+            raise ValueError(
+                f"degrees_of_freedom: Cholesky failed for heads {(i + info.nonzero().flatten()).tolist()}"
+            )
         # tr C(C+R)⁻¹ = J - tr R(C+R)⁻¹ = J - ‖L⁻¹R^½‖²_F
-        root = torch.linalg.solve_triangular(chol, torch.diag_embed(ridge.sqrt()), upper=False)  # [n, J, J]
-        out[i : i + step] = (J - root.square().sum((-2, -1))).clamp(min=0)  # rounding can dip a hair below 0
+        root = torch.linalg.solve_triangular(
+            chol, torch.diag_embed(ridge.sqrt()), upper=False
+        )  # [n, J, J]
+        out[i : i + step] = (J - root.square().sum((-2, -1))).clamp(
+            min=0
+        )  # rounding can dip a hair below 0
     return out.reshape(batch)
 
 
 def estimate_dof(model, token_ids, lam, J=1024, seed=0, normalize=True, ctx=None, batch=8):
     """Per-head DoF [L, H] of a frozen teacher's attention kernels on its own queries and keys (Algorithm 1, 1-4)."""
-    return degrees_of_freedom(sample_queries_keys(model, token_ids, J, seed, ctx, batch), lam, normalize)
+    return degrees_of_freedom(
+        sample_queries_keys(model, token_ids, J, seed, ctx, batch), lam, normalize
+    )
 
 
 @torch.no_grad()
@@ -67,15 +84,26 @@ def sample_queries_keys(model, token_ids, J=1024, seed=0, ctx=None, batch=8):
     cfg = model.config
     ctx = cfg.n_ctx if ctx is None else ctx
     if token_ids.dim() != 1:
-        raise ValueError(f"sample_queries_keys: token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
+        raise ValueError(
+            f"sample_queries_keys: token_ids must be 1-D, got shape {tuple(token_ids.shape)}"
+        )
     if not 1 <= ctx <= cfg.n_ctx:
-        raise ValueError(f"sample_queries_keys: ctx={ctx} outside 1..{cfg.n_ctx} (model.config.n_ctx)")
-    n_win, pool = token_ids.numel() // ctx, 2 * ctx  # pool: per window and head, ctx queries then ctx keys
+        raise ValueError(
+            f"sample_queries_keys: ctx={ctx} outside 1..{cfg.n_ctx} (model.config.n_ctx)"
+        )
+    n_win, pool = (
+        token_ids.numel() // ctx,
+        2 * ctx,
+    )  # pool: per window and head, ctx queries then ctx keys
     if n_win * pool < J:
-        raise ValueError(f"sample_queries_keys: {n_win} windows of {ctx} tokens give {n_win * pool} queries+keys per "
-                         f"head, fewer than J={J}; pass more text or a smaller J")
+        raise ValueError(
+            f"sample_queries_keys: {n_win} windows of {ctx} tokens give {n_win * pool} queries+keys per "
+            f"head, fewer than J={J}; pass more text or a smaller J"
+        )
     windows = token_ids[: n_win * ctx].view(n_win, ctx)  # [W, ctx]
-    drawn = torch.randperm(n_win * pool, generator=torch.Generator().manual_seed(seed))[:J]  # [J] window·2ctx + slot
+    drawn = torch.randperm(n_win * pool, generator=torch.Generator().manual_seed(seed))[
+        :J
+    ]  # [J] window·2ctx + slot
     rank = drawn.argsort()  # [J] draw position of each pooled index in increasing order
     picked = drawn[rank]  # [J] sorted, so each batch of windows owns a contiguous run
     device = next(model.parameters()).device
@@ -90,11 +118,15 @@ def sample_queries_keys(model, token_ids, J=1024, seed=0, ctx=None, batch=8):
         capture = []
         model(ids.to(device), capture=capture)
         if len(capture) != cfg.n_layer:
-            raise ValueError(f"sample_queries_keys: model captured {len(capture)} layers, config says {cfg.n_layer}")
+            raise ValueError(
+                f"sample_queries_keys: model captured {len(capture)} layers, config says {cfg.n_layer}"
+            )
         rows, slots = (mine // pool).to(device), (mine % pool).to(device)
         for layer, (q, k, _) in enumerate(capture):
             qk = torch.cat((q, k), dim=2)  # [B, H, 2ctx, d]
-            x[layer, :, rank[lo:hi]] = qk[rows, :, slots].transpose(0, 1).double().cpu()  # [H, n, d]
+            x[layer, :, rank[lo:hi]] = (
+                qk[rows, :, slots].transpose(0, 1).double().cpu()
+            )  # [H, n, d]
         lo = hi
     return x
 
@@ -105,8 +137,10 @@ def saturation_warning(dof, J):
     if not over:
         return None
     layer, head = divmod(int(dof.argmax()), dof.shape[-1])
-    return (f"warning: {over} of {dof.numel()} heads have DoF above J/2 = {J / 2:g} (largest {dof.max():.0f}, layer "
-            f"{layer} head {head}): J limits these estimates; use a larger J or a larger lam")
+    return (
+        f"warning: {over} of {dof.numel()} heads have DoF above J/2 = {J / 2:g} (largest {dof.max():.0f}, layer "
+        f"{layer} head {head}): J limits these estimates; use a larger J or a larger lam"
+    )
 
 
 def allocate(layer_dof, budget, cap=None, redistribute=False):
@@ -121,18 +155,24 @@ def allocate(layer_dof, budget, cap=None, redistribute=False):
     dof = torch.as_tensor(layer_dof, dtype=torch.float64)
     dof = dof.amax(-1) if dof.dim() == 2 else dof
     if dof.dim() != 1 or len(dof) == 0 or not (torch.isfinite(dof) & (dof > 0)).all():
-        raise ValueError(f"allocate: layer_dof must be positive finite [L] or [L, H], got {layer_dof}")
+        raise ValueError(
+            f"allocate: layer_dof must be positive finite [L] or [L, H], got {layer_dof}"
+        )
     if int(budget) != budget or budget < 1:
         raise ValueError(f"allocate: budget must be an integer >= 1, got {budget}")
     if cap is not None and (int(cap) != cap or cap < 1):
         raise ValueError(f"allocate: cap must be an integer >= 1, got {cap}")
     if redistribute and (cap is None or cap < budget):
-        raise ValueError(f"allocate: redistribute needs cap >= budget to keep the sum, got cap={cap}, budget={budget}")
+        raise ValueError(
+            f"allocate: redistribute needs cap >= budget to keep the sum, got cap={cap}, budget={budget}"
+        )
     weights = [Fraction(w) for w in dof.tolist()]
     total = len(weights) * int(budget)
     shares = _shares(weights, total, cap if redistribute else math.inf)
     dims = [math.floor(s) for s in shares]
-    order = sorted(range(len(dims)), key=lambda i: (dims[i] - shares[i], -weights[i], i))  # largest remainder first
+    order = sorted(
+        range(len(dims)), key=lambda i: (dims[i] - shares[i], -weights[i], i)
+    )  # largest remainder first
     for i in order[: total - sum(dims)]:
         dims[i] += 1
     return [min(m, cap) for m in dims] if cap is not None and not redistribute else dims
@@ -144,10 +184,13 @@ def _shares(weights, total, hi):
     The sum is piecewise linear and nondecreasing in c with kinks where some c·w reaches 1 or hi; find the segment
     holding total and interpolate inside it.
     """
+
     def filled(c):
         return sum(min(max(c * w, 1), hi) for w in weights)
 
-    kinks = sorted({1 / w for w in weights} | ({hi / w for w in weights} if hi < math.inf else set()))
+    kinks = sorted(
+        {1 / w for w in weights} | ({hi / w for w in weights} if hi < math.inf else set())
+    )
     lo_c, lo_f = Fraction(0), len(weights)  # at c -> 0 every share sits at the floor 1
     for c in kinks:
         f = filled(c)

@@ -6,6 +6,7 @@ of the continuation (without its separating space). Context and continuation are
 and concatenated, so the scored tokens are exactly the continuation's own encoding; over-long inputs
 lose tokens from the left.
 """
+
 import math
 import sys
 import time
@@ -32,7 +33,11 @@ class _Progress:
     def __call__(self, done: int, note: str = ""):
         if done >= self.next:
             self.next = done + self.step
-            print(f"{self.what}: {done}/{self.total} {note}({time.time() - self.t0:.0f}s)", file=sys.stderr, flush=True)
+            print(
+                f"{self.what}: {done}/{self.total} {note}({time.time() - self.t0:.0f}s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def encode_file(path, tokenizer) -> torch.Tensor:
@@ -50,21 +55,29 @@ def perplexity(model, token_ids, ctx: int, stride=None, batch: int = 8):
     if not 2 <= ctx <= n_pos:
         raise ValueError(f"ctx={ctx}: expected 2..{n_pos} (the positions of {model.config.name})")
     if stride is not None and not 1 <= stride < ctx:
-        raise ValueError(f"stride={stride}: expected 1..{ctx - 1} (ctx={ctx}), or None for disjoint windows")
+        raise ValueError(
+            f"stride={stride}: expected 1..{ctx - 1} (ctx={ctx}), or None for disjoint windows"
+        )
     token_ids = torch.as_tensor(token_ids).flatten().to(next(model.parameters()).device)
     if len(token_ids) < ctx:
         raise ValueError(f"{len(token_ids)} tokens do not fill one window of ctx={ctx}")
     windows = token_ids.unfold(0, ctx, stride or ctx)  # [W, ctx]
-    first_scored = torch.zeros(len(windows), dtype=torch.long, device=windows.device)  # [W] first target scored
+    first_scored = torch.zeros(
+        len(windows), dtype=torch.long, device=windows.device
+    )  # [W] first target scored
     if stride is not None:
         first_scored[1:] = ctx - 1 - stride
     nll, scored = 0.0, 0
     progress = _Progress(f"perplexity ctx={ctx}", len(windows))
     for i in range(0, len(windows), batch):
-        chunk = windows[i:i + batch]  # [b, ctx]
+        chunk = windows[i : i + batch]  # [b, ctx]
         logits = model(chunk[:, :-1])  # [b, ctx-1, V]
-        token_nll = F.cross_entropy(logits.flatten(0, 1).float(), chunk[:, 1:].flatten(), reduction="none")
-        keep = torch.arange(ctx - 1, device=windows.device) >= first_scored[i:i + batch, None]  # [b, ctx-1]
+        token_nll = F.cross_entropy(
+            logits.flatten(0, 1).float(), chunk[:, 1:].flatten(), reduction="none"
+        )
+        keep = (
+            torch.arange(ctx - 1, device=windows.device) >= first_scored[i : i + batch, None]
+        )  # [b, ctx-1]
         nll += token_nll.view_as(keep)[keep].double().sum().item()
         scored += int(keep.sum())
         progress(i + len(chunk), f"ppl {math.exp(nll / scored):.2f} ")
@@ -78,7 +91,9 @@ def _logits_at(model, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """Logits [N, V] of the N positions where `keep` [B, T] is set. The output head dominates a small
     model's cost, so a hook on the final norm (whose output feeds only the head) drops every other position."""
     if not hasattr(model, "ln_f"):
-        raise TypeError(f"{type(model).__name__} has no ln_f: task scoring expects a dofmini.model.Model")
+        raise TypeError(
+            f"{type(model).__name__} has no ln_f: task scoring expects a dofmini.model.Model"
+        )
     handle = model.ln_f.register_forward_hook(lambda module, inputs, out: out[keep])  # [N, D]
     try:
         return model(ids)
@@ -95,35 +110,51 @@ def score_requests(model, requests, ctx=None, batch_tokens: int = 4096, what: st
     rows = {}  # model input -> indices of the requests it serves
     for i, (context, continuation) in enumerate(requests):
         if not context or not 1 <= len(continuation) <= max_len:
-            raise ValueError(f"{what}: context of {len(context)} tokens, continuation of {len(continuation)}; "
-                             f"expected a context and 1..{max_len} continuation tokens")
+            raise ValueError(
+                f"{what}: context of {len(context)} tokens, continuation of {len(continuation)}; "
+                f"expected a context and 1..{max_len} continuation tokens"
+            )
         rows.setdefault(tuple((list(context) + list(continuation))[:-1][-max_len:]), []).append(i)
     inputs = sorted(rows, key=len, reverse=True)
     results, start, progress = [None] * len(requests), 0, _Progress(what, len(inputs))
     device = next(model.parameters()).device
     while start < len(inputs):
-        batch = inputs[start:start + max(1, batch_tokens // len(inputs[start]))]
-        depth = [max(len(requests[i][1]) for i in rows[row]) for row in batch]  # scored positions per row
-        ids = torch.zeros(len(batch), len(batch[0]), dtype=torch.long)  # [b, T] right-padded with token 0
+        batch = inputs[start : start + max(1, batch_tokens // len(inputs[start]))]
+        depth = [
+            max(len(requests[i][1]) for i in rows[row]) for row in batch
+        ]  # scored positions per row
+        ids = torch.zeros(
+            len(batch), len(batch[0]), dtype=torch.long
+        )  # [b, T] right-padded with token 0
         keep = torch.zeros(len(batch), len(batch[0]), dtype=torch.bool)  # [b, T]
         for b, (row, n) in enumerate(zip(batch, depth)):
-            ids[b, :len(row)] = torch.tensor(row)
-            keep[b, len(row) - n:len(row)] = True
+            ids[b, : len(row)] = torch.tensor(row)
+            keep[b, len(row) - n : len(row)] = True
         ids, keep = ids.to(device), keep.to(device)
-        logprobs = _logits_at(model, ids, keep).float().log_softmax(-1)  # [N, V], rows in `keep` order
-        best, end = logprobs.argmax(-1), 0  # [N]; one call: thousands of small ones cost as much as the forward
+        logprobs = (
+            _logits_at(model, ids, keep).float().log_softmax(-1)
+        )  # [N, V], rows in `keep` order
+        best, end = (
+            logprobs.argmax(-1),
+            0,
+        )  # [N]; one call: thousands of small ones cost as much as the forward
         for row, n in zip(batch, depth):
             end += n
             for i in rows[row]:
                 target = torch.tensor(requests[i][1], device=device)  # [k]
                 at = slice(end - len(target), end)
-                results[i] = (logprobs[at].gather(1, target[:, None]).sum().item(), bool((best[at] == target).all()))
+                results[i] = (
+                    logprobs[at].gather(1, target[:, None]).sum().item(),
+                    bool((best[at] == target).all()),
+                )
         start += len(batch)
         progress(start)
     return results
 
 
-def score_examples(model, tokenizer, examples, ctx=None, batch_tokens: int = 4096, what: str = "scoring") -> dict:
+def score_examples(
+    model, tokenizer, examples, ctx=None, batch_tokens: int = 4096, what: str = "scoring"
+) -> dict:
     """{"acc", "acc_norm", "n"} over multiple-choice `Example`s, plus "acc_macro", "acc_norm_macro" over
     groups when they have groups (MMLU; "acc" is then the micro average). Single-choice examples are
     cloze items (LAMBADA): "acc" is greedy match of the whole continuation, "ppl" exp(-mean log-likelihood)."""
@@ -133,10 +164,14 @@ def score_examples(model, tokenizer, examples, ctx=None, batch_tokens: int = 409
     scores = score_requests(model, [(ids[c], ids[x]) for c, x in pairs], ctx, batch_tokens, what)
     if all(len(e.continuations) == 1 for e in examples):
         ll = np.array([s[0] for s in scores])
-        return {"acc": float(np.mean([s[1] for s in scores])), "ppl": float(np.exp(-ll.mean())), "n": len(examples)}
+        return {
+            "acc": float(np.mean([s[1] for s in scores])),
+            "ppl": float(np.exp(-ll.mean())),
+            "n": len(examples),
+        }
     hits, hits_norm, start = [], [], 0
     for e in examples:
-        ll = np.array([s[0] for s in scores[start:start + len(e.continuations)]])
+        ll = np.array([s[0] for s in scores[start : start + len(e.continuations)]])
         chars = np.array([max(1, len(c.lstrip(" "))) for c in e.continuations])
         hits.append(ll.argmax() == e.label)
         hits_norm.append((ll / chars).argmax() == e.label)
@@ -145,16 +180,22 @@ def score_examples(model, tokenizer, examples, ctx=None, batch_tokens: int = 409
     groups = sorted({e.group for e in examples})
     if groups != [""]:
         for key, h in (("acc_macro", hits), ("acc_norm_macro", hits_norm)):
-            out[key] = float(np.mean([np.mean([x for x, e in zip(h, examples) if e.group == g]) for g in groups]))
+            out[key] = float(
+                np.mean([np.mean([x for x, e in zip(h, examples) if e.group == g]) for g in groups])
+            )
     return out
 
 
-def evaluate_tasks(model, tokenizer, names, limit=None, batch_tokens: int = 4096, ctx=None, data_dir=None) -> dict:
+def evaluate_tasks(
+    model, tokenizer, names, limit=None, batch_tokens: int = 4096, ctx=None, data_dir=None
+) -> dict:
     """{task: score_examples(...)} for task names of `tasks.TASKS`, each on its first `limit` examples."""
     results = {}
     for name in names:
         t0 = time.time()
-        results[name] = score_examples(model, tokenizer, load_task(name, data_dir, limit), ctx, batch_tokens, name)
+        results[name] = score_examples(
+            model, tokenizer, load_task(name, data_dir, limit), ctx, batch_tokens, name
+        )
         print(f"{name}: {results[name]} ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
     return results
 
@@ -177,16 +218,28 @@ def results_table(rows: dict, metric: str = "acc") -> str:
     return "\n".join(lines)
 
 
-def evaluate_model(model, tokenizer, texts: dict, ctx: int, windows=None, limit=None, tasks=tuple(TASKS),
-                   data_dir=None) -> dict:
+def evaluate_model(
+    model,
+    tokenizer,
+    texts: dict,
+    ctx: int,
+    windows=None,
+    limit=None,
+    tasks=tuple(TASKS),
+    data_dir=None,
+) -> dict:
     """Perplexity on the first `windows` windows of ctx tokens (all when None) of each {name: token ids} text,
     then the tasks on their first `limit` examples: {"<name>_ppl", "<name>_tokens" per text, "tasks",
     "ppl_seconds", "eval_seconds"}."""
     t0, result = time.time(), {}
     for name, ids in texts.items():
-        ppl, _, n = perplexity(model, ids[:windows and windows * ctx], ctx)
+        ppl, _, n = perplexity(model, ids[: windows and windows * ctx], ctx)
         result[f"{name}_ppl"], result[f"{name}_tokens"] = ppl, n
-        print(f"{name} perplexity {ppl:.4f} over {n} tokens ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
+        print(
+            f"{name} perplexity {ppl:.4f} over {n} tokens ({time.time() - t0:.0f}s)",
+            file=sys.stderr,
+            flush=True,
+        )
     result["ppl_seconds"] = time.time() - t0
     result["tasks"] = evaluate_tasks(model, tokenizer, tasks, limit, data_dir=data_dir)
     result["eval_seconds"] = time.time() - t0
@@ -203,8 +256,15 @@ def main(argv=None):
 
     p = argparse.ArgumentParser(prog="python -m dofmini.evaluate", description=main.__doc__)
     p.add_argument("model", help="a known name or a checkpoint folder")
-    p.add_argument("--ctx", type=int, default=256, help="perplexity window (default 256, the stand-ins' protocol)")
-    p.add_argument("--windows", type=int, help="perplexity on the first N windows of each text (default: all)")
+    p.add_argument(
+        "--ctx",
+        type=int,
+        default=256,
+        help="perplexity window (default 256, the stand-ins' protocol)",
+    )
+    p.add_argument(
+        "--windows", type=int, help="perplexity on the first N windows of each text (default: all)"
+    )
     p.add_argument("--limit", type=int, help="first N examples per task")
     p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated task names")
     p.add_argument("--data", default=str(DEFAULT_DATA), help="the shared data folder")
@@ -214,15 +274,32 @@ def main(argv=None):
         model, tokenizer = load(args.model), load_tokenizer(args.model)
     except CheckpointError as err:
         raise SystemExit(f"python -m dofmini.evaluate: error: {err}")
-    texts = {name: encode_file(Path(args.data) / relative, tokenizer) for name, relative in PPL_TEXTS.items()}
-    result = {"model": model.config.name, "ctx": args.ctx, "threads": torch.get_num_threads(),
-              **evaluate_model(model, tokenizer, texts, args.ctx, args.windows, args.limit, args.tasks.split(","),
-                               args.data)}
+    texts = {
+        name: encode_file(Path(args.data) / relative, tokenizer)
+        for name, relative in PPL_TEXTS.items()
+    }
+    result = {
+        "model": model.config.name,
+        "ctx": args.ctx,
+        "threads": torch.get_num_threads(),
+        **evaluate_model(
+            model,
+            tokenizer,
+            texts,
+            args.ctx,
+            args.windows,
+            args.limit,
+            args.tasks.split(","),
+            args.data,
+        ),
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     print(results_table({result["model"]: result["tasks"]}))
-    print(f"WikiText-2 ppl {result['wikitext2_ppl']:.4f}, held-out ppl {result['heldout_ppl']:.4f}; "
-          f"{result['eval_seconds']:.0f} s on {result['threads']} threads")
+    print(
+        f"WikiText-2 ppl {result['wikitext2_ppl']:.4f}, held-out ppl {result['heldout_ppl']:.4f}; "
+        f"{result['eval_seconds']:.0f} s on {result['threads']} threads"
+    )
 
 
 if __name__ == "__main__":

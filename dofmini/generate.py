@@ -2,14 +2,20 @@
 linear-attention layers (whatever each layer's `new_cache` returns). The prompt is read in one call (chunked form
 for linear layers), then each new token costs one call; a linear layer's step is O(M·d) whatever the context.
 """
-from typing import Optional
+
 
 import torch
 
 
 @torch.no_grad()
-def generate(model, prompt_ids, n: int, temperature: float = 0.0, top_k: Optional[int] = None,
-             seed: Optional[int] = None):
+def generate(
+    model,
+    prompt_ids,
+    n: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    seed: int | None = None,
+):
     """The prompt followed by n new tokens, in the prompt's form and device: LongTensor [B, T] -> [B, T + n],
     [T] -> [T + n]; a list of ints (or of B equal-length lists) -> a list of the same nesting.
 
@@ -22,15 +28,21 @@ def generate(model, prompt_ids, n: int, temperature: float = 0.0, top_k: Optiona
     home, flat = ids.device, ids.dim() == 1
     ids = ids[None] if flat else ids  # [B, T]
     if ids.dim() != 2 or ids.shape[1] < 1 or n < 0:
-        raise ValueError(f"generate: prompt_ids must be [B, T] or [T] with T >= 1 and n >= 0; "
-                         f"got shape {tuple(ids.shape)}, n={n}")
+        raise ValueError(
+            f"generate: prompt_ids must be [B, T] or [T] with T >= 1 and n >= 0; "
+            f"got shape {tuple(ids.shape)}, n={n}"
+        )
     (B, T), limit = ids.shape, model.config.n_ctx
     if T + n > limit:
-        raise ValueError(f"generate: prompt of {T} tokens + {n} new = {T + n} positions; "
-                         f"{model.config.name or 'the model'} has n_ctx={limit}")
+        raise ValueError(
+            f"generate: prompt of {T} tokens + {n} new = {T + n} positions; "
+            f"{model.config.name or 'the model'} has n_ctx={limit}"
+        )
     if temperature < 0 or (temperature > 0 and seed is None) or (top_k is not None and top_k < 1):
-        raise ValueError(f"generate: need temperature >= 0, an explicit seed when sampling, top_k >= 1; "
-                         f"got temperature={temperature}, seed={seed}, top_k={top_k}")
+        raise ValueError(
+            f"generate: need temperature >= 0, an explicit seed when sampling, top_k >= 1; "
+            f"got temperature={temperature}, seed={seed}, top_k={top_k}"
+        )
     device = next(model.parameters()).device
     ids = ids.to(device)
     gen = torch.Generator(device).manual_seed(seed) if temperature > 0 else None

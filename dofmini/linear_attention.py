@@ -5,14 +5,16 @@ Vendorable: imports torch and the standard library only. SPEC §2 for the estima
     y_t = Σ_{s≤t} γ^(t−s) (φ_q,t·φ_k,s) v_s / Σ_{s≤t} γ^(t−s) (φ_q,t·φ_k,s)   (γ = 1 unless `decay` is given),
 always in fp32 (or fp64 for fp64 inputs), returning v's dtype. `normalize=False` drops the denominator.
 """
+
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import nn
 
-SEGMENT = 1024  # tokens per vectorised pass on CPU: cache-sized temporaries, 1.3x faster at T = 32768
+SEGMENT = (
+    1024  # tokens per vectorised pass on CPU: cache-sized temporaries, 1.3x faster at T = 32768
+)
 
 
 class PRFFeatures(nn.Module):
@@ -26,13 +28,19 @@ class PRFFeatures(nn.Module):
     Φ(q)·Φ(k) = exp(log_scale) · (queries(q)[0] · keys(k)). No epsilon anywhere: it would bias the estimate.
     """
 
-    def __init__(self, n_head: int, head_dim: int, n_features: int, seed: int, orthogonal: bool = True):
+    def __init__(
+        self, n_head: int, head_dim: int, n_features: int, seed: int, orthogonal: bool = True
+    ):
         super().__init__()
         if min(n_head, head_dim, n_features) < 1:
-            raise ValueError(f"PRFFeatures needs n_head, head_dim, n_features >= 1; got "
-                             f"{n_head}, {head_dim}, {n_features}")
+            raise ValueError(
+                f"PRFFeatures needs n_head, head_dim, n_features >= 1; got "
+                f"{n_head}, {head_dim}, {n_features}"
+            )
         self.seed, self.orthogonal = seed, orthogonal
-        z = draw_gaussian(n_head, n_features, head_dim, torch.Generator().manual_seed(seed), orthogonal)
+        z = draw_gaussian(
+            n_head, n_features, head_dim, torch.Generator().manual_seed(seed), orthogonal
+        )
         self.z = nn.Parameter(z.float())  # [H, M, d]
         self.a = nn.Parameter(torch.zeros(n_head, n_features))  # [H, M]
 
@@ -44,35 +52,53 @@ class PRFFeatures(nn.Module):
         """x / d^¼ in the compute dtype, and z in the same dtype, after checking x's shape."""
         H, M, d = self.z.shape
         if x.dim() != 4 or x.shape[1] != H or x.shape[3] != d:
-            raise ValueError(f"PRFFeatures: {name} has shape {tuple(x.shape)}; expected [B, {H}, T, {d}]")
+            raise ValueError(
+                f"PRFFeatures: {name} has shape {tuple(x.shape)}; expected [B, {H}, T, {d}]"
+            )
         f = torch.promote_types(torch.promote_types(x.dtype, self.z.dtype), torch.float32)
-        return x.to(f) / d ** 0.25, self.z.to(f)  # [B, H, T, d], [H, M, d]
+        return x.to(f) / d**0.25, self.z.to(f)  # [B, H, T, d], [H, M, d]
 
     def keys(self, k: torch.Tensor) -> torch.Tensor:
         """Φ(k)·exp(−c) [B, H, T, M]: each key's own features, never above sqrt(α/M)."""
         k, z = self._scaled(k, "k")
-        dist2 = (k * k).sum(-1, keepdim=True) - 2 * k @ z.mT + (z * z).sum(-1)[:, None]  # [B, H, T, M] |k'−z|²
-        return torch.exp(0.5 * (self.a.to(k.dtype)[:, None] - math.log(z.shape[1])) - 0.5 * dist2)  # [B, H, T, M]
+        dist2 = (
+            (k * k).sum(-1, keepdim=True) - 2 * k @ z.mT + (z * z).sum(-1)[:, None]
+        )  # [B, H, T, M] |k'−z|²
+        return torch.exp(
+            0.5 * (self.a.to(k.dtype)[:, None] - math.log(z.shape[1])) - 0.5 * dist2
+        )  # [B, H, T, M]
 
     def queries(self, q: torch.Tensor):
         """(Φ(q)·exp(c − log_scale) [B, H, T, M] with max feature 1, log_scale [B, H, T, 1])."""
         q, z = self._scaled(q, "q")
-        log_phi = 0.5 * self.a.to(q.dtype)[:, None] + q @ z.mT + 0.5 * (z * z).sum(-1)[:, None]  # [B, H, T, M]
+        log_phi = (
+            0.5 * self.a.to(q.dtype)[:, None] + q @ z.mT + 0.5 * (z * z).sum(-1)[:, None]
+        )  # [B, H, T, M]
         top = log_phi.amax(-1, keepdim=True).detach()  # [B, H, T, 1]
-        log_scale = top - 0.5 * math.log(z.shape[1]) - 0.5 * (q * q).sum(-1, keepdim=True)  # [B, H, T, 1]
+        log_scale = (
+            top - 0.5 * math.log(z.shape[1]) - 0.5 * (q * q).sum(-1, keepdim=True)
+        )  # [B, H, T, 1]
         return torch.exp(log_phi - top), log_scale
 
 
-def draw_gaussian(n_head: int, n_rows: int, dim: int, gen: torch.Generator, orthogonal: bool) -> torch.Tensor:
+def draw_gaussian(
+    n_head: int, n_rows: int, dim: int, gen: torch.Generator, orthogonal: bool
+) -> torch.Tensor:
     """[n_head, n_rows, dim] rows each marginally N(0, I). Orthogonal (FAVOR+): blocks of dim orthogonal
     directions (Haar, via QR with sign fix) with norms drawn independently from the chi distribution."""
     if not orthogonal:
         return torch.randn(n_head, n_rows, dim, generator=gen, dtype=torch.float64)
     blocks = -(-n_rows // dim)
-    Q, R = torch.linalg.qr(torch.randn(n_head, blocks, dim, dim, generator=gen, dtype=torch.float64))
-    Q = Q * torch.sign(torch.diagonal(R, dim1=-2, dim2=-1))[..., None, :]  # [H, b, d, d] Haar columns
+    Q, R = torch.linalg.qr(
+        torch.randn(n_head, blocks, dim, dim, generator=gen, dtype=torch.float64)
+    )
+    Q = (
+        Q * torch.sign(torch.diagonal(R, dim1=-2, dim2=-1))[..., None, :]
+    )  # [H, b, d, d] Haar columns
     rows = Q.mT.reshape(n_head, blocks * dim, dim)[:, :n_rows]  # [H, M, d] unit rows
-    norms = torch.randn(n_head, n_rows, dim, generator=gen, dtype=torch.float64).norm(dim=-1, keepdim=True)
+    norms = torch.randn(n_head, n_rows, dim, generator=gen, dtype=torch.float64).norm(
+        dim=-1, keepdim=True
+    )
     return rows * norms  # [H, M, d]
 
 
@@ -81,29 +107,41 @@ class LinearState:
     """Running sums after n tokens, fp32 (fp64 for fp64 inputs): S = Σ_s γ^(n−1−s) φ_k,s [v_s, 1]ᵀ [B, H, M, dv+1]
     (the last column is the normaliser; no such column when normalize=False). Empty (S None) until the first
     token; it never grows with n."""
-    S: Optional[torch.Tensor] = None
+
+    S: torch.Tensor | None = None
     n: int = 0
 
 
-def _prepare(phi_q, phi_k, v, decay, normalize: bool, state: Optional[LinearState]):
+def _prepare(phi_q, phi_k, v, decay, normalize: bool, state: LinearState | None):
     """Checked inputs in the compute dtype, log γ [H, 1, 1] or None, and the starting state [B, H, M, E]."""
-    if phi_q.dim() != 4 or phi_q.shape != phi_k.shape or v.dim() != 4 or v.shape[:3] != phi_q.shape[:3] or \
-            phi_q.shape[2] == 0:
-        raise ValueError(f"phi_q {tuple(phi_q.shape)}, phi_k {tuple(phi_k.shape)}, v {tuple(v.shape)}: expected "
-                         f"phi_q, phi_k [B, H, T, M] and v [B, H, T, dv] with T >= 1")
+    if (
+        phi_q.dim() != 4
+        or phi_q.shape != phi_k.shape
+        or v.dim() != 4
+        or v.shape[:3] != phi_q.shape[:3]
+        or phi_q.shape[2] == 0
+    ):
+        raise ValueError(
+            f"phi_q {tuple(phi_q.shape)}, phi_k {tuple(phi_k.shape)}, v {tuple(v.shape)}: expected "
+            f"phi_q, phi_k [B, H, T, M] and v [B, H, T, dv] with T >= 1"
+        )
     f = torch.promote_types(torch.promote_types(phi_q.dtype, v.dtype), torch.float32)
     q, k, v = phi_q.to(f), phi_k.to(f), v.to(f)
     (B, H, T, M), E = q.shape, v.shape[-1] + normalize
     log_g = None
     if decay is not None:
         if decay.shape != (H,) or not bool(((decay > 0) & (decay <= 1)).all()):
-            raise ValueError(f"decay must be [H={H}] with values in (0, 1]; got shape {tuple(decay.shape)}, "
-                             f"range [{decay.min().item()}, {decay.max().item()}]")
+            raise ValueError(
+                f"decay must be [H={H}] with values in (0, 1]; got shape {tuple(decay.shape)}, "
+                f"range [{decay.min().item()}, {decay.max().item()}]"
+            )
         log_g = decay.to(f).log()[:, None, None]  # [H, 1, 1]
     S = v.new_zeros(B, H, M, E) if state is None or state.S is None else state.S  # [B, H, M, E]
     if S.shape != (B, H, M, E):
-        raise ValueError(f"state S {tuple(S.shape)} does not fit [B, H, M, E] = {(B, H, M, E)} "
-                         f"(E = dv + 1 when normalize=True)")
+        raise ValueError(
+            f"state S {tuple(S.shape)} does not fit [B, H, M, E] = {(B, H, M, E)} "
+            f"(E = dv + 1 when normalize=True)"
+        )
     return q, k, v, log_g, S
 
 
@@ -128,12 +166,21 @@ def _chunks(q, k, v, L: int, log_g, S0):
     q, k, v = q.view(B, H, N, L, M), k.view(B, H, N, L, M), v.view(B, H, N, L, E)
     weights = _decay_weights(L, log_g, q.device, q.dtype)[:, None]  # [H or 1, 1, L, L]
     scores = q @ k.mT  # [B, H, N, L, L]
-    scores = scores.mul_(weights) if log_g is None else scores * weights  # in place when no γ may need them
-    if log_g is not None:  # states are kept as of each chunk's last token: weigh keys by their lag to it
+    scores = (
+        scores.mul_(weights) if log_g is None else scores * weights
+    )  # in place when no γ may need them
+    if (
+        log_g is not None
+    ):  # states are kept as of each chunk's last token: weigh keys by their lag to it
         lag = torch.arange(L, device=q.device, dtype=q.dtype)[:, None]  # [L, 1]
-        q, k = q * torch.exp((lag + 1) * log_g)[:, None], k * torch.exp((L - 1 - lag) * log_g)[:, None]
+        q, k = (
+            q * torch.exp((lag + 1) * log_g)[:, None],
+            k * torch.exp((L - 1 - lag) * log_g)[:, None],
+        )
     own = k.mT @ v  # [B, H, N, M, E] what each chunk adds to the state
-    P = torch.cat([S0[:, :, None], own[:, :, :-1]], 2)  # [B, H, N, M, E] becomes the state before each chunk
+    P = torch.cat(
+        [S0[:, :, None], own[:, :, :-1]], 2
+    )  # [B, H, N, M, E] becomes the state before each chunk
     if log_g is None:
         P = P.cumsum_(2)
     else:  # scan P_n += γ^L P_{n−1} (states carried one chunk on) in log2(N) doubling steps (Hillis–Steele)
@@ -153,8 +200,15 @@ def _finish(y, dv: int, normalize: bool, dtype):
     return y.to(dtype)
 
 
-def causal_linear_attention(phi_q, phi_k, v, chunk: int = 64, decay=None, normalize: bool = True,
-                            state: Optional[LinearState] = None) -> torch.Tensor:
+def causal_linear_attention(
+    phi_q,
+    phi_k,
+    v,
+    chunk: int = 64,
+    decay=None,
+    normalize: bool = True,
+    state: LinearState | None = None,
+) -> torch.Tensor:
     """Chunked causal linear attention: [B, H, T, M] x2, [B, H, T, dv] -> [B, H, T, dv] in v's dtype.
 
     Exact masked products inside chunks of `chunk` tokens plus a prefix sum over per-chunk states, never a
@@ -169,10 +223,16 @@ def causal_linear_attention(phi_q, phi_k, v, chunk: int = 64, decay=None, normal
     T = q.shape[2]
     full = T - T % chunk
     step = max(full, chunk) if q.is_cuda else chunk * max(1, SEGMENT // chunk)
-    parts = [(lo, min(lo + step, full), chunk) for lo in range(0, full, step)] + [(full, T, T - full)] * (T > full)
+    parts = [(lo, min(lo + step, full), chunk) for lo in range(0, full, step)] + [
+        (full, T, T - full)
+    ] * (T > full)
     out = v.new_empty(*v.shape[:3], dv, dtype=dtype)  # [B, H, T, dv] filled segment by segment
     for lo, hi, L in parts:
-        seg = q[:, :, lo:hi].contiguous(), k[:, :, lo:hi].contiguous(), _with_ones(v[:, :, lo:hi], normalize)
+        seg = (
+            q[:, :, lo:hi].contiguous(),
+            k[:, :, lo:hi].contiguous(),
+            _with_ones(v[:, :, lo:hi], normalize),
+        )
         y, S = _chunks(*seg, L, log_g, S)  # contiguous segments: one copy each, not one per matmul
         out[:, :, lo:hi] = _finish(y, dv, normalize, dtype)
     if state is not None:
@@ -180,11 +240,17 @@ def causal_linear_attention(phi_q, phi_k, v, chunk: int = 64, decay=None, normal
     return out
 
 
-def recurrent_step(state: LinearState, phi_q, phi_k, v, decay=None, normalize: bool = True) -> torch.Tensor:
+def recurrent_step(
+    state: LinearState, phi_q, phi_k, v, decay=None, normalize: bool = True
+) -> torch.Tensor:
     """Token-by-token form for decoding: O(M·dv) per token, the state updated in place. [B, H, T, dv] out."""
     dv, dtype = v.shape[-1], v.dtype
     q, k, v, log_g, S = _prepare(phi_q, phi_k, v, decay, normalize, state)
-    v, g, ys = _with_ones(v, normalize), (None if log_g is None else torch.exp(log_g)), []  # γ [H, 1, 1]
+    v, g, ys = (
+        _with_ones(v, normalize),
+        (None if log_g is None else torch.exp(log_g)),
+        [],
+    )  # γ [H, 1, 1]
     for t in range(q.shape[2]):
         if g is not None:  # without decay S is only added to: no multiply by 1 on the decoding path
             S = g * S
@@ -206,12 +272,14 @@ class LinearAttention(nn.Module):
     """Drop-in for a teacher attention layer: the teacher's q, k, v and output projection (`base.project`,
     `base.output`, frozen), with PRF linear attention in place of the softmax. Trainable: features.z, features.a."""
 
-    def __init__(self, base: nn.Module, n_features: int, seed: int, orthogonal: bool = True, chunk: int = 64):
+    def __init__(
+        self, base: nn.Module, n_features: int, seed: int, orthogonal: bool = True, chunk: int = 64
+    ):
         super().__init__()
         self.base, self.chunk = base.requires_grad_(False), chunk
         self.features = PRFFeatures(base.n_head, base.head_dim, n_features, seed, orthogonal)
 
-    def forward(self, x, start: int = 0, cache: Optional[LinearState] = None, capture=None):
+    def forward(self, x, start: int = 0, cache: LinearState | None = None, capture=None):
         q, k, v = self.base.project(x, start)  # [B, H, T, d] each
         if capture is not None:
             capture.append((q, k, v))
@@ -230,7 +298,9 @@ class LinearAttention(nn.Module):
 def replace_attention(model: nn.Module, dims, seed: int, orthogonal: bool = True) -> nn.Module:
     """Swap model.blocks[i].attn for LinearAttention with dims[i] features (seed + i), in place; returns model."""
     if len(dims) != len(model.blocks):
-        raise ValueError(f"replace_attention: {len(dims)} feature dims for {len(model.blocks)} blocks")
+        raise ValueError(
+            f"replace_attention: {len(dims)} feature dims for {len(model.blocks)} blocks"
+        )
     for i, (block, M) in enumerate(zip(model.blocks, dims)):
         block.attn = LinearAttention(block.attn, int(M), seed + i, orthogonal)
     return model

@@ -4,6 +4,7 @@
 [in, out] and applied as `x @ W + b` (GPT-2's Conv1D layout; NeoX's Linear weights are transposed at load).
 Each layer's attention is its own module so a student can swap it while keeping the teacher's projections.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -41,23 +42,53 @@ class Config:
         if kind == "gpt2":
             act = hf.get("activation_function", "gelu_new")
             d = hf["n_embd"]
-            return cls("gpt2", hf["n_layer"], hf["n_head"], d, hf.get("n_inner") or 4 * d, hf["vocab_size"],
-                       hf["n_positions"], hf.get("layer_norm_epsilon", 1e-5), _tanh_gelu(act, name), name=name)
+            return cls(
+                "gpt2",
+                hf["n_layer"],
+                hf["n_head"],
+                d,
+                hf.get("n_inner") or 4 * d,
+                hf["vocab_size"],
+                hf["n_positions"],
+                hf.get("layer_norm_epsilon", 1e-5),
+                _tanh_gelu(act, name),
+                name=name,
+            )
         if kind == "gpt_neox":
             d, heads = hf["hidden_size"], hf["num_attention_heads"]
-            rope = hf.get("rope_parameters") or {}  # newer transformers nests the rotary settings here
-            pct = hf.get("rotary_pct", hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)))
+            rope = (
+                hf.get("rope_parameters") or {}
+            )  # newer transformers nests the rotary settings here
+            pct = hf.get(
+                "rotary_pct",
+                hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)),
+            )
             base = hf.get("rotary_emb_base", hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
-            return cls("neox", hf["num_hidden_layers"], heads, d, hf["intermediate_size"], hf["vocab_size"],
-                       hf["max_position_embeddings"], hf.get("layer_norm_eps", 1e-5),
-                       _tanh_gelu(hf.get("hidden_act", "gelu"), name), int(d // heads * pct), float(base),
-                       hf.get("use_parallel_residual", True), name)
-        raise CheckpointError(f"{name}/config.json has model_type {kind!r}; dofmini supports 'gpt2' and 'gpt_neox'")
+            return cls(
+                "neox",
+                hf["num_hidden_layers"],
+                heads,
+                d,
+                hf["intermediate_size"],
+                hf["vocab_size"],
+                hf["max_position_embeddings"],
+                hf.get("layer_norm_eps", 1e-5),
+                _tanh_gelu(hf.get("hidden_act", "gelu"), name),
+                int(d // heads * pct),
+                float(base),
+                hf.get("use_parallel_residual", True),
+                name,
+            )
+        raise CheckpointError(
+            f"{name}/config.json has model_type {kind!r}; dofmini supports 'gpt2' and 'gpt_neox'"
+        )
 
 
 def _tanh_gelu(act: str, name: str) -> bool:
     if act not in ("gelu",) + TANH_GELUS:
-        raise CheckpointError(f"{name}/config.json asks for activation {act!r}; supported: gelu, {TANH_GELUS}")
+        raise CheckpointError(
+            f"{name}/config.json asks for activation {act!r}; supported: gelu, {TANH_GELUS}"
+        )
     return act != "gelu"
 
 
@@ -76,8 +107,10 @@ class KVCache:
     def append(self, k: torch.Tensor, v: torch.Tensor):
         end = self.length + k.shape[2]
         if end > self.k.shape[2]:
-            raise ValueError(f"KV cache holds {self.k.shape[2]} positions; appending would reach {end}")
-        self.k[:, :, self.length:end], self.v[:, :, self.length:end] = k, v
+            raise ValueError(
+                f"KV cache holds {self.k.shape[2]} positions; appending would reach {end}"
+            )
+        self.k[:, :, self.length : end], self.v[:, :, self.length : end] = k, v
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]  # [B, H, end, d] each
 
@@ -96,18 +129,22 @@ class Attention(nn.Module):
         """Rotary embedding on the first rotary_dim dims, rotating halves (NeoX), with angles in fp32."""
         r = self.rotary_dim
         pos = torch.arange(start, start + x.shape[2], device=x.device, dtype=torch.float32)  # [T]
-        inv_freq = self.rotary_base ** (-torch.arange(0, r, 2, device=x.device, dtype=torch.float32) / r)  # [r/2]
+        inv_freq = self.rotary_base ** (
+            -torch.arange(0, r, 2, device=x.device, dtype=torch.float32) / r
+        )  # [r/2]
         angles = torch.outer(pos, inv_freq).repeat(1, 2)  # [T, r]
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)  # [T, r]
         x_rot, x_pass = x[..., :r], x[..., r:]  # [B, H, T, r], [B, H, T, d - r]
-        half = torch.cat((-x_rot[..., r // 2:], x_rot[..., :r // 2]), dim=-1)  # [B, H, T, r]
+        half = torch.cat((-x_rot[..., r // 2 :], x_rot[..., : r // 2]), dim=-1)  # [B, H, T, r]
         return torch.cat((x_rot * cos + half * sin, x_pass), dim=-1)  # [B, H, T, d]
 
     def project(self, x: torch.Tensor, start: int = 0):
         """q, k, v [B, H, T, d] exactly as the softmax sees them (after bias, and rotary for NeoX)."""
         B, T, _ = x.shape
         qkv = x @ self.qkv_w + self.qkv_b  # [B, T, 3D]
-        q, k, v = qkv.view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)  # [B, H, T, d] each
+        q, k, v = qkv.view(B, T, 3, self.n_head, self.head_dim).permute(
+            2, 0, 3, 1, 4
+        )  # [B, H, T, d] each
         if self.rotary_dim:
             q, k = self.rotate(q, start), self.rotate(k, start)
         return q, k, v
@@ -130,7 +167,9 @@ class Attention(nn.Module):
         else:
             k, v = cache.append(k, v)  # [B, H, past + T, d] each
             T, L = q.shape[2], k.shape[2]
-            mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T)  # query i sees keys <= past + i
+            mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(
+                L - T
+            )  # query i sees keys <= past + i
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, T, d]
         return self.output(o)
 
@@ -145,7 +184,9 @@ class Block(nn.Module):
         self.proj_w, self.proj_b = _weight(cfg.d_ff, cfg.d_model), _weight(cfg.d_model)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.gelu(x @ self.fc_w + self.fc_b, approximate="tanh" if self.tanh_gelu else "none")  # [B, T, F]
+        h = F.gelu(
+            x @ self.fc_w + self.fc_b, approximate="tanh" if self.tanh_gelu else "none"
+        )  # [B, T, F]
         return h @ self.proj_w + self.proj_b  # [B, T, D]
 
     def forward(self, x, start=0, cache=None, capture=None):
@@ -164,17 +205,21 @@ class Model(nn.Module):
         self.wpe = _weight(cfg.n_ctx, cfg.d_model) if cfg.family == "gpt2" else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model, cfg.eps)
-        self.head = self.wte if cfg.family == "gpt2" else _weight(cfg.vocab_size, cfg.d_model)  # GPT-2 ties it
+        self.head = (
+            self.wte if cfg.family == "gpt2" else _weight(cfg.vocab_size, cfg.d_model)
+        )  # GPT-2 ties it
         for p in self.parameters():
             p.requires_grad_(False)
 
     def forward(self, ids, start=0, caches=None, capture=None):
         T = ids.shape[1]
         if start + T > self.config.n_ctx:
-            raise ValueError(f"positions up to {start + T} requested; {self.config.name} has {self.config.n_ctx}")
+            raise ValueError(
+                f"positions up to {start + T} requested; {self.config.name} has {self.config.n_ctx}"
+            )
         x = self.wte[ids]  # [B, T, D]
         if self.wpe is not None:
-            x = x + self.wpe[start:start + T]  # [B, T, D]
+            x = x + self.wpe[start : start + T]  # [B, T, D]
         for i, block in enumerate(self.blocks):
             x = block(x, start, None if caches is None else caches[i], capture)  # [B, T, D]
         return self.ln_f(x) @ self.head.T  # [B, T, V]
@@ -200,23 +245,43 @@ BLOCK_TENSORS = (
 def hf_layout(cfg: Config):
     """{our name: checkpoint name}, {checkpoint name: stored shape}, aliases, and ignored buffer suffixes."""
     gpt2 = cfg.family == "gpt2"
-    sizes = {"D": cfg.d_model, "3D": 3 * cfg.d_model, "F": cfg.d_ff, "V": cfg.vocab_size, "P": cfg.n_ctx}
-    top = [("wte", "wte.weight", "gpt_neox.embed_in.weight", "V,D"),
-           ("ln_f.weight", "ln_f.weight", "gpt_neox.final_layer_norm.weight", "D"),
-           ("ln_f.bias", "ln_f.bias", "gpt_neox.final_layer_norm.bias", "D"),
-           ("wpe", "wpe.weight", None, "P,D") if gpt2 else ("head", None, "embed_out.weight", "V,D")]
+    sizes = {
+        "D": cfg.d_model,
+        "3D": 3 * cfg.d_model,
+        "F": cfg.d_ff,
+        "V": cfg.vocab_size,
+        "P": cfg.n_ctx,
+    }
+    top = [
+        ("wte", "wte.weight", "gpt_neox.embed_in.weight", "V,D"),
+        ("ln_f.weight", "ln_f.weight", "gpt_neox.final_layer_norm.weight", "D"),
+        ("ln_f.bias", "ln_f.bias", "gpt_neox.final_layer_norm.bias", "D"),
+        ("wpe", "wpe.weight", None, "P,D") if gpt2 else ("head", None, "embed_out.weight", "V,D"),
+    ]
     prefix = "h" if gpt2 else "gpt_neox.layers"
-    rows = top + [(f"blocks.{i}.{ours}", f"{prefix}.{i}.{g}", f"{prefix}.{i}.{n}", shape)
-                  for i in range(cfg.n_layer) for ours, g, n, shape in BLOCK_TENSORS]
+    rows = top + [
+        (f"blocks.{i}.{ours}", f"{prefix}.{i}.{g}", f"{prefix}.{i}.{n}", shape)
+        for i in range(cfg.n_layer)
+        for ours, g, n, shape in BLOCK_TENSORS
+    ]
     names, expected = {}, {}
     for ours, gpt2_name, neox_name, shape in rows:
         names[ours] = gpt2_name if gpt2 else neox_name
         dims = tuple(sizes[s] for s in shape.split(","))
         # NeoX's Linear layers store [out, in]; the embeddings are [V, D] in both families.
-        expected[names[ours]] = dims[::-1] if not gpt2 and len(dims) == 2 and ours not in ("wte", "head") else dims
-    aliases = {f"transformer.{hf}": hf for hf in expected} if gpt2 else {"lm_head.weight": "embed_out.weight"}
-    ignored = (".attn.bias", ".masked_bias", "lm_head.weight") if gpt2 else (
-        ".attention.bias", ".masked_bias", ".rotary_emb.inv_freq")
+        expected[names[ours]] = (
+            dims[::-1] if not gpt2 and len(dims) == 2 and ours not in ("wte", "head") else dims
+        )
+    aliases = (
+        {f"transformer.{hf}": hf for hf in expected}
+        if gpt2
+        else {"lm_head.weight": "embed_out.weight"}
+    )
+    ignored = (
+        (".attn.bias", ".masked_bias", "lm_head.weight")
+        if gpt2
+        else (".attention.bias", ".masked_bias", ".rotary_emb.inv_freq")
+    )
     return names, expected, aliases, ignored
 
 
@@ -224,7 +289,9 @@ def _from_neox(ours: str, t: torch.Tensor, cfg: Config) -> torch.Tensor:
     """NeoX stores Linear weights [out, in] and interleaves q/k/v per head; we want [in, out], q|k|v blocks."""
     if ours.endswith(("qkv_w", "qkv_b")):
         H, d = cfg.n_head, cfg.head_dim
-        t = t.reshape(H, 3, d, -1).transpose(0, 1).reshape(3 * H * d, -1).squeeze(-1)  # [3D, D] or [3D]
+        t = (
+            t.reshape(H, 3, d, -1).transpose(0, 1).reshape(3 * H * d, -1).squeeze(-1)
+        )  # [3D, D] or [3D]
     return t.T if t.dim() == 2 and ours not in ("wte", "head") else t
 
 

@@ -4,6 +4,7 @@ Every task becomes a list of `Example`s: choice i is scored by the log-likelihoo
 given `contexts[i]`. Ordinary multiple choice shares one context; partial scoring (Winogrande, WSC273)
 puts the option in the context and scores the shared suffix. LAMBADA is one "choice": its continuation.
 """
+
 import csv
 import json
 import xml.etree.ElementTree as ET
@@ -39,7 +40,9 @@ def _file(data_dir, relative: str) -> Path:
 
 
 def _jsonl(path: Path) -> list:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [
+        json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
+    ]
 
 
 def load_piqa(data_dir=None) -> list:
@@ -47,7 +50,10 @@ def load_piqa(data_dir=None) -> list:
     labels = _file(data_dir, "piqa/valid-labels.lst").read_text().split()
     if len(labels) != len(docs):
         raise ValueError(f"piqa: {len(docs)} questions but {len(labels)} labels")
-    return [_choices(f"Question: {d['goal']}\nAnswer:", [d["sol1"], d["sol2"]], int(y)) for d, y in zip(docs, labels)]
+    return [
+        _choices(f"Question: {d['goal']}\nAnswer:", [d["sol1"], d["sol2"]], int(y))
+        for d, y in zip(docs, labels)
+    ]
 
 
 def load_arc(subset: str, data_dir=None) -> list:
@@ -55,7 +61,11 @@ def load_arc(subset: str, data_dir=None) -> list:
     for d in _jsonl(_file(data_dir, f"arc/ARC-{subset}-Test.jsonl")):
         choices = d["question"]["choices"]
         label = [c["label"] for c in choices].index(d["answerKey"])
-        examples.append(_choices(f"Question: {d['question']['stem']}\nAnswer:", [c["text"] for c in choices], label))
+        examples.append(
+            _choices(
+                f"Question: {d['question']['stem']}\nAnswer:", [c["text"] for c in choices], label
+            )
+        )
     return examples
 
 
@@ -63,8 +73,14 @@ def load_winogrande(data_dir=None) -> list:
     examples = []
     for d in _jsonl(_file(data_dir, "winogrande/winogrande_1.1/dev.jsonl")):
         blank = d["sentence"].index("_")
-        examples.append(_partial(d["sentence"][:blank], [d["option1"], d["option2"]], d["sentence"][blank + 1:],
-                                 int(d["answer"]) - 1))
+        examples.append(
+            _partial(
+                d["sentence"][:blank],
+                [d["option1"], d["option2"]],
+                d["sentence"][blank + 1 :],
+                int(d["answer"]) - 1,
+            )
+        )
     return examples
 
 
@@ -74,13 +90,29 @@ def load_wsc273(data_dir=None) -> list:
     clean = lambda s: " ".join((s or "").split())  # noqa: E731
     examples = []
     for schema in list(ET.parse(_file(data_dir, "wsc273/WSCollection.xml")).getroot())[:273]:
-        left, pron, right = (clean(schema.find("text").findtext(t)) for t in ("txt1", "pron", "txt2"))
+        left, pron, right = (
+            clean(schema.find("text").findtext(t)) for t in ("txt1", "pron", "txt2")
+        )
         mid_sentence = bool(left) and not left.endswith(".")
         options = []
         for answer in schema.find("answers").findall("answer"):
-            option = clean(answer.text) + ("'s" if pron.lower() in ("my", "his", "her", "our", "their") else "")
+            option = clean(answer.text) + (
+                "'s" if pron.lower() in ("my", "his", "her", "our", "their") else ""
+            )
             first, _, rest = option.partition(" ")
-            if mid_sentence and first in ("A", "An", "The", "She", "He", "It", "They", "My", "His", "Her", "Their"):
+            if mid_sentence and first in (
+                "A",
+                "An",
+                "The",
+                "She",
+                "He",
+                "It",
+                "They",
+                "My",
+                "His",
+                "Her",
+                "Their",
+            ):
                 option = " ".join(filter(None, (first.lower(), rest)))
             options.append(option)
         label = int("B" in clean(schema.findtext("correctAnswer")))
@@ -94,12 +126,14 @@ def load_mmlu(data_dir=None, per_subject=None) -> list:
     folder = _file(data_dir, "mmlu/test/abstract_algebra_test.csv").parent
     examples = []
     for path in sorted(folder.glob("*_test.csv")):
-        subject = path.name[:-len("_test.csv")]
+        subject = path.name[: -len("_test.csv")]
         with open(path, newline="", encoding="utf-8") as f:
             rows = list(csv.reader(f))[:per_subject]
         for question, a, b, c, d, answer in rows:
-            context = (f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}"
-                       f".\n\n{question.strip()}\nA. {a}\nB. {b}\nC. {c}\nD. {d}\nAnswer:")
+            context = (
+                f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}"
+                f".\n\n{question.strip()}\nA. {a}\nB. {b}\nC. {c}\nD. {d}\nAnswer:"
+            )
             examples.append(_choices(context, list("ABCD"), "ABCD".index(answer.strip()), subject))
     return examples
 
@@ -111,21 +145,34 @@ def load_logiqa(data_dir=None) -> list:
     norm = lambda s: s.replace(".", ". ").strip()  # noqa: E731
     examples = []
     for i in range(0, len(lines) - 7, 8):
-        answer, passage, question, *options = lines[i + 1:i + 8]
+        answer, passage, question, *options = lines[i + 1 : i + 8]
         options = [norm(o[2:]) for o in options]
-        context = f"Passage: {norm(passage)}\nQuestion: {norm(question)}\nChoices:\n" + "".join(
-            f"{letter}. {o}\n" for letter, o in zip("ABCD", options)) + "Answer:"
+        context = (
+            f"Passage: {norm(passage)}\nQuestion: {norm(question)}\nChoices:\n"
+            + "".join(f"{letter}. {o}\n" for letter, o in zip("ABCD", options))
+            + "Answer:"
+        )
         examples.append(_choices(context, options, "abcd".index(answer.strip())))
     return examples
 
 
 def load_lambada(data_dir=None) -> list:
-    return [_choices(d["context"], [d["continuation"]], 0) for d in _jsonl(_file(data_dir, "lambada/lambada_openai.jsonl"))]
+    return [
+        _choices(d["context"], [d["continuation"]], 0)
+        for d in _jsonl(_file(data_dir, "lambada/lambada_openai.jsonl"))
+    ]
 
 
-TASKS = {"piqa": load_piqa, "arc_easy": partial(load_arc, "Easy"), "arc_challenge": partial(load_arc, "Challenge"),
-         "winogrande": load_winogrande, "wsc273": load_wsc273, "mmlu": load_mmlu, "logiqa": load_logiqa,
-         "lambada": load_lambada}
+TASKS = {
+    "piqa": load_piqa,
+    "arc_easy": partial(load_arc, "Easy"),
+    "arc_challenge": partial(load_arc, "Challenge"),
+    "winogrande": load_winogrande,
+    "wsc273": load_wsc273,
+    "mmlu": load_mmlu,
+    "logiqa": load_logiqa,
+    "lambada": load_lambada,
+}
 
 
 def load_task(name: str, data_dir=None, limit=None) -> list:

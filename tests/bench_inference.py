@@ -18,6 +18,7 @@ N(0, 0.02), positions extended to 16K+). Every measurement runs in a fresh subpr
 On a machine shared with other jobs, run with OMP_WAIT_POLICY=PASSIVE: OpenMP threads that spin between parallel
 regions then steal the core of their own main thread, and the many small ops of a decode step slow down ~70x.
 """
+
 import argparse
 import copy
 import ctypes
@@ -49,7 +50,9 @@ def build(name: str, n_ctx: int, dims, device: str, dtype: torch.dtype):
         base = load(STANDIN)
         model = Model(Config(**{**vars(base.config), "n_ctx": n_ctx}))
         state = base.state_dict()
-        state["wpe"] = state["wpe"].repeat(-(-n_ctx // len(state["wpe"])), 1)[:n_ctx]  # timing only past 1024
+        state["wpe"] = state["wpe"].repeat(-(-n_ctx // len(state["wpe"])), 1)[
+            :n_ctx
+        ]  # timing only past 1024
         model.load_state_dict(state)
     else:
         model = Model(Config("gpt2", 12, 12, 768, 3072, 50257, n_ctx, name="gpt2-small-random"))
@@ -59,7 +62,9 @@ def build(name: str, n_ctx: int, dims, device: str, dtype: torch.dtype):
                 if p.dim() == 2:
                     p.normal_(0.0, 0.02, generator=gen)
     model = model.to(device, dtype).eval()
-    return model if dims is None else replace_attention(model, dims, SEED).to(device)  # new features: fp32
+    return (
+        model if dims is None else replace_attention(model, dims, SEED).to(device)
+    )  # new features: fp32
 
 
 def sync(device: str):
@@ -80,8 +85,12 @@ def reset_peak(device: str) -> int:
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
         return torch.cuda.memory_allocated()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # glibc: hand freed heap pages back, so later use shows in the RSS
-    with open("/proc/self/clear_refs", "w") as f:  # Linux: restart the RSS high-water mark (VmHWM) from now
+    ctypes.CDLL("libc.so.6").malloc_trim(
+        0
+    )  # glibc: hand freed heap pages back, so later use shows in the RSS
+    with open(
+        "/proc/self/clear_refs", "w"
+    ) as f:  # Linux: restart the RSS high-water mark (VmHWM) from now
         f.write("5")
     return peak_bytes(device)
 
@@ -95,29 +104,40 @@ def peak_bytes(device: str) -> int:
 
 
 def cache_bytes(caches) -> int:
-    return sum(t.numel() * t.element_size() for c in caches for t in vars(c).values() if torch.is_tensor(t))
+    return sum(
+        t.numel() * t.element_size() for c in caches for t in vars(c).values() if torch.is_tensor(t)
+    )
 
 
 def decode_sweep(teacher, student, ids, contexts, steps: int, dev: str) -> list:
     """Rows of decode time per token at each context, teacher and student steps interleaved (module docstring)."""
     models = (teacher, student)
     caches = [[b.attn.new_cache(ids.shape[0], ids.shape[1]) for b in m.blocks] for m in models]
-    x = torch.randn(ids.shape[0], 1, teacher.config.d_model, device=dev, dtype=teacher.wte.dtype)  # [B, 1, D]
+    x = torch.randn(
+        ids.shape[0], 1, teacher.config.d_model, device=dev, dtype=teacher.wte.dtype
+    )  # [B, 1, D]
     rows, pos = [], 0
     for T in contexts:
         for lo in range(pos, T, 1024):
             for m, c in zip(models, caches):
-                m(ids[:, lo:min(T, lo + 1024)], lo, c)
+                m(ids[:, lo : min(T, lo + 1024)], lo, c)
         times = [[], [], []]  # teacher, student, LM head alone
         for t in range(T, T + WARMUP + steps):
             for i, (m, c) in enumerate(zip(models, caches)):
-                times[i].append(timed(lambda: m(ids[:, t:t + 1], t, c), dev))
+                times[i].append(timed(lambda: m(ids[:, t : t + 1], t, c), dev))
             times[2].append(timed(lambda: teacher.ln_f(x) @ teacher.head.T, dev))  # [B, 1, V]
         pos = T + WARMUP + steps
         # medians of single steps: robust to the bursts of a machine shared with other jobs
         ms = [1e3 * statistics.median(ts[WARMUP:]) for ts in times]
-        rows.append({"T": T, "teacher_ms": ms[0], "student_ms": ms[1], "head_ms": ms[2],
-                     "state_bytes": cache_bytes(caches[1])})
+        rows.append(
+            {
+                "T": T,
+                "teacher_ms": ms[0],
+                "student_ms": ms[1],
+                "head_ms": ms[2],
+                "state_bytes": cache_bytes(caches[1]),
+            }
+        )
     return rows
 
 
@@ -126,8 +146,12 @@ def worker(job: dict) -> dict:
     """One measurement in this (fresh) process; see the module docstring for what the memory figures hold."""
     torch.set_num_threads(job["threads"])
     dev, dtype, B = job["device"], getattr(torch, job["dtype"]), job["batch"]
-    model = build(job["model"], job["n_ctx"], job["dims"] if job["mode"] != "sweep" else None, dev, dtype)
-    ids = torch.randint(0, model.config.vocab_size, (B, job["n_ctx"]), generator=torch.Generator().manual_seed(SEED))
+    model = build(
+        job["model"], job["n_ctx"], job["dims"] if job["mode"] != "sweep" else None, dev, dtype
+    )
+    ids = torch.randint(
+        0, model.config.vocab_size, (B, job["n_ctx"]), generator=torch.Generator().manual_seed(SEED)
+    )
     ids = ids.to(dev)  # [B, n_ctx]
     model(ids[:, :64])  # warm-up: thread pools, allocator
     sync(dev)
@@ -141,18 +165,25 @@ def worker(job: dict) -> dict:
         out = {"rows": decode_sweep(model, student, ids, job["contexts"], job["steps"], dev)}
     else:  # one sequence (batch 1) of L tokens: a chunked/SDPA forward, and generating it from a 1-token prompt
         L = job["seq_len"]
-        out = {"forward_s": min(timed(lambda: model(ids[:1, :L]), dev) for _ in range(job["reps"])),
-               "generate_s": timed(lambda: generate(model, ids[:1, :1], L - 1), dev), "itemsize": dtype.itemsize}
+        out = {
+            "forward_s": min(timed(lambda: model(ids[:1, :L]), dev) for _ in range(job["reps"])),
+            "generate_s": timed(lambda: generate(model, ids[:1, :1], L - 1), dev),
+            "itemsize": dtype.itemsize,
+        }
     out["peak_bytes"] = peak_bytes(dev) - base
     return out
 
 
 def run(job: dict) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(f"worker {job} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-    print("measured", job, lines[-1][7:], file=sys.stderr, flush=True)  # progress, and the raw numbers
+    print(
+        "measured", job, lines[-1][7:], file=sys.stderr, flush=True
+    )  # progress, and the raw numbers
     return json.loads(lines[-1][7:])
 
 
@@ -160,16 +191,28 @@ def standin_dof():
     """Layer DoF of the stand-in (Algorithm 1: J=1024, λ=2⁻⁴, G/J) on WikiText-2 valid, 256-token windows."""
     from dofmini.checkpoint import load_tokenizer
     from dofmini.dof import estimate_dof
-    tokens = load_tokenizer(STANDIN).encode(WIKI.read_text(encoding="utf-8")[:200_000]).ids[:64 * 256]
-    dof = estimate_dof(load(STANDIN), torch.tensor(tokens), 2**-4, J=1024, seed=SEED, ctx=256)  # [L, H]
+
+    tokens = (
+        load_tokenizer(STANDIN).encode(WIKI.read_text(encoding="utf-8")[:200_000]).ids[: 64 * 256]
+    )
+    dof = estimate_dof(
+        load(STANDIN), torch.tensor(tokens), 2**-4, J=1024, seed=SEED, ctx=256
+    )  # [L, H]
     return dof.amax(-1).tolist()
 
 
 def variant_dims(layer_dof, n_layer):
     """Fix / DoF / DoF+clip dims at mean BUDGET features per layer (Algorithm 1, steps 6-7)."""
     from dofmini.dof import allocate
-    dof = [layer_dof[i * len(layer_dof) // n_layer] for i in range(n_layer)]  # stretch a 6-layer profile to 12
-    return {"fix": [BUDGET] * n_layer, "dof": allocate(dof, BUDGET), "dof_clip": allocate(dof, BUDGET, cap=BUDGET)}
+
+    dof = [
+        layer_dof[i * len(layer_dof) // n_layer] for i in range(n_layer)
+    ]  # stretch a 6-layer profile to 12
+    return {
+        "fix": [BUDGET] * n_layer,
+        "dof": allocate(dof, BUDGET),
+        "dof_clip": allocate(dof, BUDGET, cap=BUDGET),
+    }
 
 
 def mib(b):
@@ -178,60 +221,126 @@ def mib(b):
 
 def prefill_table(name, Ts, common):
     n_layer = SHAPES[name][0]
-    rows = {(T, kind): run({**common, "model": name, "dims": dims, "mode": "prefill", "T": T,
-                            "reps": 3 if T <= 2048 else 1})
-            for T in Ts for kind, dims in (("teacher", None), ("student", [BUDGET] * n_layer))}
-    print(f"\n## {name}: prefill of T tokens in one call, caches filled (student: M={BUDGET} per layer, chunk 64)")
+    rows = {
+        (T, kind): run(
+            {
+                **common,
+                "model": name,
+                "dims": dims,
+                "mode": "prefill",
+                "T": T,
+                "reps": 3 if T <= 2048 else 1,
+            }
+        )
+        for T in Ts
+        for kind, dims in (("teacher", None), ("student", [BUDGET] * n_layer))
+    }
+    print(
+        f"\n## {name}: prefill of T tokens in one call, caches filled (student: M={BUDGET} per layer, chunk 64)"
+    )
     print("      T | teacher s | student s | teacher/student | peak MiB teacher | peak MiB student")
     for T in Ts:
         t, s = rows[T, "teacher"], rows[T, "student"]
-        print(f"{T:7d} | {t['prefill_s']:9.3f} | {s['prefill_s']:9.3f} | {t['prefill_s'] / s['prefill_s']:15.2f} "
-              f"|        {mib(t['peak_bytes'])} |        {mib(s['peak_bytes'])}")
+        print(
+            f"{T:7d} | {t['prefill_s']:9.3f} | {s['prefill_s']:9.3f} | {t['prefill_s'] / s['prefill_s']:15.2f} "
+            f"|        {mib(t['peak_bytes'])} |        {mib(s['peak_bytes'])}"
+        )
     faster = [T for T in Ts if rows[T, "student"]["prefill_s"] < rows[T, "teacher"]["prefill_s"]]
     cross = next((T for T in Ts if all(u in faster for u in Ts if u >= T)), None)
-    print(f"crossover: the student prefills faster from T = {cross} on" if cross else
-          "crossover: the student is not faster from any T measured on")
+    print(
+        f"crossover: the student prefills faster from T = {cross} on"
+        if cross
+        else "crossover: the student is not faster from any T measured on"
+    )
 
 
 def decode_table(name, Ts, common, steps):
     n_layer, n_head = SHAPES[name]
-    r = run({**common, "model": name, "dims": [BUDGET] * n_layer, "mode": "sweep", "contexts": Ts, "steps": steps})
-    kv_per_token = 2 * n_layer * common["batch"] * n_head * 64 * getattr(torch, common["dtype"]).itemsize
-    print(f"\n## {name}: decode time per token at context T (one process, teacher and student steps interleaved; "
-          f"median of {steps} steps after {WARMUP} warm-up)")
-    print("      T | teacher ms | student ms | speed-up | LM head ms | speed-up w/o head | KV cache MiB "
-          "| student state MiB")
+    r = run(
+        {
+            **common,
+            "model": name,
+            "dims": [BUDGET] * n_layer,
+            "mode": "sweep",
+            "contexts": Ts,
+            "steps": steps,
+        }
+    )
+    kv_per_token = (
+        2 * n_layer * common["batch"] * n_head * 64 * getattr(torch, common["dtype"]).itemsize
+    )
+    print(
+        f"\n## {name}: decode time per token at context T (one process, teacher and student steps interleaved; "
+        f"median of {steps} steps after {WARMUP} warm-up)"
+    )
+    print(
+        "      T | teacher ms | student ms | speed-up | LM head ms | speed-up w/o head | KV cache MiB "
+        "| student state MiB"
+    )
     for row in r["rows"]:
         t, s, head = row["teacher_ms"], row["student_ms"], row["head_ms"]
-        print(f"{row['T']:7d} | {t:10.2f} | {s:10.2f} | {t / s:8.2f} | {head:10.2f} | {(t - head) / (s - head):17.2f} "
-              f"|    {mib(kv_per_token * row['T'])} |         {mib(row['state_bytes'])}")
+        print(
+            f"{row['T']:7d} | {t:10.2f} | {s:10.2f} | {t / s:8.2f} | {head:10.2f} | {(t - head) / (s - head):17.2f} "
+            f"|    {mib(kv_per_token * row['T'])} |         {mib(row['state_bytes'])}"
+        )
     rows = [row for row in r["rows"] if row["T"] >= 1024] or r["rows"]
     flat = [row["student_ms"] for row in rows]
-    print(f"from T = {rows[0]['T']} to {rows[-1]['T']}: student decode max/min = {max(flat) / min(flat):.2f}; "
-          f"teacher {rows[-1]['teacher_ms'] / rows[0]['teacher_ms']:.2f}x slower at the end")
+    print(
+        f"from T = {rows[0]['T']} to {rows[-1]['T']}: student decode max/min = {max(flat) / min(flat):.2f}; "
+        f"teacher {rows[-1]['teacher_ms'] / rows[0]['teacher_ms']:.2f}x slower at the end"
+    )
 
 
 def sequence_table(name, layer_dof, common, seq_len):
     n_layer, n_head = SHAPES[name]
-    print(f"\n## {name}: one {seq_len}-token sequence, batch 1, equal budget (mean {BUDGET} features per layer)"
-          + ("" if name == "standin" else "; dims: the stand-in's DoF profile, each layer twice (illustrative)"))
+    print(
+        f"\n## {name}: one {seq_len}-token sequence, batch 1, equal budget (mean {BUDGET} features per layer)"
+        + (
+            ""
+            if name == "standin"
+            else "; dims: the stand-in's DoF profile, each layer twice (illustrative)"
+        )
+    )
     print("variant            | total M | forward s | generate s | cache KiB at the end | dims")
     for label, dims in {"teacher (softmax)": None, **variant_dims(layer_dof, n_layer)}.items():
-        r = run({**common, "model": name, "dims": dims, "mode": "sequence", "seq_len": seq_len, "reps": 3})
+        r = run(
+            {
+                **common,
+                "model": name,
+                "dims": dims,
+                "mode": "sequence",
+                "seq_len": seq_len,
+                "reps": 3,
+            }
+        )
         # fp32 LinearState [H, M, d + 1] per layer, or the KV cache of seq_len positions (model dtype)
-        cache = 4 * n_head * 65 * sum(dims) if dims else 2 * n_layer * n_head * 64 * seq_len * r["itemsize"]
-        print(f"{label:18s} | {sum(dims) if dims else '-':>7} | {r['forward_s']:9.3f} | {r['generate_s']:10.3f} "
-              f"| {cache / 1024:20.1f} | {dims or 'softmax'}")
+        cache = (
+            4 * n_head * 65 * sum(dims)
+            if dims
+            else 2 * n_layer * n_head * 64 * seq_len * r["itemsize"]
+        )
+        print(
+            f"{label:18s} | {sum(dims) if dims else '-':>7} | {r['forward_s']:9.3f} | {r['generate_s']:10.3f} "
+            f"| {cache / 1024:20.1f} | {dims or 'softmax'}"
+        )
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="contexts 512-2048, 8 decode steps, 256-token sequences")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="contexts 512-2048, 8 decode steps, 256-token sequences",
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--models", default="standin,gpt2-small")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--batch", type=int, default=1, help="sequences per call in the prefill and decode tables")
+    ap.add_argument(
+        "--batch", type=int, default=1, help="sequences per call in the prefill and decode tables"
+    )
     ap.add_argument("--contexts", help="comma-separated T, increasing, instead of the default list")
     ap.add_argument("--tables", default="prefill,decode,sequence")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -242,18 +351,28 @@ def main():
     Ts = [512, 1024, 2048] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
     Ts = [int(T) for T in args.contexts.split(",")] if args.contexts else Ts
     steps, seq_len = (8, 256) if args.quick else (32, 1000)
-    common = {"device": args.device, "dtype": args.dtype, "threads": args.threads, "batch": args.batch,
-              "n_ctx": max(Ts[-1], seq_len) + 64}
-    print(f"torch {torch.__version__}, device {args.device}, {args.dtype}, {args.threads} threads, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, load average {os.getloadavg()[0]:.2f}; "
-          f"seed {SEED}; batch {args.batch}")
+    common = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "batch": args.batch,
+        "n_ctx": max(Ts[-1], seq_len) + 64,
+    }
+    print(
+        f"torch {torch.__version__}, device {args.device}, {args.dtype}, {args.threads} threads, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, load average {os.getloadavg()[0]:.2f}; "
+        f"seed {SEED}; batch {args.batch}"
+    )
     layer_dof = None
     if "sequence" in args.tables:
         if not (STANDIN.exists() and WIKI.exists()):
             print(f"{STANDIN} or {WIKI} is absent: no DoF dims, so no Fix/DoF/DoF+clip table")
         else:
             layer_dof = standin_dof()
-            print("stand-in layer DoF (J=1024, lambda=2^-4, G/J, WikiText-2 valid):", [round(x, 1) for x in layer_dof])
+            print(
+                "stand-in layer DoF (J=1024, lambda=2^-4, G/J, WikiText-2 valid):",
+                [round(x, 1) for x in layer_dof],
+            )
     for name in args.models.split(","):
         if name == "standin" and not STANDIN.exists():
             print(f"\n{STANDIN} is absent: skipping the stand-in")

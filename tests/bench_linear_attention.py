@@ -20,6 +20,7 @@ its own (MALLOC_MMAP_THRESHOLD_), so freed tensors go back to the system at once
 peak (that setting makes every allocation fault in fresh pages, which is why timing runs without it). On CUDA:
 torch.cuda.max_memory_allocated.
 """
+
 import argparse
 import math
 import os
@@ -43,7 +44,9 @@ def naive_cumsum(phi_q, phi_k, v, pieces=128):
     for q, k, x in zip(phi_q.chunk(pieces, 2), phi_k.chunk(pieces, 2), v.chunk(pieces, 2)):
         S = S + (k[..., :, None] * x[..., None, :]).cumsum(2)  # [B, H, t, M, d]
         s = s + k.cumsum(2)  # [B, H, t, M]
-        outs.append((q[..., None, :] @ S)[..., 0, :] / (q * s).sum(-1, keepdim=True))  # [B, H, t, d]
+        outs.append(
+            (q[..., None, :] @ S)[..., 0, :] / (q * s).sum(-1, keepdim=True)
+        )  # [B, H, t, d]
         S, s = S[:, :, -1:], s[:, :, -1:]
     return torch.cat(outs, 2)
 
@@ -75,9 +78,14 @@ def worker(what, method, T, chunk, device, clock):
         fn = torch.mm
     else:
         a, b, v = (torch.randn(1, H, T, D, generator=gen).to(device) for _ in range(3))
-        args = [a.exp_(), b.exp_(), v] if method != "sdpa" else [a, b, v]  # positive features, like Φ
-        fn = {"chunked": lambda q, k, v: causal_linear_attention(q, k, v, chunk), "naive": naive_cumsum,
-              "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)}[method]
+        args = (
+            [a.exp_(), b.exp_(), v] if method != "sdpa" else [a, b, v]
+        )  # positive features, like Φ
+        fn = {
+            "chunked": lambda q, k, v: causal_linear_attention(q, k, v, chunk),
+            "naive": naive_cumsum,
+            "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        }[method]
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     with torch.no_grad():
@@ -88,12 +96,14 @@ def worker(what, method, T, chunk, device, clock):
                 torch.cuda.reset_peak_memory_stats()
                 before = torch.cuda.memory_allocated()
             else:
-                Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS to the current RSS
+                Path("/proc/self/clear_refs").write_text(
+                    "5"
+                )  # reset the peak RSS to the current RSS
                 before = rss_kb("VmRSS") * 1024
             fn(*args)
             sync()
             peak = torch.cuda.max_memory_allocated() if cuda else rss_kb("VmHWM") * 1024
-            return print((peak - before) / 2 ** 20)
+            return print((peak - before) / 2**20)
         times = []
         while not times or (len(times) < 20 and sum(times) < 2.0):  # slow calls: one only
             t = clock()
@@ -105,8 +115,20 @@ def worker(what, method, T, chunk, device, clock):
 
 def measure(what, method, T, chunk, a):
     """ms or MB from a fresh subprocess; nan and a note saying why when it fails."""
-    cmd = [sys.executable, __file__, "--worker", what, method, str(T), "--chunks", str(chunk), "--device", a.device,
-           "--threads", str(a.threads)] + ["--cpu-time"] * a.cpu_time
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        what,
+        method,
+        str(T),
+        "--chunks",
+        str(chunk),
+        "--device",
+        a.device,
+        "--threads",
+        str(a.threads),
+    ] + ["--cpu-time"] * a.cpu_time
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"} if what == "mb" else None
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode:
@@ -117,31 +139,58 @@ def measure(what, method, T, chunk, a):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="T up to 4096, one chunk size")
-    p.add_argument("--chunks", default="64,128,256", help="chunk sizes to compare; the first is the default used")
+    p.add_argument(
+        "--chunks",
+        default="64,128,256",
+        help="chunk sizes to compare; the first is the default used",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--cpu-time", action="store_true", help="time by process CPU time, not wall time")
+    p.add_argument(
+        "--cpu-time", action="store_true", help="time by process CPU time, not wall time"
+    )
     p.add_argument("--worker", nargs=3, metavar=("WHAT", "METHOD", "T"), help=argparse.SUPPRESS)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     chunks = [int(c) for c in a.chunks.split(",")]
     if a.worker:
-        return worker(*a.worker[:2], int(a.worker[2]), chunks[0], a.device,
-                      time.process_time if a.cpu_time else time.perf_counter)
+        return worker(
+            *a.worker[:2],
+            int(a.worker[2]),
+            chunks[0],
+            a.device,
+            time.process_time if a.cpu_time else time.perf_counter,
+        )
 
-    lengths = [256 * 2 ** i for i in range(5 if a.quick else 8)]
+    lengths = [256 * 2**i for i in range(5 if a.quick else 8)]
     chunk = chunks[0]
-    print(f"# torch {torch.__version__}, device {a.device}, {a.threads} threads, "
-          f"{'CPU' if a.cpu_time else 'wall'} time, load average at start {os.getloadavg()[0]:.1f}; "
-          f"B=1 H={H} d={D} M={M} fp32, chunk={chunk}")
-    head = ("T", "chunked ms", "sdpa ms", "naive ms", "sdpa/chunked", "naive/chunked", "chunked MB", "sdpa MB",
-            "naive MB", "chunked GF/s", "matmul GF/s", "roofline")
+    print(
+        f"# torch {torch.__version__}, device {a.device}, {a.threads} threads, "
+        f"{'CPU' if a.cpu_time else 'wall'} time, load average at start {os.getloadavg()[0]:.1f}; "
+        f"B=1 H={H} d={D} M={M} fp32, chunk={chunk}"
+    )
+    head = (
+        "T",
+        "chunked ms",
+        "sdpa ms",
+        "naive ms",
+        "sdpa/chunked",
+        "naive/chunked",
+        "chunked MB",
+        "sdpa MB",
+        "naive MB",
+        "chunked GF/s",
+        "matmul GF/s",
+        "roofline",
+    )
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head), flush=True)
     crossover, notes = None, []
     for T in lengths:
         ms, mb = {}, {}
-        for what, into, methods in (("ms", ms, ("chunked", "sdpa", "naive", "matmul")),
-                                    ("mb", mb, ("chunked", "sdpa", "naive"))):
+        for what, into, methods in (
+            ("ms", ms, ("chunked", "sdpa", "naive", "matmul")),
+            ("mb", mb, ("chunked", "sdpa", "naive")),
+        ):
             for method in methods:
                 into[method], note = measure(what, method, T, chunk, a)
                 notes += [note] if note else []
@@ -151,19 +200,34 @@ def main():
             crossover = T
         elif not ms["sdpa"] > ms["chunked"]:
             crossover = None  # the chunked form must stay ahead from the crossover on
-        print(f"| {T} | {ms['chunked']:.1f} | {ms['sdpa']:.1f} | {ms['naive']:.1f} | "
-              f"{ms['sdpa'] / ms['chunked']:.2f}x | {ms['naive'] / ms['chunked']:.2f}x | {mb['chunked']:.0f} | "
-              f"{mb['sdpa']:.0f} | {mb['naive']:.0f} | {gf:.1f} | {gf_mm:.1f} | {100 * gf / gf_mm:.0f}% |", flush=True)
-    print(f"\ncrossover: the chunked form is faster than SDPA from T = {crossover} on" if crossover else
-          "\ncrossover: the chunked form does not stay ahead of SDPA in this range")
+        print(
+            f"| {T} | {ms['chunked']:.1f} | {ms['sdpa']:.1f} | {ms['naive']:.1f} | "
+            f"{ms['sdpa'] / ms['chunked']:.2f}x | {ms['naive'] / ms['chunked']:.2f}x | {mb['chunked']:.0f} | "
+            f"{mb['sdpa']:.0f} | {mb['naive']:.0f} | {gf:.1f} | {gf_mm:.1f} | {100 * gf / gf_mm:.0f}% |",
+            flush=True,
+        )
+    print(
+        f"\ncrossover: the chunked form is faster than SDPA from T = {crossover} on"
+        if crossover
+        else "\ncrossover: the chunked form does not stay ahead of SDPA in this range"
+    )
     for note in notes:
         print("note:", note)
     if len(chunks) > 1 and not a.quick:
-        print("\n## chunk size (chunked form, ms)\n| T | " + " | ".join(f"chunk {c}" for c in chunks) + " |\n|" +
-              "---|" * (len(chunks) + 1), flush=True)
+        print(
+            "\n## chunk size (chunked form, ms)\n| T | "
+            + " | ".join(f"chunk {c}" for c in chunks)
+            + " |\n|"
+            + "---|" * (len(chunks) + 1),
+            flush=True,
+        )
         for T in (1024, 8192, 32768):
-            print(f"| {T} | " + " | ".join(f"{measure('ms', 'chunked', T, c, a)[0]:.1f}" for c in chunks) + " |",
-                  flush=True)
+            print(
+                f"| {T} | "
+                + " | ".join(f"{measure('ms', 'chunked', T, c, a)[0]:.1f}" for c in chunks)
+                + " |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
 """DiJiang baseline (dofmini/dijiang.py): the DCT-II matrix and seeded projection, softmax features, the module's
 chunked forward against a quadratic reference written out here, token-by-token decoding of a whole swapped model,
 causality, which tensors train, the student file round trip, and a short end-to-end training run."""
+
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import FIXTURES
+
 from dofmini import load
 from dofmini.dijiang import DiJiangAttention, dct_matrix, dijiang_projection, make_dijiang
 from dofmini.distill import load_student, save_student, train_direct
@@ -32,7 +33,13 @@ def test_dct_matrix_is_the_orthonormal_dct_ii(d):
     # Independent route (Makhoul): the DCT-II of x from one FFT of its even samples then its odd ones reversed.
     x = torch.randn(d, generator=torch.Generator().manual_seed(d), dtype=torch.float64)
     k = torch.arange(d, dtype=torch.float64)
-    X = 2 * (torch.fft.fft(torch.cat([x[::2], x[1::2].flip(0)])) * torch.exp(-1j * math.pi * k / (2 * d))).real
+    X = (
+        2
+        * (
+            torch.fft.fft(torch.cat([x[::2], x[1::2].flip(0)]))
+            * torch.exp(-1j * math.pi * k / (2 * d))
+        ).real
+    )
     X = X * torch.where(k == 0, math.sqrt(1 / (4 * d)), math.sqrt(1 / (2 * d)))
     assert torch.allclose(C @ x, X, atol=1e-12)
 
@@ -47,7 +54,9 @@ def test_projection_is_seeded_dct_times_normal_quantiles():
     assert torch.allclose(w, torch.special.ndtri(u), atol=1e-12)
     model = make_dijiang(load(FIXTURES / "gpt2-tiny"), seed=5)  # layer i draws with seed + i
     for i, block in enumerate(model.blocks):
-        assert torch.equal(block.attn.proj, dijiang_projection(8, torch.Generator().manual_seed(5 + i)).float())
+        assert torch.equal(
+            block.attn.proj, dijiang_projection(8, torch.Generator().manual_seed(5 + i)).float()
+        )
 
 
 def test_features_are_a_softmax_and_decay_starts_at_the_papers_values():
@@ -66,16 +75,24 @@ def quadratic_reference(attn: DiJiangAttention, x):
     B, H, T, d = q.shape
     lag = torch.arange(T)[:, None] - torch.arange(T)[None]  # [T, T]
     decay = torch.where(lag >= 0, attn.decay()[:, None, None] ** lag.clamp_min(0), 0)  # [H, T, T]
-    o = ((torch.softmax(q @ attn.proj, -1) @ torch.softmax(k @ attn.proj, -1).mT) * decay) @ v  # [B, H, T, d]
+    o = (
+        (torch.softmax(q @ attn.proj, -1) @ torch.softmax(k @ attn.proj, -1).mT) * decay
+    ) @ v  # [B, H, T, d]
     mean, var = o.mean(-1, keepdim=True), o.var(-1, unbiased=False, keepdim=True)
-    o = (o - mean) / (var + attn.norm.eps).sqrt() * attn.norm.weight.view(H, 1, d) + attn.norm.bias.view(H, 1, d)
+    o = (o - mean) / (var + attn.norm.eps).sqrt() * attn.norm.weight.view(
+        H, 1, d
+    ) + attn.norm.bias.view(H, 1, d)
     gate = F.silu(x @ attn.gate / math.sqrt(H * d)).view(B, T, H, d).transpose(1, 2)  # [B, H, T, d]
     return attn.base.output(gate * o)
 
 
 @pytest.mark.parametrize("T,chunk", [(23, 5), (16, 4), (1, 8), (30, 64)])
 def test_chunked_forward_matches_the_quadratic_reference(T, chunk):
-    attn = perturbed(make_dijiang(load(FIXTURES / "gpt2-tiny", dtype=torch.float64), seed=1).double()).blocks[1].attn
+    attn = (
+        perturbed(make_dijiang(load(FIXTURES / "gpt2-tiny", dtype=torch.float64), seed=1).double())
+        .blocks[1]
+        .attn
+    )
     attn.chunk = chunk
     x = torch.randn(2, T, 32, generator=torch.Generator().manual_seed(T), dtype=torch.float64)
     with torch.no_grad():
@@ -87,13 +104,20 @@ def test_recurrent_decoding_matches_the_full_forward(name):
     student = perturbed(make_dijiang(load(FIXTURES / name), seed=2))
     for block in student.blocks:
         block.attn.chunk = 4  # prefills span several chunks plus a remainder
-    ids = torch.randint(0, student.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, student.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         full = student(ids)  # [2, 24, V]
         caches = [block.attn.new_cache(2, 24) for block in student.blocks]
-        steps = [student(ids[:, :9], 0, caches), student(ids[:, 9:16], 9, caches)]  # prefill, then from a state
-        steps += [student(ids[:, t:t + 1], t, caches) for t in range(16, 24)]
-    assert torch.allclose(torch.cat(steps, 1), full, rtol=0, atol=2e-5)  # fp32, logits up to ~5; seen 2e-6
+        steps = [
+            student(ids[:, :9], 0, caches),
+            student(ids[:, 9:16], 9, caches),
+        ]  # prefill, then from a state
+        steps += [student(ids[:, t : t + 1], t, caches) for t in range(16, 24)]
+    assert torch.allclose(
+        torch.cat(steps, 1), full, rtol=0, atol=2e-5
+    )  # fp32, logits up to ~5; seen 2e-6
     with pytest.raises(ValueError, match="cache holds 24 tokens but start=3"):
         student(ids[:, :1], 3, caches)
 
@@ -110,9 +134,14 @@ def test_causal_and_only_the_new_tensors_train():
     trained = {n for n, p in student.named_parameters() if p.requires_grad}
     assert trained == {f"blocks.{i}.attn.{n}" for i in range(2) for n in NEW_PARAMS}
     assert all(p.grad is None for n, p in student.named_parameters() if n not in trained)
-    assert all(bool(p.grad.isfinite().all()) and p.grad.abs().sum() > 0 for n, p in student.named_parameters()
-               if n in trained)
-    assert all(type(block.attn).__name__ == "Attention" for block in teacher.blocks)  # the teacher is untouched
+    assert all(
+        bool(p.grad.isfinite().all()) and p.grad.abs().sum() > 0
+        for n, p in student.named_parameters()
+        if n in trained
+    )
+    assert all(
+        type(block.attn).__name__ == "Attention" for block in teacher.blocks
+    )  # the teacher is untouched
 
 
 def test_student_file_round_trip(tmp_path):
@@ -130,12 +159,16 @@ def test_short_direct_training_lowers_the_lm_loss():
     """20 steps of distill.train_direct on a sequence the tiny model can learn to continue only through its
     attention (a random 13-token pattern, repeated), loss measured on windows it did not train on."""
     student = make_dijiang(load(FIXTURES / "gpt2-tiny"), seed=0)
-    seq = torch.randint(0, 96, (13,), generator=torch.Generator().manual_seed(0)).repeat(200)  # [2600]
+    seq = torch.randint(0, 96, (13,), generator=torch.Generator().manual_seed(0)).repeat(
+        200
+    )  # [2600]
     train, held = seq[:2000], seq[2000:2256].view(8, 32)
 
     def held_loss():
         with torch.no_grad():
-            return F.cross_entropy(student(held[:, :-1]).flatten(0, 1), held[:, 1:].flatten()).item()
+            return F.cross_entropy(
+                student(held[:, :-1]).flatten(0, 1), held[:, 1:].flatten()
+            ).item()
 
     before = held_loss()
     train_direct(student, train, steps=20, batch=4, ctx=32, seed=0, log=lambda line: None)

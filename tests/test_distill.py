@@ -1,15 +1,24 @@
 """Layerwise distillation and the direct baseline: training lowers held-out error on the GPT-2 stand-in, the
 metrics match a dense float64 reference, student files round-trip bit for bit, runs are reproducible and
 resumable, and only z and α ever change."""
+
 import hashlib
 import math
 
 import pytest
 import torch
-
 from conftest import FIXTURES, shared_path
+
 from dofmini import CheckpointError, load, load_tokenizer
-from dofmini.distill import _layer_pass, distill, layer_errors, load_student, make_student, save_student, train_direct
+from dofmini.distill import (
+    _layer_pass,
+    distill,
+    layer_errors,
+    load_student,
+    make_student,
+    save_student,
+    train_direct,
+)
 from dofmini.evaluate import perplexity
 from dofmini.linear_attention import causal_linear_attention
 
@@ -23,7 +32,9 @@ def wiki():
     """(training ids, held-out ids): two disjoint slices of WikiText-2 validation, GPT-2 tokens."""
     text = shared_path("data", "wikitext-2-raw", "wiki.valid.raw").read_text(encoding="utf-8")
     tokenizer = load_tokenizer(shared_path("weights", "standin-gpt2"))
-    return tuple(torch.tensor(tokenizer.encode(part).ids) for part in (text[:60_000], text[300_000:330_000]))
+    return tuple(
+        torch.tensor(tokenizer.encode(part).ids) for part in (text[:60_000], text[300_000:330_000])
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +62,16 @@ def trainable(student) -> dict:
 def test_each_loss_beats_the_performer_draw_on_heldout_text(standin_gpt2, wiki, loss, metric):
     train, held = wiki
     dims = [64] * standin_gpt2.config.n_layer
-    before = layer_errors(standin_gpt2, make_student(standin_gpt2, dims, seed=0), held, ctx=64, batches=2, batch=4)
+    before = layer_errors(
+        standin_gpt2, make_student(standin_gpt2, dims, seed=0), held, ctx=64, batches=2, batch=4
+    )
     student = distill(standin_gpt2, dims, train, loss, steps=30, batch=2, ctx=64, seed=0, log=quiet)
     after = layer_errors(standin_gpt2, student, held, ctx=64, batches=2, batch=4)
     # kl is the softmax loss minus the teacher's own entropy, so lower kl is lower held-out softmax loss
-    assert all(a < b for a, b in zip(after[metric], before[metric])), (before[metric], after[metric])
+    assert all(a < b for a, b in zip(after[metric], before[metric])), (
+        before[metric],
+        after[metric],
+    )
     assert all(a < b for a, b in zip(after["output_rel"], before["output_rel"]))
 
 
@@ -86,25 +102,35 @@ def dense_losses(features, q, k):
 def tiny_capture(tiny, tiny_ids, batch, ctx):
     capture = []
     with torch.no_grad():
-        tiny(tiny_ids[:batch * ctx].view(batch, ctx), capture=capture)
+        tiny(tiny_ids[: batch * ctx].view(batch, ctx), capture=capture)
     return capture
 
 
 def test_metrics_match_a_dense_float64_reference_at_any_chunk(tiny, tiny_ids):
-    student = distill(tiny, [5, 12], tiny_ids, "softmax", steps=3, batch=2, ctx=32, seed=1, log=quiet)
-    got = [layer_errors(tiny, student, tiny_ids, ctx=32, batches=2, batch=2, chunk=c) for c in (7, 256)]
+    student = distill(
+        tiny, [5, 12], tiny_ids, "softmax", steps=3, batch=2, ctx=32, seed=1, log=quiet
+    )
+    got = [
+        layer_errors(tiny, student, tiny_ids, ctx=32, batches=2, batch=2, chunk=c) for c in (7, 256)
+    ]
     for layer, (q, k, v) in enumerate(tiny_capture(tiny, tiny_ids, 4, 32)):
         features = student.blocks[layer].attn.features
         with torch.no_grad():
             l2, _, kl, p, _ = dense_losses(features, q, k)
             # the output as the student's forward pass computes it: chunked linear attention in fp32
-            y_hat = causal_linear_attention(features.queries(q)[0], features.keys(k), v, chunk=8)  # [B, H, T, d]
+            y_hat = causal_linear_attention(
+                features.queries(q)[0], features.keys(k), v, chunk=8
+            )  # [B, H, T, d]
         y = p @ v.double()
-        rel = ((y_hat.double() - y).square().sum((0, 2, 3)) / y.square().sum((0, 2, 3))).sqrt().mean()
+        rel = (
+            ((y_hat.double() - y).square().sum((0, 2, 3)) / y.square().sum((0, 2, 3))).sqrt().mean()
+        )
         for errors in got:
             assert errors["kernel_l2"][layer] == pytest.approx(l2.mean().item(), rel=1e-9)
             assert errors["kl"][layer] == pytest.approx(kl.mean().item(), rel=1e-9)
-            assert errors["output_rel"][layer] == pytest.approx(rel.item(), rel=1e-4)  # fp32 linear attention
+            assert errors["output_rel"][layer] == pytest.approx(
+                rel.item(), rel=1e-4
+            )  # fp32 linear attention
 
 
 @pytest.mark.parametrize("loss", ["l2", "softmax"])
@@ -117,9 +143,14 @@ def test_chunked_backward_gives_the_dense_gradient(tiny, tiny_ids, loss):
         features.zero_grad()
         term = "l2" if loss == "l2" else "ce"
         value = _layer_pass(features, q, k, None, {term}, chunk=5, train=True)[term].mean()
-        assert value.item() == pytest.approx(dense_losses(features, q, k)[0 if loss == "l2" else 1].mean().item())
+        assert value.item() == pytest.approx(
+            dense_losses(features, q, k)[0 if loss == "l2" else 1].mean().item()
+        )
         for got, want in zip([features.z.grad, features.a.grad], expected):
-            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), ((got - want).abs().max(), want.abs().max())
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (
+                (got - want).abs().max(),
+                want.abs().max(),
+            )
 
 
 @pytest.mark.parametrize("loss", ["l2", "softmax", "direct"])
@@ -151,24 +182,45 @@ def test_direct_loss_gradients_reach_only_z_and_alpha(tiny, tiny_ids):
 
 
 def test_same_seed_gives_a_bit_identical_student(tiny, tiny_ids):
-    runs = [trainable(distill(tiny, [6, 6], tiny_ids, "softmax", steps=3, batch=2, ctx=32, seed=s, log=quiet))
-            for s in (4, 4, 5)]
+    runs = [
+        trainable(
+            distill(tiny, [6, 6], tiny_ids, "softmax", steps=3, batch=2, ctx=32, seed=s, log=quiet)
+        )
+        for s in (4, 4, 5)
+    ]
     assert all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
     assert not torch.equal(runs[0]["blocks.0.attn.features.z"], runs[2]["blocks.0.attn.features.z"])
 
 
 def test_saved_student_reloads_with_bit_identical_logits(tiny, tiny_ids, tmp_path):
     path = tmp_path / "student.safetensors"
-    student = distill(tiny, [6, 10], tiny_ids, "l2", steps=3, batch=2, ctx=32, seed=3, out_path=path,
-                      meta={"lam": 0.0625}, log=quiet)
+    student = distill(
+        tiny,
+        [6, 10],
+        tiny_ids,
+        "l2",
+        steps=3,
+        batch=2,
+        ctx=32,
+        seed=3,
+        out_path=path,
+        meta={"lam": 0.0625},
+        log=quiet,
+    )
     loaded = load_student(tiny, path)
     assert set(loaded.state_dict()) == set(student.state_dict())
-    assert loaded.meta["dims"] == [6, 10] and loaded.meta["lam"] == 0.0625 and loaded.meta["loss"] == "l2"
+    assert (
+        loaded.meta["dims"] == [6, 10]
+        and loaded.meta["lam"] == 0.0625
+        and loaded.meta["loss"] == "l2"
+    )
     assert loaded.meta["seed"] == 3 and loaded.meta["kind"] == "prf"
     ids = tiny_ids[:64].view(2, 32)
     with torch.no_grad():
         assert torch.equal(loaded(ids), student(ids))
-    assert path.stat().st_size < 4096  # only z and a: (6 + 10) features of 4 heads x (8 + 1) floats + header
+    assert (
+        path.stat().st_size < 4096
+    )  # only z and a: (6 + 10) features of 4 heads x (8 + 1) floats + header
 
 
 def test_load_refuses_a_file_of_another_teacher(tiny, tmp_path):
@@ -177,13 +229,18 @@ def test_load_refuses_a_file_of_another_teacher(tiny, tmp_path):
     other = load(FIXTURES / "neox-tiny")
     with pytest.raises(CheckpointError) as err:
         load_student(other, path)
-    assert str(path) in str(err.value) and tiny.identity in str(err.value) and other.identity in str(err.value)
+    assert (
+        str(path) in str(err.value)
+        and tiny.identity in str(err.value)
+        and other.identity in str(err.value)
+    )
 
 
 def interrupt_at(step):
     def log(line):
         if f" {step}/" in line:
             raise KeyboardInterrupt(line)
+
     return log
 
 
@@ -191,10 +248,32 @@ def interrupt_at(step):
 def test_resume_after_interruption_equals_an_uninterrupted_run(tiny, tiny_ids, tmp_path, loss):
     def run(path, log):
         if loss == "direct":
-            return train_direct(make_student(tiny, [5, 7], seed=1), tiny_ids, steps=6, batch=2, ctx=32, seed=1,
-                                out_path=path, save_every=2, log_every=2, log=log)
-        return distill(tiny, [5, 7], tiny_ids, loss, steps=6, batch=2, ctx=32, seed=1, out_path=path,
-                       save_every=2, log_every=2, log=log)
+            return train_direct(
+                make_student(tiny, [5, 7], seed=1),
+                tiny_ids,
+                steps=6,
+                batch=2,
+                ctx=32,
+                seed=1,
+                out_path=path,
+                save_every=2,
+                log_every=2,
+                log=log,
+            )
+        return distill(
+            tiny,
+            [5, 7],
+            tiny_ids,
+            loss,
+            steps=6,
+            batch=2,
+            ctx=32,
+            seed=1,
+            out_path=path,
+            save_every=2,
+            log_every=2,
+            log=log,
+        )
 
     whole = trainable(run(tmp_path / "whole.safetensors", quiet))
     path = tmp_path / "resumed.safetensors"
@@ -203,7 +282,9 @@ def test_resume_after_interruption_equals_an_uninterrupted_run(tiny, tiny_ids, t
     assert not path.exists() and (tmp_path / "resumed.safetensors.progress").exists()
     lines = []
     run(path, lines.append)
-    assert "at step 4/6" in lines[0] and len(lines) == 2  # resumed, then the 6/6 line: steps 1-4 not redone
+    assert (
+        "at step 4/6" in lines[0] and len(lines) == 2
+    )  # resumed, then the 6/6 line: steps 1-4 not redone
     resumed = trainable(load_student(tiny, path))
     assert all(torch.equal(whole[n], resumed[n]) for n in whole)
     assert not (tmp_path / "resumed.safetensors.progress").exists()
@@ -212,14 +293,42 @@ def test_resume_after_interruption_equals_an_uninterrupted_run(tiny, tiny_ids, t
 def test_resume_refuses_progress_of_other_settings(tiny, tiny_ids, tmp_path):
     path = tmp_path / "s.safetensors"
     with pytest.raises(KeyboardInterrupt):
-        distill(tiny, [4, 4], tiny_ids, "l2", steps=4, batch=2, ctx=32, out_path=path, save_every=2, log_every=2,
-                log=interrupt_at(2))
+        distill(
+            tiny,
+            [4, 4],
+            tiny_ids,
+            "l2",
+            steps=4,
+            batch=2,
+            ctx=32,
+            out_path=path,
+            save_every=2,
+            log_every=2,
+            log=interrupt_at(2),
+        )
     with pytest.raises(CheckpointError, match="lr"):
-        distill(tiny, [4, 4], tiny_ids, "l2", steps=4, batch=2, ctx=32, lr=0.01, out_path=path, log=quiet)
+        distill(
+            tiny,
+            [4, 4],
+            tiny_ids,
+            "l2",
+            steps=4,
+            batch=2,
+            ctx=32,
+            lr=0.01,
+            out_path=path,
+            log=quiet,
+        )
 
 
-@pytest.mark.parametrize("kwargs, message", [({"loss": "kl"}, "loss 'kl'"), ({"ctx": 65}, "ctx <= 64"),
-                                             ({"dims": [4]}, "1 feature dims for 2 blocks")])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"loss": "kl"}, "loss 'kl'"),
+        ({"ctx": 65}, "ctx <= 64"),
+        ({"dims": [4]}, "1 feature dims for 2 blocks"),
+    ],
+)
 def test_bad_settings_are_named(tiny, tiny_ids, kwargs, message):
     settings = {"dims": [4, 4], "loss": "l2", "ctx": 32, **kwargs}
     with pytest.raises(ValueError, match=message):

@@ -1,15 +1,23 @@
 """Degrees of freedom (against independent numpy formulas) and the budget allocator (Hypothesis), the estimate on
 the stand-in teachers, and the SVG charts."""
+
 import math
 import xml.etree.ElementTree as ET
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import example, given, settings, strategies as st
-
 from conftest import shared_path
-from dofmini.dof import allocate, degrees_of_freedom, estimate_dof, sample_queries_keys, saturation_warning
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from dofmini.dof import (
+    allocate,
+    degrees_of_freedom,
+    estimate_dof,
+    sample_queries_keys,
+    saturation_warning,
+)
 from dofmini.plots import allocation_chart, line_chart
 
 FAST = settings(max_examples=60, deadline=None)
@@ -18,8 +26,11 @@ SVG = "{http://www.w3.org/2000/svg}"
 
 def points(seed, J, d, scale, dups):
     """J random rows, the last `dups` of them copies of earlier ones (so the Gram can lose rank)."""
-    x = torch.randn(J, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale  # [J, d]
-    x[J - dups :] = x[: dups]
+    x = (
+        torch.randn(J, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        * scale
+    )  # [J, d]
+    x[J - dups :] = x[:dups]
     return x
 
 
@@ -32,12 +43,21 @@ def naive(x, lam, normalize):
     if not np.isfinite(gram).all():
         return math.inf, None
     op = gram / J if normalize else gram
-    sig = np.clip(np.linalg.eigvalsh(op), 0, None)  # a PSD matrix: negative eigenvalues are rounding
+    sig = np.clip(
+        np.linalg.eigvalsh(op), 0, None
+    )  # a PSD matrix: negative eigenvalues are rounding
     return float((sig / (sig + lam)).sum()), op
 
 
-cases = st.tuples(st.integers(0, 2**31), st.integers(1, 24), st.integers(1, 8), st.floats(0.05, 1.5),
-                  st.integers(0, 6), st.integers(-12, 4), st.booleans())
+cases = st.tuples(
+    st.integers(0, 2**31),
+    st.integers(1, 24),
+    st.integers(1, 8),
+    st.floats(0.05, 1.5),
+    st.integers(0, 6),
+    st.integers(-12, 4),
+    st.booleans(),
+)
 
 
 @FAST
@@ -48,7 +68,9 @@ def test_dof_matches_eigenvalue_formula_and_trace_identity(case):
     dof = degrees_of_freedom(x, lam, normalize).item()
     ref, op = naive(x, lam, normalize)
     assert dof == pytest.approx(ref, rel=1e-7, abs=1e-8)
-    trace_form = J - lam * np.trace(np.linalg.inv(op + lam * np.eye(J)))  # tr Σ̂(Σ̂+λI)⁻¹ = J − λ·tr (Σ̂+λI)⁻¹
+    trace_form = J - lam * np.trace(
+        np.linalg.inv(op + lam * np.eye(J))
+    )  # tr Σ̂(Σ̂+λI)⁻¹ = J − λ·tr (Σ̂+λI)⁻¹
     assert dof == pytest.approx(trace_form, rel=1e-7, abs=1e-7)
     assert 0 <= dof <= np.linalg.matrix_rank(op) + 1e-7 <= J + 1e-7
 
@@ -58,7 +80,10 @@ def test_dof_matches_eigenvalue_formula_and_trace_identity(case):
 def test_dof_decreases_as_lam_grows(case, factor):
     seed, J, d, scale, dups, log2_lam, normalize = case
     x, lam = points(seed, J, d, scale, min(dups, J // 2)), 2.0**log2_lam
-    assert degrees_of_freedom(x, lam * factor, normalize) <= degrees_of_freedom(x, lam, normalize) + 1e-9
+    assert (
+        degrees_of_freedom(x, lam * factor, normalize)
+        <= degrees_of_freedom(x, lam, normalize) + 1e-9
+    )
 
 
 @FAST
@@ -69,7 +94,9 @@ def test_dof_is_finite_and_exact_where_the_naive_gram_overflows(case, shift):
     # Gram's DoF at λ·e^c equals the unshifted one at λ. Large c overflows the naive float64 Gram.
     seed, J, d, scale, dups, log2_lam, _ = case
     x, lam = points(seed, J, d, scale, min(dups, J // 2)), 2.0**log2_lam
-    shifted = torch.cat((x, torch.full((J, 1), math.sqrt(shift * math.sqrt(d + 1)), dtype=torch.float64)), 1)
+    shifted = torch.cat(
+        (x, torch.full((J, 1), math.sqrt(shift * math.sqrt(d + 1)), dtype=torch.float64)), 1
+    )
     dof = degrees_of_freedom(shifted, lam * math.exp(shift), normalize=False).item()
     ref, _ = naive(torch.cat((x, torch.zeros(J, 1, dtype=torch.float64)), 1), lam, normalize=False)
     assert math.isfinite(dof) and dof == pytest.approx(ref, rel=1e-6, abs=1e-6)
@@ -92,17 +119,24 @@ def test_dof_is_batched_over_heads_and_rejects_bad_input():
     batched = degrees_of_freedom(x, 0.1)
     assert batched.shape == (2, 3)
     assert batched[1, 2] == pytest.approx(degrees_of_freedom(x[1, 2], 0.1), rel=1e-12)
-    for bad in (lambda: degrees_of_freedom(torch.ones(4), 0.1), lambda: degrees_of_freedom(x, 0.0),
-                lambda: degrees_of_freedom(torch.full((3, 2), math.nan), 0.1)):
+    for bad in (
+        lambda: degrees_of_freedom(torch.ones(4), 0.1),
+        lambda: degrees_of_freedom(x, 0.0),
+        lambda: degrees_of_freedom(torch.full((3, 2), math.nan), 0.1),
+    ):
         with pytest.raises(ValueError):
             bad()
 
 
-dofs = st.lists(st.one_of(st.floats(1e-3, 1e4), st.sampled_from([1.0, 7.5, 100.0])), min_size=1, max_size=24)
+dofs = st.lists(
+    st.one_of(st.floats(1e-3, 1e4), st.sampled_from([1.0, 7.5, 100.0])), min_size=1, max_size=24
+)
 
 
 def assert_monotone(dof, dims):
-    assert all(dims[i] >= dims[j] for i in range(len(dof)) for j in range(len(dof)) if dof[i] > dof[j])
+    assert all(
+        dims[i] >= dims[j] for i in range(len(dof)) for j in range(len(dof)) if dof[i] > dof[j]
+    )
 
 
 @FAST
@@ -112,8 +146,15 @@ def test_allocate_exact_sum_floor_monotone_proportional(dof, budget):
     total = len(dof) * budget
     assert sum(dims) == total and min(dims) >= 1 and all(isinstance(m, int) for m in dims)
     assert_monotone(dof, dims)
-    assert all(abs(dims[i] - dims[j]) <= 1 for i in range(len(dof)) for j in range(len(dof)) if dof[i] == dof[j])
-    if min(dof) * total >= sum(dof):  # no layer needs the floor: largest remainder keeps every M within 1 of its quota
+    assert all(
+        abs(dims[i] - dims[j]) <= 1
+        for i in range(len(dof))
+        for j in range(len(dof))
+        if dof[i] == dof[j]
+    )
+    if min(dof) * total >= sum(
+        dof
+    ):  # no layer needs the floor: largest remainder keeps every M within 1 of its quota
         assert all(abs(m - total * w / sum(dof)) < 1 + 1e-9 for m, w in zip(dims, dof))
 
 
@@ -122,7 +163,9 @@ def test_allocate_exact_sum_floor_monotone_proportional(dof, budget):
 def test_allocate_clip_and_redistribute(dof, budget, cap):
     plain = allocate(dof, budget)
     clipped = allocate(dof, budget, cap=cap)
-    assert clipped == [min(m, cap) for m in plain]  # the paper's DoF + clip: the freed budget is dropped
+    assert clipped == [
+        min(m, cap) for m in plain
+    ]  # the paper's DoF + clip: the freed budget is dropped
     if cap < budget:
         with pytest.raises(ValueError):
             allocate(dof, budget, cap=cap, redistribute=True)
@@ -159,7 +202,9 @@ def test_saturation_warning_names_heads_above_half_of_J():
 def calibration(folder, n_tokens):
     from dofmini import load_tokenizer
 
-    text = shared_path("data", "wikitext-2-raw", "wiki.valid.raw").read_text(encoding="utf-8")[:20000]
+    text = shared_path("data", "wikitext-2-raw", "wiki.valid.raw").read_text(encoding="utf-8")[
+        :20000
+    ]
     return torch.tensor(load_tokenizer(folder).encode(text).ids[:n_tokens])
 
 
@@ -167,30 +212,51 @@ def calibration(folder, n_tokens):
 def test_estimate_dof_on_the_whole_pool_matches_the_captured_queries_and_keys(name, request):
     model = request.getfixturevalue(name)
     ids = calibration(shared_path("weights", name.replace("_", "-")), 3 * 16)
-    dof = estimate_dof(model, ids, 2**-4, J=96, seed=5, ctx=16, batch=2)  # J = the whole pool: 3 windows × 32
+    dof = estimate_dof(
+        model, ids, 2**-4, J=96, seed=5, ctx=16, batch=2
+    )  # J = the whole pool: 3 windows × 32
     capture = []
     with torch.no_grad():
         model(ids.view(3, 16), capture=capture)
-    pools = torch.stack([torch.cat((q, k), 2).transpose(0, 1).reshape(q.shape[1], 96, -1) for q, k, _ in capture])
+    pools = torch.stack(
+        [torch.cat((q, k), 2).transpose(0, 1).reshape(q.shape[1], 96, -1) for q, k, _ in capture]
+    )
     assert dof.shape == (model.config.n_layer, model.config.n_head)
     assert torch.allclose(dof, degrees_of_freedom(pools, 2**-4), rtol=1e-9)
 
 
 def test_estimate_dof_is_seeded_and_in_range(standin_gpt2):
     ids = calibration(shared_path("weights", "standin-gpt2"), 4 * 32)
-    first, again, other = (estimate_dof(standin_gpt2, ids, 2**-4, J=48, seed=s, ctx=32) for s in (0, 0, 1))
-    assert first.shape == (6, 4) and torch.isfinite(first).all() and (first >= 0).all() and (first <= 48).all()
+    first, again, other = (
+        estimate_dof(standin_gpt2, ids, 2**-4, J=48, seed=s, ctx=32) for s in (0, 0, 1)
+    )
+    assert (
+        first.shape == (6, 4)
+        and torch.isfinite(first).all()
+        and (first >= 0).all()
+        and (first <= 48).all()
+    )
     assert torch.equal(first, again) and not torch.equal(first, other)
     with pytest.raises(ValueError, match="fewer than J"):
         estimate_dof(standin_gpt2, ids[:40], 2**-4, J=65, seed=0, ctx=32)  # one window: 64
 
 
 def test_charts_are_svg_with_one_mark_per_value(tmp_path):
-    allocation_chart([30, 98], [[10.0, 44.0], [1.0, 160.0]], tmp_path / "a.svg", "M & DoF <stand-in>")
+    allocation_chart(
+        [30, 98], [[10.0, 44.0], [1.0, 160.0]], tmp_path / "a.svg", "M & DoF <stand-in>"
+    )
     root = ET.parse(tmp_path / "a.svg").getroot()
     assert root.tag == SVG + "svg"
-    assert len(root.findall(SVG + "circle")) == 4 and len(root.findall(SVG + "rect")) == 2 + 1  # + background
-    line_chart({"Fix": [0.2, 1.5, 0.7], "DoF": [0.1, 0.9, 0.3]}, tmp_path / "l.svg", "error", "KL", log_y=True)
+    assert (
+        len(root.findall(SVG + "circle")) == 4 and len(root.findall(SVG + "rect")) == 2 + 1
+    )  # + background
+    line_chart(
+        {"Fix": [0.2, 1.5, 0.7], "DoF": [0.1, 0.9, 0.3]},
+        tmp_path / "l.svg",
+        "error",
+        "KL",
+        log_y=True,
+    )
     assert len(ET.parse(tmp_path / "l.svg").getroot().findall(SVG + "polyline")) == 2
     with pytest.raises(ValueError):
         line_chart({"Fix": [0.0, 1.0]}, tmp_path / "bad.svg", "error", "KL", log_y=True)

@@ -1,15 +1,16 @@
 """Perplexity and task scoring against direct computations: a bigram model whose log-likelihoods are known in
 closed form, the tiny transformers-made fixture, and the stand-in teachers' reference.json."""
+
 import json
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import FIXTURES, shared_path
 from tokenizers import Tokenizer, models, pre_tokenizers
 from torch import nn
 
-from conftest import FIXTURES, shared_path
 from dofmini import load, load_tokenizer
 from dofmini.evaluate import encode_file, perplexity, results_table, score_examples, score_requests
 from dofmini.tasks import Example
@@ -27,9 +28,13 @@ class Bigram(nn.Module):
         table = torch.zeros(V, V, dtype=torch.float64)  # [V, V]
         for a, word in enumerate(WORDS):
             row = {WORDS.index(b): p for (a_, b), p in probs.items() if a_ == word}
-            table[a] = (1 - sum(row.values())) / (V - len(row))  # the leftover spread over the other words
+            table[a] = (1 - sum(row.values())) / (
+                V - len(row)
+            )  # the leftover spread over the other words
             table[a, list(row)] = torch.tensor(list(row.values()), dtype=torch.float64)
-        self.table = nn.Parameter(table.log().float(), requires_grad=False)  # a weight: evaluate finds its device
+        self.table = nn.Parameter(
+            table.log().float(), requires_grad=False
+        )  # a weight: evaluate finds its device
         self.ln_f = nn.Identity()  # the final norm evaluate hooks to keep only scored positions
 
     def forward(self, ids):
@@ -45,9 +50,19 @@ def word_tokenizer():
 
 @pytest.fixture(scope="module")
 def bigram():
-    return Bigram({("q", "x"): 0.5, ("q", "y"): 0.3, ("y", "y"): 0.9, ("y", "x"): 0.05,
-                   ("the", "cat"): 0.05, ("the", "dog"): 0.9, ("cat", "ran"): 0.8, ("dog", "ran"): 0.1,
-                   ("ran", "far"): 0.5})
+    return Bigram(
+        {
+            ("q", "x"): 0.5,
+            ("q", "y"): 0.3,
+            ("y", "y"): 0.9,
+            ("y", "x"): 0.05,
+            ("the", "cat"): 0.05,
+            ("the", "dog"): 0.9,
+            ("cat", "ran"): 0.8,
+            ("dog", "ran"): 0.1,
+            ("ran", "far"): 0.5,
+        }
+    )
 
 
 def test_scores_are_the_bigram_sums(bigram):
@@ -68,18 +83,27 @@ def test_acc_and_acc_norm_pick_the_expected_choices(bigram, word_tokenizer):
 def test_partial_scoring_scores_only_the_shared_suffix(bigram, word_tokenizer):
     # The whole sentence is likelier with "dog" (0.9 * 0.1 > 0.05 * 0.8), but the suffix " ran far" is
     # likelier after "cat": partial scoring must pick cat, for acc and acc_norm alike.
-    examples = [Example(["the dog", "the cat"], [" ran far", " ran far"], 1),
-                Example(["the cat", "the dog"], [" ran far", " ran far"], 0)]
+    examples = [
+        Example(["the dog", "the cat"], [" ran far", " ran far"], 1),
+        Example(["the cat", "the dog"], [" ran far", " ran far"], 0),
+    ]
     assert score_examples(bigram, word_tokenizer, examples) == {"acc": 1.0, "acc_norm": 1.0, "n": 2}
 
 
 def test_groups_give_macro_averages_and_cloze_gives_ppl(bigram, word_tokenizer):
-    grouped = [Example(["q", "q"], [" x", " y"], 0, "a"), Example(["q", "q"], [" x", " y"], 1, "a"),
-               Example(["q", "q"], [" x", " y"], 0, "b")]
+    grouped = [
+        Example(["q", "q"], [" x", " y"], 0, "a"),
+        Example(["q", "q"], [" x", " y"], 1, "a"),
+        Example(["q", "q"], [" x", " y"], 0, "b"),
+    ]
     result = score_examples(bigram, word_tokenizer, grouped)
     assert result["acc"] == pytest.approx(2 / 3) and result["acc_macro"] == pytest.approx(0.75)
-    cloze = score_examples(bigram, word_tokenizer, [Example(["q"], [" x"], 0), Example(["q"], [" y y"], 0)])
-    assert cloze["acc"] == 0.5 and cloze["ppl"] == pytest.approx(math.exp(-math.log(0.5 * 0.27) / 2), rel=1e-4)
+    cloze = score_examples(
+        bigram, word_tokenizer, [Example(["q"], [" x"], 0), Example(["q"], [" y y"], 0)]
+    )
+    assert cloze["acc"] == 0.5 and cloze["ppl"] == pytest.approx(
+        math.exp(-math.log(0.5 * 0.27) / 2), rel=1e-4
+    )
 
 
 def direct_scores(model, requests, max_len):
@@ -88,9 +112,14 @@ def direct_scores(model, requests, max_len):
     for context, continuation in requests:
         full = torch.tensor(context + continuation)
         inputs, targets = full[:-1][-max_len:], full[1:][-max_len:]
-        logprobs = model(inputs[None])[0].log_softmax(-1)[-len(continuation):]  # [n, V]
-        picked = logprobs.gather(1, targets[-len(continuation):, None])
-        out.append((picked.sum().item(), bool((logprobs.argmax(-1) == targets[-len(continuation):]).all())))
+        logprobs = model(inputs[None])[0].log_softmax(-1)[-len(continuation) :]  # [n, V]
+        picked = logprobs.gather(1, targets[-len(continuation) :, None])
+        out.append(
+            (
+                picked.sum().item(),
+                bool((logprobs.argmax(-1) == targets[-len(continuation) :]).all()),
+            )
+        )
     return out
 
 
@@ -98,8 +127,13 @@ def test_batched_scoring_equals_one_at_a_time():
     model = load(FIXTURES / "gpt2-tiny")
     gen = torch.Generator().manual_seed(0)
     draw = lambda n: torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
-    requests = [(draw(int(a)), draw(int(b))) for a, b in torch.randint(1, 40, (30, 2), generator=gen)]
-    requests += [(requests[0][0], draw(1)), (requests[0][0], draw(1))]  # equal inputs share one forward pass
+    requests = [
+        (draw(int(a)), draw(int(b))) for a, b in torch.randint(1, 40, (30, 2), generator=gen)
+    ]
+    requests += [
+        (requests[0][0], draw(1)),
+        (requests[0][0], draw(1)),
+    ]  # equal inputs share one forward pass
     requests += [(draw(90), draw(5))]  # longer than the 64 positions: truncated from the left
     ctx = 48
     with torch.no_grad():
@@ -113,12 +147,14 @@ def test_batched_scoring_equals_one_at_a_time():
 @pytest.mark.parametrize("stride", [None, 5, 15])
 def test_perplexity_is_exp_mean_nll_of_the_scored_tokens(stride):
     model = load(FIXTURES / "gpt2-tiny")
-    ids = torch.randint(0, model.config.vocab_size, (103,), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        0, model.config.vocab_size, (103,), generator=torch.Generator().manual_seed(1)
+    )
     ctx = 16
     nll, count = 0.0, 0
     with torch.no_grad():
         for k, start in enumerate(range(0, len(ids) - ctx + 1, stride or ctx)):
-            window = ids[start:start + ctx]
+            window = ids[start : start + ctx]
             first = 1 if stride is None or k == 0 else ctx - stride  # window positions scored
             for p in range(first, ctx):  # each token on its own, from its in-window prefix
                 nll -= model(window[None, :p])[0, -1].log_softmax(-1)[window[p]].item()
@@ -141,11 +177,19 @@ def test_perplexity_rejects_bad_windows():
 
 
 def test_results_table_carries_counts_and_average():
-    rows = {"teacher": {"piqa": {"acc": 0.6, "acc_norm": 0.5, "n": 10}, "lambada": {"acc": 0.2, "ppl": 9.0, "n": 4}},
-            "student": {"piqa": {"acc": 0.5, "acc_norm": 0.7, "n": 10}}}
+    rows = {
+        "teacher": {
+            "piqa": {"acc": 0.6, "acc_norm": 0.5, "n": 10},
+            "lambada": {"acc": 0.2, "ppl": 9.0, "n": 4},
+        },
+        "student": {"piqa": {"acc": 0.5, "acc_norm": 0.7, "n": 10}},
+    }
     table = results_table(rows, metric="acc_norm").splitlines()
     assert table[0] == "| model | piqa (n=10) | lambada (n=4) | average |"
-    assert table[2] == "| teacher | 0.5000 | 0.2000 | 0.3500 |" and table[3] == "| student | 0.7000 | — | — |"
+    assert (
+        table[2] == "| teacher | 0.5000 | 0.2000 | 0.3500 |"
+        and table[3] == "| student | 0.7000 | — | — |"
+    )
     rows["student"]["lambada"] = {"acc": 0.1, "ppl": 9.0, "n": 5}
     with pytest.raises(ValueError, match="lambada"):
         results_table(rows)
@@ -156,21 +200,40 @@ def test_standin_wikitext2_perplexity_matches_reference(name):
     folder = shared_path("weights", name)
     reference = json.loads((folder / "reference.json").read_text())
     ctx = reference["protocol"]["ctx"]
-    ids = encode_file(shared_path("data", "wikitext-2-raw", "wiki.test.raw"), load_tokenizer(folder))
-    assert (len(ids) // ctx) * (ctx - 1) == reference["protocol"]["scored_tokens"]  # same tokens as the reference
-    ppl, _, scored = perplexity(load(folder), ids[:64 * ctx], ctx)
+    ids = encode_file(
+        shared_path("data", "wikitext-2-raw", "wiki.test.raw"), load_tokenizer(folder)
+    )
+    assert (len(ids) // ctx) * (ctx - 1) == reference["protocol"][
+        "scored_tokens"
+    ]  # same tokens as the reference
+    ppl, _, scored = perplexity(load(folder), ids[: 64 * ctx], ctx)
     assert scored == 64 * (ctx - 1)
     assert ppl == pytest.approx(reference["wikitext2_test_ppl_first64_windows"], rel=1e-3)
 
 
 def test_evaluate_command_writes_reference_perplexity_and_tasks(tmp_path, capsys):
     from dofmini.evaluate import main
+
     folder = shared_path("weights", "standin-gpt2")
     reference = json.loads((folder / "reference.json").read_text())
     out = tmp_path / "eval.json"
-    main([str(folder), "--windows", "64", "--limit", "3", "--tasks", "piqa,lambada", "--out", str(out)])
+    main(
+        [
+            str(folder),
+            "--windows",
+            "64",
+            "--limit",
+            "3",
+            "--tasks",
+            "piqa,lambada",
+            "--out",
+            str(out),
+        ]
+    )
     result = json.loads(out.read_text())
-    assert result["wikitext2_ppl"] == pytest.approx(reference["wikitext2_test_ppl_first64_windows"], rel=1e-3)
+    assert result["wikitext2_ppl"] == pytest.approx(
+        reference["wikitext2_test_ppl_first64_windows"], rel=1e-3
+    )
     assert result["wikitext2_tokens"] == 64 * 255
     assert {t: r["n"] for t, r in result["tasks"].items()} == {"piqa": 3, "lambada": 3}
     assert "| standin-gpt2 |" in capsys.readouterr().out

@@ -1,12 +1,13 @@
 """generate(): the cached path (KV cache for teachers, recurrent LinearState for students) against the uncached
 forward pass, seeded sampling, and its errors."""
+
 import copy
 import json
 
 import pytest
 import torch
-
 from conftest import FIXTURES, shared_path
+
 from dofmini import load, load_tokenizer
 from dofmini.generate import generate
 from dofmini.linear_attention import LinearAttention, LinearState, replace_attention
@@ -25,7 +26,7 @@ def cached_logits(model, ids, split):
     caches = [block.attn.new_cache(ids.shape[0], ids.shape[1]) for block in model.blocks]
     with torch.no_grad():
         parts = [model(ids[:, :split], 0, caches)]
-        parts += [model(ids[:, t:t + 1], t, caches) for t in range(split, ids.shape[1])]
+        parts += [model(ids[:, t : t + 1], t, caches) for t in range(split, ids.shape[1])]
     return torch.cat(parts, 1), caches
 
 
@@ -43,13 +44,17 @@ def test_teacher_greedy_matches_uncached_and_transformers(name):
     out = generate(model, ref["greedy_prompt"], 20)
     assert out == uncached_greedy(model, torch.tensor([ref["greedy_prompt"]]), 20)[0].tolist()
     assert out == ref["greedy_ids"]  # transformers' own greedy decoding of this checkpoint
-    batch = torch.tensor(ref["ids"])  # [2, 12]: two different prompts decoded together, to position 52 of 64
+    batch = torch.tensor(
+        ref["ids"]
+    )  # [2, 12]: two different prompts decoded together, to position 52 of 64
     assert torch.equal(generate(model, batch, 40), uncached_greedy(model, batch, 40))
 
 
 def test_standin_teacher_greedy_and_cached_logits(standin_gpt2):
     tok = load_tokenizer(shared_path("weights", "standin-gpt2"))
-    prompt = torch.tensor([tok.encode("The history of the city begins in the early twelfth century, when").ids])
+    prompt = torch.tensor(
+        [tok.encode("The history of the city begins in the early twelfth century, when").ids]
+    )
     ids = generate(standin_gpt2, prompt, 16)
     assert torch.equal(ids, uncached_greedy(standin_gpt2, prompt, 16))
     logits, caches = cached_logits(standin_gpt2, ids, prompt.shape[1])
@@ -62,12 +67,19 @@ def test_standin_teacher_greedy_and_cached_logits(standin_gpt2):
 def test_student_recurrent_decode_equals_chunked_forward(name):
     teacher, ref = fixture(name)
     model = student(teacher, [3, 11])  # head_dim 8: fewer and more features than the head size
-    ids = torch.randint(0, teacher.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
-    logits, caches = cached_logits(model, ids, 5)  # 59 recurrent steps after a 5-token chunked prefill
+    ids = torch.randint(
+        0, teacher.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)
+    )
+    logits, caches = cached_logits(
+        model, ids, 5
+    )  # 59 recurrent steps after a 5-token chunked prefill
     with torch.no_grad():
         full = model(ids)  # [2, 64, V] chunked form, no cache
     assert (logits - full).abs().max().item() < 1e-5 * full.abs().max().item()
-    assert [tuple(c.S.shape) for c in caches] == [(2, 4, 3, 9), (2, 4, 11, 9)]  # [B, H, M, d + 1], not T
+    assert [tuple(c.S.shape) for c in caches] == [
+        (2, 4, 3, 9),
+        (2, 4, 11, 9),
+    ]  # [B, H, M, d + 1], not T
     assert all(c.n == 64 for c in caches)
     batch = torch.tensor(ref["ids"])  # [2, 12]
     assert torch.equal(generate(model, batch, 40), uncached_greedy(model, batch, 40))
@@ -84,13 +96,17 @@ def test_standin_student_generates_as_its_chunked_forward(standin_gpt2):
     with torch.no_grad():
         full = model(ids)  # [1, 134, V]
     assert (logits - full).abs().max().item() < 1e-5 * full.abs().max().item()
-    assert all(isinstance(c, LinearState) and c.S.shape[2:] == (m, 65) for c, m in zip(caches, dims))
+    assert all(
+        isinstance(c, LinearState) and c.S.shape[2:] == (m, 65) for c, m in zip(caches, dims)
+    )
 
 
 def test_mixed_softmax_and_linear_layers_share_one_generate():
     teacher, ref = fixture("gpt2-tiny")
     model = copy.deepcopy(teacher)
-    model.blocks[1].attn = LinearAttention(model.blocks[1].attn, 6, seed=3)  # layer 0 keeps softmax and a KV cache
+    model.blocks[1].attn = LinearAttention(
+        model.blocks[1].attn, 6, seed=3
+    )  # layer 0 keeps softmax and a KV cache
     prompt = torch.tensor(ref["ids"])
     assert torch.equal(generate(model, prompt, 30), uncached_greedy(model, prompt, 30))
     one = prompt[:, :1]  # a 1-token prompt: even the prefill takes the recurrent step
@@ -103,10 +119,14 @@ def test_sampling_is_seeded_and_respects_top_k():
     a = generate(model, prompt, 40, temperature=1.0, seed=7)
     assert torch.equal(a, generate(model, prompt, 40, temperature=1.0, seed=7))
     assert not torch.equal(a, generate(model, prompt, 40, temperature=1.0, seed=8))
-    assert torch.equal(generate(model, prompt, 40, temperature=0.7, top_k=1, seed=7), generate(model, prompt, 40))
+    assert torch.equal(
+        generate(model, prompt, 40, temperature=0.7, top_k=1, seed=7), generate(model, prompt, 40)
+    )
     ids = generate(model, prompt, 40, temperature=2.0, top_k=3, seed=7)
     with torch.no_grad():
-        top3 = model(ids[:, :-1])[:, 11:].topk(3, -1).indices  # [2, 40, 3] the allowed tokens at each new position
+        top3 = (
+            model(ids[:, :-1])[:, 11:].topk(3, -1).indices
+        )  # [2, 40, 3] the allowed tokens at each new position
     assert (top3 == ids[:, 12:, None]).any(-1).all()
 
 

@@ -1,22 +1,32 @@
 """PRF linear attention (dofmini/linear_attention.py): the chunked, recurrent and quadratic forms agree (values and
 gradients), are exactly causal, stay finite at large norms, decode token by token like the chunked pass, and the
 features estimate the softmax kernel without bias at the 1/√M rate."""
+
 import copy
 import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
-
 from conftest import FIXTURES
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from dofmini import load
-from dofmini.linear_attention import (SEGMENT, LinearAttention, LinearState, PRFFeatures, causal_linear_attention,
-                                      quadratic_causal_attention, recurrent_step, replace_attention)
+from dofmini.linear_attention import (
+    SEGMENT,
+    LinearAttention,
+    LinearState,
+    PRFFeatures,
+    causal_linear_attention,
+    quadratic_causal_attention,
+    recurrent_step,
+    replace_attention,
+)
 
 # Relative-RMS bounds, relative to the size of what is summed (`magnitudes`). All forms compute in fp32 from the
 # same inputs, so in fp32 they differ by summation order only: 1e-5 is ~100 fp32 epsilons. In bf16/fp16 the fp32
 # results are rounded to the output dtype: at most one unit in the last place, 2^-7 (bf16), 2^-10 (fp16).
-BOUND = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
+BOUND = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}
 FAST = settings(max_examples=30, deadline=None)
 PRIMES = [2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47]
 
@@ -26,7 +36,9 @@ def rel(x, ref):
 
 
 def chunked(chunk):
-    return lambda q, k, v, decay, normalize: causal_linear_attention(q, k, v, chunk, decay, normalize)
+    return lambda q, k, v, decay, normalize: causal_linear_attention(
+        q, k, v, chunk, decay, normalize
+    )
 
 
 def recurrent(q, k, v, decay, normalize):
@@ -37,11 +49,21 @@ def recurrent(q, k, v, decay, normalize):
 def problems(draw, max_norm=3.0):
     """Random sizes (T near chunk edges and primes included), features, inputs, decay and normalisation."""
     chunk = draw(st.sampled_from([1, 2, 3, 8, 16]))
-    T = draw(st.one_of(st.sampled_from([1, max(chunk - 1, 1), chunk, chunk + 1, 2 * chunk + 1]),
-                       st.sampled_from(PRIMES), st.integers(1, 70)))
-    B, H, M, d, dv = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 16)), \
-        draw(st.integers(1, 16)), draw(st.integers(1, 6))
-    seed = draw(st.integers(0, 2 ** 31 - 1))
+    T = draw(
+        st.one_of(
+            st.sampled_from([1, max(chunk - 1, 1), chunk, chunk + 1, 2 * chunk + 1]),
+            st.sampled_from(PRIMES),
+            st.integers(1, 70),
+        )
+    )
+    B, H, M, d, dv = (
+        draw(st.integers(1, 2)),
+        draw(st.integers(1, 3)),
+        draw(st.integers(1, 16)),
+        draw(st.integers(1, 16)),
+        draw(st.integers(1, 6)),
+    )
+    seed = draw(st.integers(0, 2**31 - 1))
     gen = torch.Generator().manual_seed(seed)
     features = PRFFeatures(H, d, M, seed, orthogonal=draw(st.booleans()))
     with torch.no_grad():  # trained-looking features: moved z, unequal weights
@@ -51,18 +73,28 @@ def problems(draw, max_norm=3.0):
     q, k = torch.nn.functional.normalize(torch.randn(2, B, H, T, d, generator=gen), dim=-1) * norms
     v = torch.randn(B, H, T, dv, generator=gen)
     decay = 0.5 + 0.5 * torch.rand(H, generator=gen) if draw(st.booleans()) else None
-    return dict(chunk=chunk, features=features, q=q, k=k, v=v, decay=decay, normalize=draw(st.booleans()))
+    return dict(
+        chunk=chunk, features=features, q=q, k=k, v=v, decay=decay, normalize=draw(st.booleans())
+    )
 
 
 def forms(p):
-    return {"quadratic": quadratic_causal_attention, "recurrent": recurrent, "chunked": chunked(p["chunk"])}
+    return {
+        "quadratic": quadratic_causal_attention,
+        "recurrent": recurrent,
+        "chunked": chunked(p["chunk"]),
+    }
 
 
 def fed(p, dtype, exact=False):
     """What the forms are fed when q, k, v come in `dtype`: Φ (fp32 by design), v, and decay, as autograd leaves
     or fp64 copies for the exact reference."""
     f = p["features"]
-    x = [f.queries(p["q"].to(dtype))[0], f.keys(p["k"].to(dtype)), p["v"].to(dtype).detach().requires_grad_()]
+    x = [
+        f.queries(p["q"].to(dtype))[0],
+        f.keys(p["k"].to(dtype)),
+        p["v"].to(dtype).detach().requires_grad_(),
+    ]
     x = [t.double() for t in x] if exact else x
     decay = None if p["decay"] is None else p["decay"].clone().requires_grad_()
     return x, decay, x + [f.z, f.a] + ([] if decay is None else [decay])
@@ -91,12 +123,13 @@ def magnitudes(p, dtype):
     c = cotangent(num, dtype)
     if p["normalize"]:
         den = quad(torch.ones_like(v[..., :1]), False)  # [B, H, T, 1]
-        terms = [((c / den).detach() * num).sum(), ((c * num / den ** 2).detach() * den).sum()]
+        terms = [((c / den).detach() * num).sum(), ((c * num / den**2).detach() * den).sum()]
     else:
         terms = [(c * num).sum()]
     grads = [torch.autograd.grad(t, wrt, allow_unused=True, retain_graph=True) for t in terms]
-    return out.norm().item(), [sum(0.0 if g[i] is None else g[i].norm().item() for g in grads)
-                               for i in range(len(wrt))]
+    return out.norm().item(), [
+        sum(0.0 if g[i] is None else g[i].norm().item() for g in grads) for i in range(len(wrt))
+    ]
 
 
 def err(x, ref):
@@ -112,8 +145,13 @@ def test_three_forms_agree_in_values_and_gradients(p, dtype):
     for name, form in forms(p).items():
         out, grads = run(form, p, dtype)
         assert out.dtype == dtype and err(out, out_ref) <= BOUND[dtype] * out_size, name
-        for i, (g, g_ref, size) in enumerate(zip(grads, grads_ref, grad_sizes)):  # each held to its own dtype
-            assert err(g, g_ref) <= BOUND[g.dtype] * size, (name, ["phi_q", "phi_k", "v", "z", "a", "decay"][i])
+        for i, (g, g_ref, size) in enumerate(
+            zip(grads, grads_ref, grad_sizes)
+        ):  # each held to its own dtype
+            assert err(g, g_ref) <= BOUND[g.dtype] * size, (
+                name,
+                ["phi_q", "phi_k", "v", "z", "a", "decay"][i],
+            )
 
 
 @FAST
@@ -125,11 +163,15 @@ def test_chunked_form_is_exactly_causal(p, data):
     f, gen = p["features"], torch.Generator().manual_seed(T)
     changed = [x.clone() for x in (p["q"], p["k"], p["v"])]
     for x in changed:
-        x[:, :, t + 1:] = 10 * torch.randn(x[:, :, t + 1:].shape, generator=gen)
+        x[:, :, t + 1 :] = 10 * torch.randn(x[:, :, t + 1 :].shape, generator=gen)
     with torch.no_grad():
-        outs = [causal_linear_attention(f.queries(q)[0], f.keys(k), v, p["chunk"], p["decay"], p["normalize"])
-                for q, k, v in ((p["q"], p["k"], p["v"]), changed)]
-    assert torch.equal(outs[0][:, :, :t + 1], outs[1][:, :, :t + 1])
+        outs = [
+            causal_linear_attention(
+                f.queries(q)[0], f.keys(k), v, p["chunk"], p["decay"], p["normalize"]
+            )
+            for q, k, v in ((p["q"], p["k"], p["v"]), changed)
+        ]
+    assert torch.equal(outs[0][:, :, : t + 1], outs[1][:, :, : t + 1])
 
 
 @settings(max_examples=20, deadline=None)
@@ -144,13 +186,30 @@ def test_large_norms_stay_finite_and_forms_agree(p, dtype):
     B, H, T, M = *q.shape[:3], f.z.shape[1]
     with torch.no_grad():
         (phi_q, log_scale), phi_k = f.queries(q), f.keys(k)
-        assert all(x.isfinite().all() and (x >= 0).all() for x in (phi_q, phi_k)) and log_scale.isfinite().all()
-        outs = {name: form(phi_q, phi_k, v, p["decay"], p["normalize"]) for name, form in forms(p).items()}
-        exact, size, den = (quadratic_causal_attention(phi_q.double(), phi_k.double(), x, p["decay"], normalize)
-                            for x, normalize in ((v.double(), p["normalize"]), (v.double().abs(), p["normalize"]),
-                                                 (torch.ones(B, H, T, 1, dtype=torch.float64), False)))
-    dropped = M * T * torch.finfo(torch.float32).tiny * v.abs().max().double()  # from num, and from den per |v|
-    allowed = BOUND[dtype] * size + torch.finfo(dtype).tiny + (2 * dropped / den if p["normalize"] else dropped)
+        assert (
+            all(x.isfinite().all() and (x >= 0).all() for x in (phi_q, phi_k))
+            and log_scale.isfinite().all()
+        )
+        outs = {
+            name: form(phi_q, phi_k, v, p["decay"], p["normalize"])
+            for name, form in forms(p).items()
+        }
+        exact, size, den = (
+            quadratic_causal_attention(phi_q.double(), phi_k.double(), x, p["decay"], normalize)
+            for x, normalize in (
+                (v.double(), p["normalize"]),
+                (v.double().abs(), p["normalize"]),
+                (torch.ones(B, H, T, 1, dtype=torch.float64), False),
+            )
+        )
+    dropped = (
+        M * T * torch.finfo(torch.float32).tiny * v.abs().max().double()
+    )  # from num, and from den per |v|
+    allowed = (
+        BOUND[dtype] * size
+        + torch.finfo(dtype).tiny
+        + (2 * dropped / den if p["normalize"] else dropped)
+    )
     for name, out in outs.items():
         assert out.dtype == dtype and out.isfinite().all(), name
         assert ((out.double() - exact).abs() <= allowed).all(), name
@@ -165,10 +224,19 @@ def test_prefill_then_recurrent_decoding_equals_one_chunked_pass(p, data):
     with torch.no_grad():
         whole = causal_linear_attention(q, k, v, p["chunk"], *args)
         state, cut = LinearState(), data.draw(st.integers(0, q.shape[2]))
-        parts = [causal_linear_attention(q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], p["chunk"], *args, state)] \
-            if cut else []
-        parts += [recurrent_step(state, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], *args)
-                  for t in range(cut, q.shape[2])]
+        parts = (
+            [
+                causal_linear_attention(
+                    q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], p["chunk"], *args, state
+                )
+            ]
+            if cut
+            else []
+        )
+        parts += [
+            recurrent_step(state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], *args)
+            for t in range(cut, q.shape[2])
+        ]
     assert state.n == q.shape[2] and state.S.shape[-1] == v.shape[-1] + p["normalize"]
     assert rel(torch.cat(parts, 2), whole) <= BOUND[torch.float32]
 
@@ -178,8 +246,11 @@ def test_long_sequences_run_in_segments_and_agree(decay):
     """T past SEGMENT tokens: the chunked pass goes segment by segment, carrying the state, and still gives the
     quadratic form's outputs and gradients."""
     T, gen = 2 * SEGMENT + 37, torch.Generator().manual_seed(0)
-    inputs = [torch.rand(1, 2, T, 8, generator=gen), torch.rand(1, 2, T, 8, generator=gen),
-              torch.randn(1, 2, T, 4, generator=gen)] + ([] if decay is None else [torch.tensor(decay)])
+    inputs = [
+        torch.rand(1, 2, T, 8, generator=gen),
+        torch.rand(1, 2, T, 8, generator=gen),
+        torch.randn(1, 2, T, 4, generator=gen),
+    ] + ([] if decay is None else [torch.tensor(decay)])
     results = []
     for form, dtype in ((chunked(16), torch.float32), (quadratic_causal_attention, torch.float64)):
         x = [t.to(dtype).requires_grad_() for t in inputs]
@@ -195,11 +266,16 @@ def test_log_scale_recovers_the_exact_kernel_estimate():
     f = PRFFeatures(H, d, M, seed=3).double()
     with torch.no_grad():
         f.a.normal_(generator=torch.Generator().manual_seed(1))
-    q, k = 2 * torch.randn(2, 1, H, 7, d, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    q, k = 2 * torch.randn(
+        2, 1, H, 7, d, generator=torch.Generator().manual_seed(2), dtype=torch.float64
+    )
 
     def log_phi(x):  # [1, H, 7, M]
-        return 0.5 * (f.a[:, None] - math.log(M)) + x @ f.z.mT / d ** 0.25 - (x * x).sum(-1, keepdim=True) / (
-            2 * math.sqrt(d))
+        return (
+            0.5 * (f.a[:, None] - math.log(M))
+            + x @ f.z.mT / d**0.25
+            - (x * x).sum(-1, keepdim=True) / (2 * math.sqrt(d))
+        )
 
     direct = log_phi(q).exp() @ log_phi(k).exp().mT  # [1, H, 7, 7]
     phi_q, log_scale = f.queries(q)
@@ -212,16 +288,21 @@ def kernel_draws(n, d, M, x, y, seed, orthogonal):
     f = PRFFeatures(n, d, M, seed, orthogonal)
     with torch.no_grad():
         phi_q, log_scale = f.queries(x.expand(1, n, 1, d))
-        return (log_scale.exp() * (phi_q * f.keys(y.expand(1, n, 1, d))).sum(-1, keepdim=True)).flatten().double()
+        return (
+            (log_scale.exp() * (phi_q * f.keys(y.expand(1, n, 1, d))).sum(-1, keepdim=True))
+            .flatten()
+            .double()
+        )
 
 
 @st.composite
 def pairs(draw, max_norm):
     """x, y with |x|/d^¼, |y|/d^¼ <= max_norm, so that one feature's log-variance |x'+y'|² stays modest."""
-    d, seed = draw(st.integers(1, 16)), draw(st.integers(0, 2 ** 31 - 1))
+    d, seed = draw(st.integers(1, 16)), draw(st.integers(0, 2**31 - 1))
     gen = torch.Generator().manual_seed(seed)
-    x, y = torch.nn.functional.normalize(torch.randn(2, d, generator=gen, dtype=torch.float64), dim=-1) * (
-        max_norm * d ** 0.25 * torch.rand(2, 1, generator=gen, dtype=torch.float64))
+    x, y = torch.nn.functional.normalize(
+        torch.randn(2, d, generator=gen, dtype=torch.float64), dim=-1
+    ) * (max_norm * d**0.25 * torch.rand(2, 1, generator=gen, dtype=torch.float64))
     return d, seed, x.float(), y.float(), math.exp(float(x @ y) / math.sqrt(d))
 
 
@@ -240,17 +321,21 @@ def test_error_shrinks_at_the_one_over_sqrt_m_rate(pair):
     """i.i.d. features: E(K̂ − K)² = K²(exp|x'+y'|² − 1)/M exactly (x' = x/d^¼). The measured mean squared error
     at M = 4, 16, 64 matches it within 5 standard errors, so the RMS error falls as 1/√M."""
     d, seed, x, y, K = pair
-    one_feature_var = K ** 2 * math.expm1(float((x + y).double().norm() ** 2) / math.sqrt(d))
+    one_feature_var = K**2 * math.expm1(float((x + y).double().norm() ** 2) / math.sqrt(d))
     for M in (4, 16, 64):
         sq = (kernel_draws(4000, d, M, x, y, seed + M, orthogonal=False) - K) ** 2
-        assert abs(sq.mean().item() - one_feature_var / M) <= 5 * sq.std().item() / math.sqrt(len(sq)), M
+        assert abs(sq.mean().item() - one_feature_var / M) <= 5 * sq.std().item() / math.sqrt(
+            len(sq)
+        ), M
 
 
 def test_orthogonal_draw_has_orthogonal_blocks_and_is_seeded():
     z = PRFFeatures(2, 8, 20, seed=5).z.detach().double()  # 20 rows: blocks of 8, 8, 4
     for lo, hi in ((0, 8), (8, 16), (16, 20)):
         u = torch.nn.functional.normalize(z[:, lo:hi], dim=-1)
-        assert torch.allclose(u @ u.mT, torch.eye(hi - lo, dtype=torch.float64).expand(2, -1, -1), atol=1e-6)
+        assert torch.allclose(
+            u @ u.mT, torch.eye(hi - lo, dtype=torch.float64).expand(2, -1, -1), atol=1e-6
+        )
     assert torch.equal(PRFFeatures(2, 8, 20, seed=5).z, PRFFeatures(2, 8, 20, seed=5).z)
     assert not torch.equal(PRFFeatures(2, 8, 20, seed=5).z, PRFFeatures(2, 8, 20, seed=6).z)
 
@@ -267,7 +352,9 @@ def test_bad_shapes_are_named():
     state = LinearState()
     causal_linear_attention(phi, phi, torch.zeros(1, 2, 5, 3), state=state)
     with pytest.raises(ValueError, match="state S"):
-        recurrent_step(state, phi[:, :, :1], phi[:, :, :1], torch.zeros(1, 2, 1, 3), normalize=False)
+        recurrent_step(
+            state, phi[:, :, :1], phi[:, :, :1], torch.zeros(1, 2, 1, 3), normalize=False
+        )
 
 
 def decode(model, ids, prefill, chunk):
@@ -276,7 +363,7 @@ def decode(model, ids, prefill, chunk):
         block.attn.chunk = chunk
     caches = [block.attn.new_cache(ids.shape[0], ids.shape[1]) for block in model.blocks]
     logits = [model(ids[:, :prefill], 0, caches)] if prefill else []
-    logits += [model(ids[:, t:t + 1], t, caches) for t in range(prefill, ids.shape[1])]
+    logits += [model(ids[:, t : t + 1], t, caches) for t in range(prefill, ids.shape[1])]
     return torch.cat(logits, 1)
 
 
@@ -288,7 +375,9 @@ def test_student_from_a_real_model(name):
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable == {f"blocks.{i}.attn.features.{w}" for i in range(2) for w in "za"}
     assert [b.attn.features.seed for b in model.blocks] == [11, 12]
-    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         full = model(ids)  # [2, 40, V]
         assert full.isfinite().all()
@@ -296,7 +385,10 @@ def test_student_from_a_real_model(name):
         changed[:, 25:] = (changed[:, 25:] + 1) % model.config.vocab_size
         assert torch.equal(model(changed)[:, :25], full[:, :25])
         for prefill, chunk in ((0, 64), (1, 64), (23, 8)):
-            assert rel(decode(model, ids, prefill, chunk), full) <= BOUND[torch.float32], (prefill, chunk)
+            assert rel(decode(model, ids, prefill, chunk), full) <= BOUND[torch.float32], (
+                prefill,
+                chunk,
+            )
         with pytest.raises(ValueError, match="cache holds 0 tokens but start=3"):
             model(ids[:, :1], 3, [b.attn.new_cache(2, 4) for b in model.blocks])
 
@@ -304,7 +396,9 @@ def test_student_from_a_real_model(name):
 def test_student_of_the_standin_teacher(standin_pythia):
     """The real-size stand-in (rotary, 64-wide heads): finite logits, and cached decoding equals the chunked pass."""
     model = replace_attention(copy.deepcopy(standin_pythia), [64, 96, 32, 64, 17, 111], seed=0)
-    ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         full = model(ids)
         assert full.isfinite().all()
@@ -328,5 +422,7 @@ def test_linear_attention_reports_q_k_v_to_capture():
         model(ids, capture=teacher_capture)
         replace_attention(model, [4, 4], seed=0)(ids, capture=student_capture)
     assert len(student_capture) == 2 and isinstance(model.blocks[0].attn, LinearAttention)
-    for t, s in zip(teacher_capture[:1], student_capture[:1]):  # layer 0 sees the same input in both
+    for t, s in zip(
+        teacher_capture[:1], student_capture[:1]
+    ):  # layer 0 sees the same input in both
         assert all(torch.equal(a, b) for a, b in zip(t, s))

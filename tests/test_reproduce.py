@@ -1,5 +1,6 @@
 """`reproduce.py` end to end on the GPT-2 stand-in (quick profile, as a subprocess), its argument errors, and the
 vendorability of the modules the README says can be copied alone."""
+
 import ast
 import json
 import re
@@ -10,19 +11,34 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, shared_path
 
-VARIANT_KEYS = {"performer/none", "dijiang/direct", "fix/softmax", "dof/softmax", "dof_clip/softmax"}
+VARIANT_KEYS = {
+    "performer/none",
+    "dijiang/direct",
+    "fix/softmax",
+    "dof/softmax",
+    "dof_clip/softmax",
+}
 TASKS = {"piqa", "arc_easy", "arc_challenge", "winogrande", "wsc273", "mmlu", "logiqa", "lambada"}
 TRAINING_LINE = re.compile(r"^(distill \w+|direct) \d+/\d+: loss", re.M)  # distill's progress lines
-VENDORABLE = {"linear_attention.py": {"torch"}, "dof.py": {"torch", "numpy"}, "plots.py": set(),
-              "tasks.py": set(), "generate.py": {"torch"}}
+VENDORABLE = {
+    "linear_attention.py": {"torch"},
+    "dof.py": {"torch", "numpy"},
+    "plots.py": set(),
+    "tasks.py": set(),
+    "generate.py": {"torch"},
+}
 
 
 def reproduce(*args, timeout=600):
-    return subprocess.run([sys.executable, str(REPO / "reproduce.py"), *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, str(REPO / "reproduce.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -65,22 +81,33 @@ def test_second_run_skips_every_stage(quick_run):
     model, out, _ = quick_run
     again = reproduce(model, "--profile", "quick", "--out", out)
     assert again.returncode == 0, again.stderr[-3000:]
-    skipped = sorted(Path(line.split("skip: ")[1].split()[0]).relative_to(out).as_posix()
-                     for line in again.stdout.splitlines() if "skip: " in line)
+    skipped = sorted(
+        Path(line.split("skip: ")[1].split()[0]).relative_to(out).as_posix()
+        for line in again.stdout.splitlines()
+        if "skip: " in line
+    )
     # each variant has two stages (train, evaluate), saved as students/<key>.json and eval/<key>.json
     keys = [k.replace("/", "-") for k in VARIANT_KEYS]
-    untrained = [f"eval/{v}-untrained.json" for v in ("fix", "dof", "dof_clip")]  # errors before training
-    assert skipped == sorted(["teacher.json", "allocation.json"] + untrained
-                             + [f"{d}/{k}.json" for d in ("students", "eval") for k in keys])
+    untrained = [
+        f"eval/{v}-untrained.json" for v in ("fix", "dof", "dof_clip")
+    ]  # errors before training
+    assert skipped == sorted(
+        ["teacher.json", "allocation.json"]
+        + untrained
+        + [f"{d}/{k}.json" for d in ("students", "eval") for k in keys]
+    )
     assert not TRAINING_LINE.search(again.stdout), "a finished student was trained again"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["gpt5"], "unknown model 'gpt5'"),
-    (["{empty}"], "has no config.json"),
-    (["{standin}", "--variants", "fix,hedgehog"], "unknown variant 'hedgehog'"),
-    (["{standin}", "--loss", "kl"], "unknown loss 'kl'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["gpt5"], "unknown model 'gpt5'"),
+        (["{empty}"], "has no config.json"),
+        (["{standin}", "--variants", "fix,hedgehog"], "unknown variant 'hedgehog'"),
+        (["{standin}", "--loss", "kl"], "unknown loss 'kl'"),
+    ],
+)
 def test_bad_arguments_give_one_line(tmp_path, args, message):
     fill = {"{empty}": str(tmp_path), "{standin}": str(REPO / "tests" / "fixtures" / "gpt2-tiny")}
     result = reproduce(*[fill.get(a, a) for a in args], timeout=120)
@@ -89,7 +116,9 @@ def test_bad_arguments_give_one_line(tmp_path, args, message):
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA, so --device cuda is valid here")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="this machine has CUDA, so --device cuda is valid here"
+)
 def test_cuda_without_cuda_is_refused():
     result = reproduce(REPO / "tests" / "fixtures" / "gpt2-tiny", "--device", "cuda", timeout=120)
     assert result.returncode != 0 and "--device cuda is not available" in result.stderr
@@ -99,11 +128,21 @@ def test_cuda_without_cuda_is_refused():
 @pytest.mark.parametrize("module", sorted(VENDORABLE))
 def test_vendorable_module_imports_only_torch_numpy_stdlib(module):
     tree = ast.parse((REPO / "dofmini" / module).read_text())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            assert node.level == 0, f"{module} imports a sibling module ({node.module}); it must stand alone"
+            assert node.level == 0, (
+                f"{module} imports a sibling module ({node.module}); it must stand alone"
+            )
             imported.add(node.module.split(".")[0])
-    outside = {name for name in imported if name not in sys.stdlib_module_names} - VENDORABLE[module]
-    assert not outside, f"{module} imports {outside}; vendorable modules may use only {VENDORABLE[module] or 'stdlib'}"
+    outside = {name for name in imported if name not in sys.stdlib_module_names} - VENDORABLE[
+        module
+    ]
+    assert not outside, (
+        f"{module} imports {outside}; vendorable modules may use only {VENDORABLE[module] or 'stdlib'}"
+    )

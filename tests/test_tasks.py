@@ -1,10 +1,18 @@
 import pytest
-
 from conftest import shared_path
+
 from dofmini.tasks import TASKS, load_task
 
-COUNTS = {"piqa": 1838, "arc_easy": 2376, "arc_challenge": 1172, "winogrande": 1267, "wsc273": 273,
-          "mmlu": 14042, "logiqa": 651, "lambada": 5153}
+COUNTS = {
+    "piqa": 1838,
+    "arc_easy": 2376,
+    "arc_challenge": 1172,
+    "winogrande": 1267,
+    "wsc273": 273,
+    "mmlu": 14042,
+    "logiqa": 651,
+    "lambada": 5153,
+}
 
 
 @pytest.fixture(scope="module")
@@ -31,34 +39,64 @@ def test_mmlu_has_57_subjects_with_letter_continuations(data_dir):
     examples = load_task("mmlu", data_dir)
     assert len({e.group for e in examples}) == 57
     assert all(e.continuations == [" A", " B", " C", " D"] for e in examples)
-    assert examples[0].contexts[0].startswith(
-        "The following are multiple choice questions (with answers) about abstract algebra.\n\n")
-    assert examples[0].contexts[0].endswith("\nA. 0\nB. 4\nC. 2\nD. 6\nAnswer:") and examples[0].label == 1
+    assert (
+        examples[0]
+        .contexts[0]
+        .startswith(
+            "The following are multiple choice questions (with answers) about abstract algebra.\n\n"
+        )
+    )
+    assert (
+        examples[0].contexts[0].endswith("\nA. 0\nB. 4\nC. 2\nD. 6\nAnswer:")
+        and examples[0].label == 1
+    )
 
 
 def test_harness_framings(data_dir):
     piqa = load_task("piqa", data_dir, 1)[0]
-    assert piqa.contexts == ["Question: How do I ready a guinea pig cage for it's new occupants?\nAnswer:"] * 2
+    assert (
+        piqa.contexts
+        == ["Question: How do I ready a guinea pig cage for it's new occupants?\nAnswer:"] * 2
+    )
     assert piqa.continuations[0].startswith(" Provide the guinea pig") and piqa.label == 0
     arc = load_task("arc_easy", data_dir, 1)[0]
-    assert arc.contexts[0] == ("Question: Which statement best explains why photosynthesis is the foundation "
-                               "of most food webs?\nAnswer:")
-    assert arc.continuations[0] == " Sunlight is the source of energy for nearly all ecosystems." and arc.label == 0
-    wino = load_task("winogrande", data_dir, 1)[0]  # "Sarah was a much better surgeon than Maria so _ always ..."
-    assert wino.contexts == ["Sarah was a much better surgeon than Maria so Sarah",
-                             "Sarah was a much better surgeon than Maria so Maria"]
+    assert arc.contexts[0] == (
+        "Question: Which statement best explains why photosynthesis is the foundation "
+        "of most food webs?\nAnswer:"
+    )
+    assert (
+        arc.continuations[0] == " Sunlight is the source of energy for nearly all ecosystems."
+        and arc.label == 0
+    )
+    wino = load_task("winogrande", data_dir, 1)[
+        0
+    ]  # "Sarah was a much better surgeon than Maria so _ always ..."
+    assert wino.contexts == [
+        "Sarah was a much better surgeon than Maria so Sarah",
+        "Sarah was a much better surgeon than Maria so Maria",
+    ]
     assert wino.continuations == [" always got the easier cases."] * 2 and wino.label == 1
     wsc = load_task("wsc273", data_dir, 1)[0]  # the option's article is lowercased mid-sentence
-    assert wsc.contexts == ["The city councilmen refused the demonstrators a permit because the city councilmen",
-                            "The city councilmen refused the demonstrators a permit because the demonstrators"]
+    assert wsc.contexts == [
+        "The city councilmen refused the demonstrators a permit because the city councilmen",
+        "The city councilmen refused the demonstrators a permit because the demonstrators",
+    ]
     assert wsc.continuations == [" feared violence."] * 2 and wsc.label == 0
     logiqa = load_task("logiqa", data_dir, 1)[0]
     assert logiqa.contexts[0].startswith("Passage: In the planning of a new district in a township")
-    assert "\nQuestion: Based on the above statement, which of the following can be derived?\nChoices:\nA. " \
-        in logiqa.contexts[0] and logiqa.contexts[0].endswith("\nAnswer:")
-    assert logiqa.continuations[0] == " Civic Park is north of the administrative service area" and logiqa.label == 0
+    assert (
+        "\nQuestion: Based on the above statement, which of the following can be derived?\nChoices:\nA. "
+        in logiqa.contexts[0]
+        and logiqa.contexts[0].endswith("\nAnswer:")
+    )
+    assert (
+        logiqa.continuations[0] == " Civic Park is north of the administrative service area"
+        and logiqa.label == 0
+    )
     lambada = load_task("lambada", data_dir, 1)[0]
-    assert lambada.contexts[0].endswith("I don't care about") and lambada.continuations == [" signs"]
+    assert lambada.contexts[0].endswith("I don't care about") and lambada.continuations == [
+        " signs"
+    ]
 
 
 def test_missing_file_is_named(tmp_path):

@@ -1,0 +1,33 @@
+"""File helpers every stage shares: whole-or-nothing writes and content hashes."""
+
+import hashlib
+import os
+from pathlib import Path
+
+
+def atomic_write(path, write) -> Path:
+    """Create or replace `path` whole or not at all: `write(tmp)` fills a temporary file beside it, which then
+    replaces `path` in one rename. A kill at any moment leaves the old file (or none), never a truncated one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def write_text(path, text: str) -> Path:
+    """atomic_write for a UTF-8 text file."""
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def sha256_file(path, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file's bytes, read in chunks of 4 MiB (about a second per 500 MB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
