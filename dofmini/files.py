@@ -6,8 +6,10 @@ from pathlib import Path
 
 
 def atomic_write(path, write) -> Path:
-    """Create or replace `path` whole or not at all: `write(tmp)` fills a temporary file beside it, which then
-    replaces `path` in one rename. A kill at any moment leaves the old file (or none), never a truncated one."""
+    """Create or replace `path` whole or not at all.
+
+    `write(tmp)` fills a temporary file beside `path`, which then replaces it in one rename: a kill
+    at any moment leaves the old file (or none), never a truncated one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
