@@ -1,352 +1,501 @@
-"""The paper's comparison for one teacher, in one command: estimate DoF, allocate feature dims, train every
-variant, evaluate everything, and write results.json, report.md and SVG charts.
+"""The paper's comparison for one teacher, in one command: estimate DoF, allocate feature dims, train
+every variant at every budget and seed, evaluate everything, and write results.json, report.md and
+SVG charts.
 
-    python reproduce.py gpt2                                  # a named model (downloaded once into weights/)
-    python reproduce.py ../shared/weights/standin-gpt2 --profile quick
+    python reproduce.py gpt2                        # a named model, downloaded once into weights/
+    python reproduce.py path/to/checkpoint --profile quick
 
-Each stage saves what it made under --out; running the same command again skips finished stages.
+Every setting of a run is one field of RunConfig below. Each stage saves its result under --out with
+the settings and inputs that made it; running again reuses a stage only when they match.
 """
 
 import argparse
+import dataclasses
 import json
-import os
+import math
 import platform
+import subprocess
+import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import dofmini
-from dofmini import dijiang, distill, dof, evaluate, plots
-from dofmini.checkpoint import CheckpointError, load_tokenizer
+from dofmini import data, dof, evaluate, report
+from dofmini.checkpoint import CheckpointError, load_tokenizer, resolve
+from dofmini.distill import distill, train_direct
+from dofmini.files import atomic_write, sha256_file, write_text
+from dofmini.students import load_student, make_student, save_student
 
-DATA = Path(__file__).resolve().parent.parent / "shared" / "data"
-VARIANTS = ("performer", "dijiang", "fix", "dof", "dof_clip")
+VARIANTS = ("performer", "dijiang", "fix", "dof", "dof_clip", "oracle")
 LOSSES = ("softmax", "l2", "direct")
-# ctx None: the model's own context, at most 2048. steps: optimiser steps of `batch` windows of ctx tokens (None:
-# one pass over the Wikipedia corpus, as the paper's one pass over its slice).
-# eval_windows: perplexity windows per text (None: all of it); limit: examples per task; error_windows: batches of
-# 4 held-out windows for the per-layer errors.
-PROFILES = {
-    "quick": dict(
-        ctx=64,
-        J=128,
-        calib_windows=8,
-        steps=4,
-        batch=2,
-        eval_windows=4,
-        limit=4,
-        error_windows=1,
-        train_chars=200_000,
-    ),
-    "default": dict(
-        ctx=256,
-        J=1024,
-        calib_windows=64,
-        steps=400,
-        batch=8,
-        eval_windows=128,
-        limit=100,
-        error_windows=8,
-        train_chars=None,
-    ),
-    "paper": dict(
-        ctx=None,
-        J=1024,
-        calib_windows=64,
-        steps=None,
-        batch=8,
-        eval_windows=None,
-        limit=None,
-        error_windows=8,
-        train_chars=None,
-    ),
-}
-SWEEP_LAMBDA, SWEEP_J = (2.0**-12, 2.0**-8, 2.0**-4, 1.0), (256, 512, 1024, 2048)
+TRAINED_PRF = ("fix", "dof", "dof_clip", "oracle")  # variants whose draw is trained
 PROMPT = "The history of the city begins in the"
+SEED_LIMIT = 2**31 - 1  # seeds are offset by the layer index and must stay within torch's range
+# steps None: one pass over the training corpus (the paper's one pass over its Wikipedia slice);
+# eval_windows None: all of each perplexity text; limit 0: no tasks.
+PROFILES = {
+    "quick": dict(ctx=64, J=128, calib_windows=8, steps=4, batch=2, eval_windows=4, limit=4,
+                  error_windows=4, curve_windows=4, train_chars=200_000),
+    "default": dict(ctx=256, J=1024, calib_windows=64, steps=400, batch=8, eval_windows=128,
+                    limit=100, error_windows=32, curve_windows=16, train_chars=None),
+    "study": dict(ctx=256, J=1024, calib_windows=64, steps=200, batch=8, eval_windows=64, limit=0,
+                  error_windows=32, curve_windows=16, train_chars=None, seeds=(0, 1, 2),
+                  budgets=(16, 32, 64), variants=("fix", "dof", "oracle"),
+                  losses=(("softmax", None), ("l2", (64,)))),
+    "paper": dict(ctx=None, J=1024, calib_windows=64, steps=None, batch=8, eval_windows=None,
+                  limit=None, error_windows=32, curve_windows=16, train_chars=None),
+}  # fmt: skip
 
 
-def parse_args(argv):
+@dataclass(frozen=True)
+class RunConfig:
+    """Every setting a run depends on. Profiles fill the sizes; flags override single fields."""
+
+    model: str
+    profile: str = "default"
+    out: Path | None = None  # default runs/<model>-<profile>
+    data: Path | None = None  # the data store; default DOFMINI_DATA or the user cache
+    device: str = "cpu"
+    variants: tuple = ("performer", "dijiang", "fix", "dof", "dof_clip")
+    losses: tuple = (("softmax", None),)  # (loss, budgets it runs at; None: every budget)
+    seeds: tuple = (0,)  # each sets the feature draw and the data order; Fix and DoF share it
+    budgets: tuple | None = None  # mean features per layer; None: the head size
+    curve_dims: tuple = (8, 16, 32, 64, 128)  # per-layer error curves, for the oracle
+    lam: float | None = None  # DoF λ; None: 2^-4 for GPT-2, 2^-8 for Pythia (the paper's)
+    J: int = 1024  # queries and keys sampled per head for DoF
+    raw_gram: bool = False  # DoF from the raw Gram G instead of G/J
+    sweep: bool = False  # also sweep λ and J (sweep.md)
+    ctx: int | None = 256  # None: the model's own context, at most MAX_CTX
+    calib_windows: int = 64  # windows of WikiText-2 valid for DoF
+    steps: int | None = 400  # optimiser steps per student; None: one pass over the corpus
+    batch: int = 8  # windows per step
+    lr: float = 0.02  # z (the paper's)
+    lr_a: float = 0.2  # a = log α (the paper's)
+    train_chars: int | None = None  # read only this many characters of the corpus
+    eval_windows: int | None = 128  # perplexity windows per text; None: all
+    limit: int | None = 100  # examples per task; None: all; 0: no tasks
+    error_windows: int = 32  # held-out windows for the per-layer errors
+    curve_windows: int = 16  # the next held-out windows, for the error curves
+    max_ctx: int = 2048
+    sweep_lams: tuple = (2.0**-12, 2.0**-8, 2.0**-4, 1.0)
+    sweep_Js: tuple = (256, 512, 1024, 2048)
+
+    def loss_budgets(self, budgets):
+        """[(loss, budget)] this run trains the PRF variants at."""
+        return [
+            (loss, b) for loss, only in self.losses for b in budgets if only is None or b in only
+        ]
+
+
+def parse_args(argv) -> RunConfig:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
-    p.add_argument(
-        "model",
-        help="a known name (gpt2, pythia-70m, pythia-160m, pythia-410m, pythia-1b) or a\n"
-        "checkpoint folder holding config.json, model.safetensors, tokenizer.json",
-    )
-    p.add_argument(
-        "--profile",
-        choices=PROFILES,
-        default="default",
-        help="quick: a smoke run (minutes on CPU); default: meaningful numbers on a stand-in\n"
-        "(under an hour on 2 cores); paper: the paper's settings, meant for a GPU",
-    )
+    p.add_argument("model", help="a known name (gpt2, pythia-70m, -160m, -410m, -1b) or a folder\n"
+                                 "holding config.json, model.safetensors, tokenizer.json")  # fmt: skip
+    p.add_argument("--profile", choices=PROFILES, default="default",
+                   help="quick: a smoke run; default: one seed, one budget; study: seeds 0-2,\n"
+                        "budgets 16/32/64, Fix/DoF/oracle, softmax and l2@64; paper: the paper's\n"
+                        "sizes, meant for a GPU")  # fmt: skip
     p.add_argument("--out", type=Path, help="output folder (default runs/<model>-<profile>)")
+    p.add_argument("--data", type=Path, help="data store (default $DOFMINI_DATA, else the cache)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--variants", help=f"comma-separated, from {', '.join(VARIANTS)}")
     p.add_argument(
         "--loss",
-        default="softmax",
-        help=f"comma-separated losses for fix/dof/dof_clip: {', '.join(LOSSES)}",
+        help="comma-separated losses for the PRF variants, from "
+        f"{', '.join(LOSSES)};\nLOSS:B1/B2 runs LOSS at those budgets only",
     )
-    p.add_argument(
-        "--variants",
-        default=",".join(VARIANTS),
-        help=f"comma-separated, from {', '.join(VARIANTS)}",
-    )
-    p.add_argument(
-        "--seed", type=int, default=0, help="seed of every random draw (recorded in the outputs)"
-    )
-    p.add_argument("--limit", type=int, help="first N examples per task (overrides the profile)")
-    p.add_argument(
-        "--lam", type=float, help="DoF regulariser λ (default 2^-4 for GPT-2, 2^-8 for Pythia)"
-    )
-    p.add_argument(
-        "--raw-gram", action="store_true", help="DoF from the raw Gram G instead of G/J (SPEC §3)"
-    )
-    p.add_argument(
-        "--sweep",
-        action="store_true",
-        help="also sweep λ in 2^-12..2^0 and J in 256..2048 and report\n"
-        "how the allocation moves (sweep.md)",
-    )
-    p.add_argument(
-        "--data", type=Path, default=DATA, help="the shared data folder (default ../shared/data)"
-    )
+    p.add_argument("--seeds", help="comma-separated seeds (default 0)")
+    p.add_argument("--seed", type=int, help="one seed (same as --seeds N)")
+    p.add_argument("--budgets", help="comma-separated mean features per layer (default: head size)")
+    p.add_argument("--limit", type=int, help="first N examples per task (0: no tasks)")
+    p.add_argument("--lam", type=float, help="DoF λ (default 2^-4 for GPT-2, 2^-8 for Pythia)")
+    p.add_argument("--raw-gram", action="store_true", help="DoF from the raw Gram G, not G/J")
+    p.add_argument("--sweep", action="store_true", help="also sweep λ and J (sweep.md)")
     args = p.parse_args(argv)
-    args.loss, args.variants = args.loss.split(","), args.variants.split(",")
-    for value, known, what in ((args.loss, LOSSES, "loss"), (args.variants, VARIANTS, "variant")):
-        unknown = [v for v in value if v not in known]
-        if unknown:
-            raise SystemExit(
-                f"reproduce.py: error: unknown {what} {unknown[0]!r}; choose from {', '.join(known)}"
-            )
-    if args.device not in ("cpu", "cuda") or (
-        args.device == "cuda" and not torch.cuda.is_available()
+    fields = dict(PROFILES[args.profile])
+    fields.update(model=args.model, profile=args.profile, out=args.out, data=args.data,
+                  device=args.device, raw_gram=args.raw_gram, sweep=args.sweep)  # fmt: skip
+    if args.variants:
+        fields["variants"] = tuple(args.variants.split(","))
+    if args.loss:
+        fields["losses"] = tuple(_loss_spec(part) for part in args.loss.split(","))
+    if args.seeds or args.seed is not None:
+        fields["seeds"] = _ints("--seeds", args.seeds) if args.seeds else (args.seed,)
+    if args.budgets:
+        fields["budgets"] = _ints("--budgets", args.budgets)
+    for name in ("limit", "lam"):
+        if getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
+    return check(RunConfig(**fields))
+
+
+def _fail(message: str):
+    raise SystemExit(f"reproduce.py: error: {message}")
+
+
+def _ints(flag: str, text: str) -> tuple:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        _fail(f"{flag} {text!r}: expected comma-separated integers")
+
+
+def _loss_spec(text: str):
+    loss, _, budgets = text.partition(":")
+    return loss, (_ints("--loss", budgets.replace("/", ",")) if budgets else None)
+
+
+def check(cfg: RunConfig) -> RunConfig:
+    """Every value checked before any model or data work; one line naming the flag and the value."""
+    for variant in cfg.variants:
+        if variant not in VARIANTS:
+            _fail(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    for loss, budgets in cfg.losses:
+        if loss not in LOSSES:
+            _fail(f"unknown loss {loss!r}; choose from {', '.join(LOSSES)}")
+        if budgets and cfg.budgets and not set(budgets) <= set(cfg.budgets):
+            _fail(f"--loss {loss}:{budgets} names budgets outside --budgets {cfg.budgets}")
+    if cfg.lam is not None and not (cfg.lam > 0 and math.isfinite(cfg.lam)):
+        _fail(f"--lam {cfg.lam}: expected a positive finite number")
+    if cfg.limit is not None and cfg.limit < 0:
+        _fail(f"--limit {cfg.limit}: expected 0 (no tasks) or more")
+    for seed in cfg.seeds:
+        if not 0 <= seed <= SEED_LIMIT - 1000:
+            _fail(f"--seeds {seed}: expected 0..{SEED_LIMIT - 1000}")
+    if len(set(cfg.seeds)) != len(cfg.seeds):
+        _fail(f"--seeds {cfg.seeds}: a seed appears twice")
+    for budget in cfg.budgets or ():
+        if budget < 1:
+            _fail(f"--budgets {budget}: expected a positive number of features per layer")
+    if cfg.device not in ("cpu", "cuda") or (
+        cfg.device == "cuda" and not torch.cuda.is_available()
     ):
-        raise SystemExit(
-            f"reproduce.py: error: --device {args.device} is not available here; use cpu"
-            + ("" if args.device != "cuda" else " (torch sees no CUDA device)")
-        )
-    return args
+        extra = " (torch sees no CUDA device)" if cfg.device == "cuda" else ""
+        _fail(f"--device {cfg.device} is not available here; use cpu{extra}")
+    out = cfg.out or Path("runs") / f"{Path(cfg.model).name}-{cfg.profile}"
+    if out.exists() and not out.is_dir():
+        _fail(f"--out {out} exists and is not a directory")
+    try:
+        (out / "students").mkdir(parents=True, exist_ok=True)
+        (out / "eval").mkdir(exist_ok=True)
+    except OSError as err:
+        _fail(f"--out {out} cannot be created: {err.strerror}")
+    return dataclasses.replace(cfg, out=out, data=data.store_dir(cfg.data))
 
 
-def stage(path: Path, compute, log):
-    """Run `compute` unless `path` holds its saved result; save atomically so an interruption loses nothing."""
+def log(message: str):
+    print(message, flush=True)
+
+
+def stage(path: Path, key: dict, compute):
+    """compute() unless `path` holds a result made with the same `key` (settings and inputs)."""
+    key = json.loads(json.dumps(key))
     if path.is_file():
-        log(f"skip: {path} already done")
-        return json.loads(path.read_text())
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key:
+            log(f"skip: {path} done")
+            return saved["result"]
+        old = saved.get("key", {})
+        changed = sorted(k for k in old.keys() | key.keys() if old.get(k) != key.get(k))
+        log(f"redo: {path}: {', '.join(changed)} changed")
     result = compute()
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, path)
+    write_text(path, json.dumps({"key": key, "result": result}, indent=1, sort_keys=True))
     return result
 
 
-def tokens(out: Path, name: str, files, tokenizer, max_chars=None) -> torch.Tensor:
-    """Token ids of text files, encoded once and cached as .npy (no pickle)."""
-    cache = out / f"tokens-{name}.npy"
-    if not cache.is_file():
-        text = "".join(Path(f).read_text(encoding="utf-8") for f in files)[:max_chars]
-        np.save(cache, np.array(tokenizer.encode(text).ids, dtype=np.int64))
-    return torch.from_numpy(np.load(cache))
+def token_ids(path: Path, key: dict, texts, tokenizer, max_chars) -> torch.Tensor:
+    """Token ids of text files, encoded once and cached as .npy (no pickle) beside a key file."""
+    key_path = path.with_suffix(".json")
+    key = json.loads(json.dumps(key))
+    if path.is_file() and key_path.is_file() and json.loads(key_path.read_text()) == key:
+        return torch.from_numpy(np.load(path))
+    text = "".join(Path(f).read_text(encoding="utf-8") for f in texts)[:max_chars]
+    ids = np.array(tokenizer.encode(text).ids, dtype=np.int64)
+    atomic_write(path, lambda tmp: np.save(open(tmp, "wb"), ids))
+    write_text(key_path, json.dumps(key, sort_keys=True))
+    return torch.from_numpy(ids)
+
+
+# Examples per task and tokens one example puts through the model (its choices summed; MMLU's four
+# letters share one input), with the GPT-2 tokenizer: the run plan's time estimate uses them.
+TASK_SIZES = {"piqa": (1838, 74), "arc_easy": (2376, 131), "arc_challenge": (1172, 145),
+              "winogrande": (1267, 44), "wsc273": (273, 43), "mmlu": (14042, 112),
+              "logiqa": (651, 814), "lambada": (5153, 85)}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Student:
+    variant: str
+    loss: str
+    budget: int
+    seed: int
+    dims: tuple
+
+    @property
+    def name(self) -> str:
+        return f"{self.variant}/{self.loss}/b{self.budget}/s{self.seed}"
+
+    @property
+    def stem(self) -> str:
+        return self.name.replace("/", "-")
+
+
+@dataclass
+class Run:
+    """What the stages share: the settings, the teacher, the texts, the plan and the clock."""
+
+    cfg: RunConfig
+    teacher: object
+    tokenizer: object
+    ctx: int
+    lam: float
+    budgets: tuple
+    inputs: dict  # what made the texts: {"teacher", "tokenizer", data file hashes}
+    texts: dict = field(default_factory=dict)  # name -> token ids
+    plan: list = field(default_factory=list)  # [(stage name, estimated seconds)]
+    done_estimate: float = 0.0
+    t0: float = field(default_factory=time.time)
+
+    def begin(self, name: str):
+        """A progress line: which stage of how many, and the whole run's estimated time left."""
+        names = [n for n, _ in self.plan]
+        index = names.index(name)
+        estimates = dict(self.plan)
+        self.done_estimate = sum(s for _, s in self.plan[:index])
+        elapsed = time.time() - self.t0
+        pace = elapsed / self.done_estimate if self.done_estimate > 30 else 1.0
+        left = pace * sum(s for _, s in self.plan[index:])
+        log(f"[{index + 1}/{len(names)}] {name} (~{_duration(estimates[name] * pace)}; "
+            f"run ~{_duration(left)} left)")  # fmt: skip
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min"
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    t_start = time.time()
+    cfg = parse_args(argv)
     try:
-        teacher = dofmini.load(args.model).to(args.device)
-        tokenizer = load_tokenizer(args.model)
-    except CheckpointError as err:
-        raise SystemExit(f"reproduce.py: error: {err}")
-    cfg, prof = teacher.config, dict(PROFILES[args.profile])
-    if args.limit is not None:
-        prof["limit"] = args.limit
-    ctx = min(prof["ctx"] or cfg.n_ctx, cfg.n_ctx, 2048)
-    lam = args.lam or (2.0**-4 if cfg.family == "gpt2" else 2.0**-8)
-    out = args.out or Path("runs") / f"{Path(str(args.model)).name}-{args.profile}"
-    (out / "students").mkdir(parents=True, exist_ok=True)
-    (out / "eval").mkdir(exist_ok=True)
-    log = lambda msg: print(msg, flush=True)  # noqa: E731
+        hashes = fetch_data(cfg)
+        run = load_teacher(cfg, hashes)
+    except (CheckpointError, data.DataError) as err:
+        _fail(str(err))
+    plan_run(run)
+    encode_texts(run)
+    teacher_result = evaluate_teacher(run)
+    allocation = estimate_allocation(run)
+    sweep_rows = sweep(run) if cfg.sweep else None
+    curves = error_curves(run) if "oracle" in cfg.variants else None
+    students = {}
+    for spec in student_specs(run, allocation, curves):
+        students[spec.name] = train_and_evaluate(run, spec)
+    results = collect(run, teacher_result, allocation, sweep_rows, curves, students)
+    write_text(cfg.out / "results.json", json.dumps(results, indent=1, sort_keys=True))
+    summary = report.write(cfg.out, results)
+    log("\n" + summary)
+    show_generation(run, students)
+
+
+def fetch_data(cfg: RunConfig) -> dict:
+    """Every data file the run reads, present and verified (downloaded if missing): {path: sha256}."""
+    missing = data.missing(data_groups(cfg), cfg.data)
+    if missing:
+        size = sum(row[2] for row in missing)
+        log(f"data: {len(missing)} files ({size / 1e6:.1f} MB) to download into {cfg.data}")
+    return data.ensure(data_groups(cfg), cfg.data, log=log)
+
+
+def data_groups(cfg: RunConfig) -> list:
+    tasks = [] if cfg.limit == 0 else list(evaluate.TASKS)
+    return ["wikitext2", "corpus", "heldout", *tasks]
+
+
+def load_teacher(cfg: RunConfig, hashes: dict) -> Run:
+    teacher = dofmini.load(cfg.model).to(cfg.device)
+    tokenizer = load_tokenizer(cfg.model)
+    model_cfg = teacher.config
+    ctx = min(cfg.ctx or model_cfg.n_ctx, model_cfg.n_ctx, cfg.max_ctx)
+    lam = cfg.lam if cfg.lam is not None else (2.0**-4 if model_cfg.family == "gpt2" else 2.0**-8)
+    budgets = cfg.budgets or (model_cfg.head_dim,)
+    inputs = {"teacher": teacher.identity,
+              "tokenizer": sha256_file(resolve(cfg.model) / "tokenizer.json")[:16], **hashes}  # fmt: skip
+    log(f"dofmini: {model_cfg.name} ({model_cfg.family}, {model_cfg.n_layer} layers x "
+        f"{model_cfg.n_head} heads of {model_cfg.head_dim}), profile {cfg.profile}, ctx {ctx}, "
+        f"seeds {list(cfg.seeds)}, budgets {list(budgets)}, out {cfg.out}")  # fmt: skip
+    return Run(cfg, teacher, tokenizer, ctx, lam, tuple(budgets), inputs)
+
+
+def student_keys(run: Run) -> list:
+    """(variant, loss, budget, seed) of every student, in run order, known before DoF is estimated.
+    The oracle needs every layer's error curve first: Fix students at each of curve_dims."""
+    cfg, keys = run.cfg, []
+    if "oracle" in cfg.variants:
+        keys += [("fix", "softmax", m, seed) for seed in cfg.seeds for m in cfg.curve_dims]
+    for seed in cfg.seeds:
+        if "dijiang" in cfg.variants:
+            keys.append(("dijiang", "direct", run.teacher.config.head_dim, seed))
+        if "performer" in cfg.variants:
+            keys += [("performer", "none", b, seed) for b in run.budgets]
+        for loss, b in cfg.loss_budgets(run.budgets):
+            keys += [(v, loss, b, seed) for v in cfg.variants if v in TRAINED_PRF]
+    return list(dict.fromkeys(keys))
+
+
+def probe(run: Run) -> dict:
+    """Seconds per window of ctx tokens for the operations the stages repeat, timed once here (after a
+    warm-up) on random tokens: a forward pass with logits, a distillation step of each loss, a direct
+    step; and one J×J Cholesky factorisation."""
+    cfg, teacher = run.cfg, run.teacher
+    ids = torch.randint(0, teacher.config.vocab_size, (2, run.ctx), generator=torch.Generator())
+    ids = ids.to(cfg.device)
+    dims = [teacher.config.head_dim] * teacher.config.n_layer
+    costs = {}
+
+    def timed(name, work):
+        work()  # warm-up
+        t0 = time.perf_counter()
+        work()
+        costs[name] = (time.perf_counter() - t0) / len(ids)
+
+    with torch.no_grad():
+        timed("forward", lambda: teacher(ids))
+    flat = ids.flatten().cpu()
+    quiet = dict(steps=1, batch=2, ctx=run.ctx, log=lambda _: None)
+    timed("softmax", lambda: distill(teacher, dims, flat, loss="softmax", **quiet))
+    timed("l2", lambda: distill(teacher, dims, flat, loss="l2", **quiet))
+    student = make_student(teacher, "prf", dims, 0)
+    timed("direct", lambda: train_direct(student, flat, **quiet))
+    gram = torch.eye(cfg.J, dtype=torch.float64)
+    t0 = time.perf_counter()
+    torch.linalg.cholesky(gram)
+    costs["cholesky"] = time.perf_counter() - t0
+    return costs
+
+
+def plan_run(run: Run):
+    """Print the run's stages with their sizes and estimated times; keep them for the progress lines."""
+    cfg, model_cfg, ctx = run.cfg, run.teacher.config, run.ctx
+    costs = probe(run)
+    test_windows = cfg.eval_windows or 1200  # WikiText-2 test at ctx 256 is about 1,100 windows
+    tasks = [] if cfg.limit == 0 else list(TASK_SIZES)
+    task_tokens = sum(min(cfg.limit or n, n) * tokens for n, tokens in
+                      (TASK_SIZES[t] for t in tasks))  # fmt: skip
+    evaluation = 2 * test_windows * costs["forward"] + task_tokens / ctx * costs["forward"]
+    errors = cfg.error_windows * costs["softmax"] / 2
+    train_windows = (cfg.steps or 3_500_000 // ctx // cfg.batch) * cfg.batch
+    heads = model_cfg.n_layer * model_cfg.n_head
+    dof_seconds = cfg.calib_windows * costs["forward"] + heads * costs["cholesky"] * 3
+    run.plan = [("teacher evaluation", evaluation), ("DoF estimate", dof_seconds)]
+    if cfg.sweep:
+        run.plan.append(("DoF sweep", dof_seconds * 2 * len(cfg.sweep_lams) * len(cfg.sweep_Js)))
+    for variant, loss, budget, seed in student_keys(run):
+        step = 0 if variant == "performer" else costs["direct" if loss == "direct" else loss]
+        name = Student(variant, loss, budget, seed, ()).name
+        run.plan.append((name, train_windows * step + 2 * errors + evaluation))
+    total = sum(s for _, s in run.plan)
     log(
-        f"dofmini: {cfg.name} ({cfg.family}, {cfg.n_layer} layers x {cfg.n_head} heads of {cfg.head_dim}), "
-        f"profile {args.profile}, ctx {ctx}, seed {args.seed}, out {out}"
+        f"plan ({'probe on ' + cfg.device}: forward {costs['forward']:.3f} s, softmax step "
+        f"{costs['softmax']:.3f} s, direct step {costs['direct']:.3f} s per window of {ctx}):"
     )
-
-    wiki = args.data / "wikitext-2-raw"
-    test_ids = tokens(
-        out, "wikitext2-test", [args.data / evaluate.PPL_TEXTS["wikitext2"]], tokenizer
+    log(
+        f"  each student: {train_windows // cfg.batch} steps of {cfg.batch} windows = "
+        f"{train_windows * ctx:,} tokens; evaluation on {test_windows} windows per text, "
+        f"{'no tasks' if not tasks else f'{len(tasks)} tasks'}"
     )
-    heldout_ids = tokens(out, "heldout", [args.data / evaluate.PPL_TEXTS["heldout"]], tokenizer)
-    train_ids = tokens(
-        out,
-        "train",
-        sorted((args.data / "corpus" / "wikipedia").glob("*.txt")),
-        tokenizer,
-        prof["train_chars"],
-    )
-    calib_ids = tokens(out, "wikitext2-valid", [wiki / "wiki.valid.raw"], tokenizer)[
-        : prof["calib_windows"] * ctx
-    ]
-    prof["steps"] = prof["steps"] or max(1, len(train_ids) // (prof["batch"] * ctx))
+    for name, seconds in run.plan:
+        log(f"  {name}: ~{_duration(seconds)}")
+    log(f"  total: ~{_duration(total)} (estimated from the probe; finished stages are skipped)")
 
-    def evaluate_model(model):
-        return evaluate.evaluate_model(
-            model,
-            tokenizer,
-            {"wikitext2": test_ids, "heldout": heldout_ids},
-            ctx,
-            prof["eval_windows"],
-            prof["limit"],
-            data_dir=args.data,
-        )
 
-    teacher_result = stage(out / "teacher.json", lambda: evaluate_model(teacher), log)
-    log(f"teacher: WikiText-2 perplexity {teacher_result['wikitext2_ppl']:.2f} (ctx {ctx})")
+def encode_texts(run: Run):
+    """calib (WikiText-2 valid, for DoF), wikitext2 (test), heldout and train token ids."""
+    cfg = run.cfg
+    sources = {"calib": data.files("wikitext2")[:1], "wikitext2": data.files("wikitext2")[1:],
+               "heldout": data.files("heldout"), "train": data.files("corpus")}  # fmt: skip
+    for name, relative in sources.items():
+        max_chars = cfg.train_chars if name == "train" else None
+        key = {"tokenizer": run.inputs["tokenizer"], "max_chars": max_chars,
+               "files": {r: run.inputs[r] for r in relative}}  # fmt: skip
+        files = [cfg.data / r for r in relative]
+        run.texts[name] = token_ids(cfg.out / f"tokens-{name}.npy", key, files, run.tokenizer,
+                                    max_chars)  # fmt: skip
+    run.texts["calib"] = run.texts["calib"][: cfg.calib_windows * run.ctx]
 
-    def estimate():
+
+def eval_key(run: Run) -> dict:
+    """What an evaluation's numbers depend on besides the model."""
+    cfg = run.cfg
+    return {"ctx": run.ctx, "eval_windows": cfg.eval_windows, "limit": cfg.limit,
+            "error_windows": cfg.error_windows, "tokenizer": run.inputs["tokenizer"],
+            "data": {k: v for k, v in run.inputs.items() if "/" in k}}  # fmt: skip
+
+
+def evaluate_model(run: Run, model) -> dict:
+    cfg = run.cfg
+    texts = {"wikitext2": run.texts["wikitext2"], "heldout": run.texts["heldout"]}
+    tasks = () if cfg.limit == 0 else tuple(evaluate.TASKS)
+    return evaluate.evaluate_model(model, run.tokenizer, texts, run.ctx, cfg.eval_windows,
+                                   cfg.limit, tasks, cfg.data)  # fmt: skip
+
+
+def evaluate_teacher(run: Run) -> dict:
+    run.begin("teacher evaluation")
+    key = {"teacher": run.inputs["teacher"], **eval_key(run)}
+    result = stage(run.cfg.out / "teacher.json", key, lambda: evaluate_model(run, run.teacher))
+    log(f"teacher: WikiText-2 perplexity {result['wikitext2_ppl']:.2f} (ctx {run.ctx})")
+    return result
+
+
+def estimate_allocation(run: Run) -> dict:
+    """Per-head DoF on calibration text, and each variant's dims at each budget (Algorithm 1)."""
+    run.begin("DoF estimate")
+    cfg, model_cfg = run.cfg, run.teacher.config
+    key = {"teacher": run.inputs["teacher"], "lam": run.lam, "J": cfg.J, "seed": cfg.seeds[0],
+           "normalize": not cfg.raw_gram, "ctx": run.ctx, "calib_windows": cfg.calib_windows,
+           "budgets": list(run.budgets), "calib": run.inputs[data.files("wikitext2")[0]]}  # fmt: skip
+
+    def compute():
         t0 = time.time()
-        per_head = dof.estimate_dof(
-            teacher, calib_ids, lam, prof["J"], args.seed, not args.raw_gram, ctx
-        )
+        calib = run.texts["calib"]
+        per_head = dof.estimate_dof(run.teacher, calib, run.lam, cfg.J, cfg.seeds[0],
+                                    not cfg.raw_gram, run.ctx)  # fmt: skip
         layer = per_head.amax(-1)
-        return {
-            "lam": lam,
-            "J": prof["J"],
-            "seed": args.seed,
-            "normalize": not args.raw_gram,
-            "calibration": f"{wiki / 'wiki.valid.raw'} (first {len(calib_ids)} tokens, ctx {ctx})",
-            "per_head": per_head.tolist(),
-            "warning": dof.saturation_warning(per_head, prof["J"]),
-            "dims": {
-                "fix": [cfg.head_dim] * cfg.n_layer,
-                "dof": dof.allocate(layer, cfg.head_dim),
-                "dof_clip": dof.allocate(layer, cfg.head_dim, cap=cfg.head_dim),
-            },
-            "seconds": time.time() - t0,
-        }
+        cap = model_cfg.head_dim
+        dims = {str(b): {"fix": [b] * model_cfg.n_layer, "dof": dof.allocate(layer, b),
+                         "dof_clip": dof.allocate(layer, b, cap=cap)} for b in run.budgets}  # fmt: skip
+        return {"lam": run.lam, "J": cfg.J, "seed": cfg.seeds[0], "normalize": not cfg.raw_gram,
+                "calibration": f"{data.files('wikitext2')[0]}: first {len(calib)} tokens, ctx {run.ctx}",
+                "per_head": per_head.tolist(), "warning": dof.saturation_warning(per_head, cfg.J),
+                "dims": dims, "seconds": time.time() - t0}  # fmt: skip
 
-    dof_result = stage(out / "allocation.json", estimate, log)
-    write_dof_outputs(out, dof_result, log)
-    if args.sweep:
-        sweep(out, teacher, calib_ids, ctx, args, log)
-
-    variants = {}
-    for variant in args.variants:
-        for loss in {"performer": ["none"], "dijiang": ["direct"]}.get(variant, args.loss):
-            key = f"{variant}/{loss}"
-            dims = dof_result["dims"].get(variant, [cfg.head_dim] * cfg.n_layer)
-            student, train_seconds = train_variant(
-                teacher, variant, loss, dims, train_ids, ctx, prof, args, out, log
-            )
-
-            def evaluate_student():
-                errors = distill.layer_errors(
-                    teacher, student, heldout_ids, ctx, prof["error_windows"]
-                )
-                return {
-                    "dims": dims,
-                    "train_seconds": train_seconds,
-                    "layer_error": errors,
-                    **evaluate_model(student),
-                }
-
-            def evaluate_untrained():  # the draw that training started from, shared by every loss
-                return distill.layer_errors(
-                    teacher,
-                    distill.make_student(teacher, dims, args.seed),
-                    heldout_ids,
-                    ctx,
-                    prof["error_windows"],
-                )
-
-            variants[key] = stage(out / "eval" / f"{variant}-{loss}.json", evaluate_student, log)
-            if variant in ("fix", "dof", "dof_clip"):
-                variants[key]["layer_error_before"] = stage(
-                    out / "eval" / f"{variant}-untrained.json", evaluate_untrained, log
-                )
-            log(f"{key}: WikiText-2 perplexity {variants[key]['wikitext2_ppl']:.2f}")
-
-    results = {
-        "teacher": {"name": cfg.name, "identity": teacher.identity, **teacher_result},
-        "dof": dof_result,
-        "variants": variants,
-        # a resumed run skips finished stages, so its own wall time says little: the stages' sum is the cost
-        "timings": {
-            "stages_seconds": teacher_result["eval_seconds"]
-            + dof_result["seconds"]
-            + sum(v["train_seconds"] + v["eval_seconds"] for v in variants.values()),
-            "this_invocation_seconds": time.time() - t_start,
-            "dof_seconds": dof_result["seconds"],
-        },
-        "config": {
-            "profile": args.profile,
-            **prof,
-            "ctx": ctx,
-            "seed": args.seed,
-            "device": args.device,
-            "losses": args.loss,
-            "variants": args.variants,
-        },
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "numpy": np.__version__,
-        },
-    }
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    report = write_report(out, results)
-    log("\n" + report["summary"])
-    show_generation(teacher, variants, tokenizer, out, log)
+    result = stage(cfg.out / "allocation.json", key, compute)
+    report.write_allocation(cfg.out, result, log)
+    return result
 
 
-def write_dof_outputs(out: Path, result: dict, log):
-    """dof.csv (per head), allocation.svg, and the per-layer table on the terminal."""
-    per_head, dims = result["per_head"], result["dims"]
-    rows = ["layer,head,dof"] + [
-        f"{l},{h},{v:.4f}" for l, heads in enumerate(per_head) for h, v in enumerate(heads)
-    ]
-    (out / "dof.csv").write_text("\n".join(rows) + "\n")
-    plots.allocation_chart(
-        dims["dof"],
-        per_head,
-        out / "allocation.svg",
-        f"DoF allocation (λ={result['lam']:g}, J={result['J']})",
-    )
-    log(allocation_table(result))
-    if result["warning"]:
-        log(result["warning"])
+def sweep(run: Run) -> list:
+    """How the DoF allocation moves with λ and J, and with the raw Gram instead of G/J."""
+    run.begin("DoF sweep")
+    cfg, budget = run.cfg, run.teacher.config.head_dim
+    key = {"teacher": run.inputs["teacher"], "seed": cfg.seeds[0], "ctx": run.ctx,
+           "calib_windows": cfg.calib_windows, "lams": list(cfg.sweep_lams),
+           "Js": list(cfg.sweep_Js)}  # fmt: skip
 
-
-def allocation_table(result: dict) -> str:
-    dims = result["dims"]
-    lines = [
-        "| layer | DoF per head | layer DoF | fix | dof | dof_clip |",
-        "|---|---|---|---|---|---|",
-    ]
-    for l, heads in enumerate(result["per_head"]):
-        lines.append(
-            f"| {l} | {' '.join(f'{v:.1f}' for v in heads)} | {max(heads):.1f} | {dims['fix'][l]} "
-            f"| {dims['dof'][l]} | {dims['dof_clip'][l]} |"
-        )
-    lines.append(f"| sum | | | {sum(dims['fix'])} | {sum(dims['dof'])} | {sum(dims['dof_clip'])} |")
-    return "\n".join(lines)
-
-
-def sweep(out: Path, teacher, calib_ids, ctx, args, log):
-    """How the DoF allocation moves with λ and J, and with the raw Gram instead of G/J (sweep.md)."""
-
-    def run():
-        cfg, rows = teacher.config, []
-        # rows come back in draw order, so x[..., :J, :] is exactly the size-J draw: one teacher pass serves all J
+    def compute():
+        # rows come in draw order, so x[..., :J, :] is the size-J draw: one teacher pass serves all J
         x = dof.sample_queries_keys(
-            teacher, calib_ids, max(SWEEP_J), args.seed, ctx
+            run.teacher, run.texts["calib"], max(cfg.sweep_Js), cfg.seeds[0], run.ctx
         )  # [L, H, J, d]
+        rows = []
         for normalize in (True, False):
-            for lam in SWEEP_LAMBDA:
-                for J in SWEEP_J:
+            for lam in cfg.sweep_lams:
+                for J in cfg.sweep_Js:
                     layer = dof.degrees_of_freedom(x[:, :, :J], lam, normalize).amax(-1)  # [L]
                     rows.append(
                         {
@@ -354,178 +503,190 @@ def sweep(out: Path, teacher, calib_ids, ctx, args, log):
                             "lam": lam,
                             "J": J,
                             "layer_dof": layer.tolist(),
-                            "dims": dof.allocate(layer, cfg.head_dim),
+                            "dims": dof.allocate(layer, budget),
                         }
                     )
         return rows
 
-    rows = stage(out / "sweep.json", run, log)
-    lines = ["| Σ̂ | λ | J | layer DoF | dof dims |", "|---|---|---|---|---|"]
-    lines += [
-        f"| {'G/J' if r['normalize'] else 'G'} | 2^{np.log2(r['lam']):.0f} | {r['J']} | "
-        f"{' '.join(f'{v:.0f}' for v in r['layer_dof'])} | {' '.join(map(str, r['dims']))} |"
-        for r in rows
-    ]
-    (out / "sweep.md").write_text("\n".join(lines) + "\n")
-    log("\n".join(lines))
+    rows = stage(cfg.out / "sweep.json", key, compute)
+    report.write_sweep(cfg.out, rows, log)
+    return rows
 
 
-def write_report(out: Path, results: dict) -> dict:
-    """report.md and the error-by-layer charts; returns the compact terminal summary too."""
-    teacher, variants = results["teacher"], results["variants"]
-    rows = {"teacher": teacher["tasks"], **{k: v["tasks"] for k, v in variants.items()}}
-    ppl = {
-        "teacher": teacher["wikitext2_ppl"],
-        **{k: v["wikitext2_ppl"] for k, v in variants.items()},
-    }
-    held = {"teacher": teacher["heldout_ppl"], **{k: v["heldout_ppl"] for k, v in variants.items()}}
-    avg = {k: float(np.mean([t["acc"] for t in r.values()])) for k, r in rows.items()}
-    summary = [
-        "| model | WikiText-2 ppl | held-out ppl | task avg acc | Δ avg vs teacher | train s |",
-        "|---|---|---|---|---|---|",
-    ]
-    for k in rows:
-        train = variants[k]["train_seconds"] if k in variants else 0.0
-        summary.append(
-            f"| {k} | {ppl[k]:.2f} | {held[k]:.2f} | {avg[k]:.4f} | {avg[k] - avg['teacher']:+.4f} "
-            f"| {train:.0f} |"
-        )
-    headline = []
-    for loss in LOSSES:
-        fix, dof_ = variants.get(f"fix/{loss}"), variants.get(f"dof/{loss}")
-        if fix and dof_:
-            for name, t, f, d in (
-                ("WikiText-2 ppl", ppl["teacher"], fix["wikitext2_ppl"], dof_["wikitext2_ppl"]),
-                ("held-out ppl", held["teacher"], fix["heldout_ppl"], dof_["heldout_ppl"]),
-            ):
-                share = (f - d) / (f - t) if f != t else float("nan")
-                headline.append(
-                    f"- {loss} loss, {name}: teacher {t:.2f}, Fix {f:.2f}, DoF {d:.2f}: "
-                    f"DoF removes {100 * share:.1f}% of Fix's degradation"
-                )
-    errors, charts = [], []
-    for metric in ("kl", "output_rel", "kernel_l2"):
-        # DiJiang has no kernel to compare and its gate reads the block input: it has no per-layer errors
-        series = {k: e for k, v in variants.items() if None not in (e := v["layer_error"][metric])}
-        if not series:
-            continue
-        n_layer = len(next(iter(series.values())))
-        errors += [
-            f"\n**{metric}**\n",
-            "| variant | " + " | ".join(f"L{l}" for l in range(n_layer)) + " | mean |",
-            "|---" * (n_layer + 2) + "|",
-        ]
-        for k, s in series.items():
-            before = variants[k].get("layer_error_before", {}).get(metric)
-            for label, e in ((k, s), (f"{k} before training", before)):
-                if e is not None:
-                    errors.append(
-                        f"| {label} | "
-                        + " | ".join(f"{x:.4g}" for x in e)
-                        + f" | {np.mean(e):.4g} |"
-                    )
-        plots.line_chart(
-            series,
-            out / f"error_{metric}.svg",
-            f"per-layer {metric} by variant",
-            metric,
-            log_y=metric != "output_rel",
-        )
-        charts.append(f"![{metric}](error_{metric}.svg)")
-    times = ["| model | train s | perplexity pass s | full evaluation s |", "|---|---|---|---|"]
-    times += [
-        f"| {k} | {v.get('train_seconds', 0):.1f} | {v['ppl_seconds']:.1f} | {v['eval_seconds']:.1f} |"
-        for k, v in {"teacher": teacher, **variants}.items()
-    ]
-    cfg, timings = results["config"], results["timings"]
-    text = "\n".join(
-        [
-            f"# dofmini report: {teacher['name']} ({cfg['profile']} profile)",
-            "",
-            f"ctx {cfg['ctx']}, seed {cfg['seed']}, DoF λ={results['dof']['lam']:g}, J={results['dof']['J']}, "
-            f"{'G/J' if results['dof']['normalize'] else 'raw G'}; the stages took {timings['stages_seconds']:.0f} s in all "
-            f"(this invocation: {timings['this_invocation_seconds']:.0f} s).",
-            "",
-            "## Feature dimensions per layer",
-            "",
-            allocation_table(results["dof"]),
-            "",
-            "![allocation](allocation.svg)",
-            "",
-            "## Perplexity and zero-shot accuracy",
-            "",
-            "\n".join(summary),
-            "",
-            evaluate.results_table(rows),
-            "",
-            "## Share of the Fix degradation removed by DoF",
-            "",
-            "\n".join(headline) or "(needs both fix and dof variants)",
-            "",
-            "## Per-layer approximation error (teacher inputs, held-out text, mean over heads)",
-            "",
-            "kernel_l2 compares unnormalised kernel values. The softmax and direct losses leave each row's scale free,",
-            "so for students trained with them kl and output_rel are the errors that count.",
-            "\n".join(errors),
-            "",
-            " ".join(charts),
-            "",
-            "## Times",
-            "",
-            "\n".join(times),
-            "",
-        ]
-    )
-    (out / "report.md").write_text(text)
-    return {"summary": "\n".join(summary + [""] + headline)}
+def train_key(run: Run, spec: Student) -> dict:
+    """What a student's tensors depend on."""
+    cfg = run.cfg
+    steps = cfg.steps or max(1, len(run.texts["train"]) // (cfg.batch * run.ctx))
+    train = {k: v for k, v in run.inputs.items() if k.startswith("corpus/")}
+    return {"teacher": run.inputs["teacher"], "variant": spec.variant, "loss": spec.loss,
+            "dims": list(spec.dims), "seed": spec.seed, "steps": steps, "batch": cfg.batch,
+            "ctx": run.ctx, "lr": cfg.lr, "lr_a": cfg.lr_a, "train_chars": cfg.train_chars,
+            "tokenizer": run.inputs["tokenizer"], "train": train}  # fmt: skip
 
 
-def train_variant(teacher, variant, loss, dims, train_ids, ctx, prof, args, out, log):
-    """Train one student (or draw it, for the untrained Performer) and save it; a saved one is loaded instead.
-    An interrupted run resumes from the progress file distill keeps beside the student."""
-    path = out / "students" / f"{variant}-{loss}.safetensors"
-    meta = {"variant": variant}
+def train_student(run: Run, spec: Student):
+    """Train one student (or draw it, for the untrained Performer) and save it; a saved one with the
+    same settings is loaded instead. An interrupted run resumes from distill's progress file."""
+    cfg, key = run.cfg, train_key(run, spec)
+    path = cfg.out / "students" / f"{spec.stem}.safetensors"
+    record = path.with_suffix(".json")
+    if record.is_file() and not path.is_file():
+        record.unlink()  # the tensors are gone: train again
+    common = dict(data_seed=spec.seed, steps=key["steps"], batch=cfg.batch, ctx=run.ctx, lr=cfg.lr,
+                  lr_a=cfg.lr_a, out_path=path, log=log, meta={"variant": spec.variant})  # fmt: skip
 
-    def train():
-        t0 = time.time()
-        opts = dict(
-            steps=prof["steps"],
-            batch=prof["batch"],
-            ctx=ctx,
-            seed=args.seed,
-            out_path=path,
-            log=log,
-            meta=meta,
-        )
-        if variant == "performer":
-            distill.save_student(distill.make_student(teacher, dims, args.seed), path, meta)
-        elif variant == "dijiang":
-            distill.train_direct(dijiang.make_dijiang(teacher, args.seed), train_ids, **opts)
-        elif loss == "direct":
-            distill.train_direct(distill.make_student(teacher, dims, args.seed), train_ids, **opts)
+    def compute():
+        if spec.variant == "performer":
+            student = make_student(run.teacher, "prf", spec.dims, spec.seed)
+            student.train_seconds, student.loss_curve = 0.0, []
+            save_student(student, path, {"variant": "performer"})
+        elif spec.variant == "dijiang":
+            student = make_student(run.teacher, "dijiang", spec.dims, spec.seed)
+            student = train_direct(student, run.texts["train"], **common)
+        elif spec.loss == "direct":
+            student = make_student(run.teacher, "prf", spec.dims, spec.seed)
+            student = train_direct(student, run.texts["train"], **common)
         else:
-            distill.distill(teacher, dims, train_ids, loss, **opts)
-        return {"train_seconds": time.time() - t0}
+            student = distill(run.teacher, spec.dims, run.texts["train"], loss=spec.loss,
+                              feature_seed=spec.seed, **common)  # fmt: skip
+        return {"train_seconds": student.train_seconds, "loss_curve": student.loss_curve}
 
-    log(f"{variant}/{loss}: dims {dims}")
-    info = stage(path.with_suffix(".json"), train, log)
-    return distill.load_student(teacher, path), info["train_seconds"]
+    log(f"{spec.name}: dims {list(spec.dims)}")
+    info = stage(record, key, compute)
+    return load_student(run.teacher, path), info
 
 
-def show_generation(teacher, variants, tokenizer, out, log):
+def error_curves(run: Run) -> dict:
+    """Every layer's held-out KL at each of curve_dims features (Fix students: one distillation per M
+    trains all layers at once), on the held-out windows after those the reported errors use; and the
+    oracle allocation they imply at each budget."""
+    cfg, n_layer = run.cfg, run.teacher.config.n_layer
+    kl = {}
+    for seed in cfg.seeds:
+        for m in cfg.curve_dims:
+            spec = Student("fix", "softmax", m, seed, (m,) * n_layer)
+            run.begin(spec.name)
+            errors = curve_errors(run, spec)
+            kl.setdefault(str(seed), []).append(errors["kl"])  # [M][layer]
+    mean = np.mean([kl[str(s)] for s in cfg.seeds], axis=0).T.tolist()  # [layer][M]
+    oracle = {str(b): dof.oracle_allocate(mean, b, ms=list(cfg.curve_dims)) for b in run.budgets}
+    return {"dims": list(cfg.curve_dims), "kl": kl, "mean_kl": mean, "oracle": oracle}
+
+
+def curve_errors(run: Run, spec: Student) -> dict:
+    """A curve student's layer errors on the curve windows."""
+    cfg = run.cfg
+    student, _ = train_student(run, spec)
+    key = {"student": train_key(run, spec), "windows": cfg.curve_windows,
+           "offset": cfg.error_windows, **eval_key(run)}  # fmt: skip
+    path = cfg.out / "eval" / f"{spec.stem}-curve.json"
+    heldout = run.texts["heldout"]
+    return stage(
+        path,
+        key,
+        lambda: evaluate.layer_errors(
+            run.teacher, student, heldout, run.ctx, cfg.curve_windows, offset=cfg.error_windows
+        ),
+    )
+
+
+def student_specs(run: Run, allocation: dict, curves) -> list:
+    """Every student with its dims, in run order (the curve-only Fix students are done already)."""
+    n_layer, specs = run.teacher.config.n_layer, []
+    for variant, loss, budget, seed in student_keys(run):
+        if variant == "fix" and budget not in run.budgets:
+            continue
+        if variant in ("dof", "dof_clip"):
+            dims = allocation["dims"][str(budget)][variant]
+        elif variant == "oracle":
+            dims = curves["oracle"][str(budget)]
+        else:
+            dims = [budget] * n_layer
+        specs.append(Student(variant, loss, budget, seed, tuple(dims)))
+    return specs
+
+
+def train_and_evaluate(run: Run, spec: Student) -> dict:
+    """One student's training record, layer errors before and after training, perplexity, tasks."""
+    cfg = run.cfg
+    run.begin(spec.name)
+    student, info = train_student(run, spec)
+    key = {"student": train_key(run, spec), **eval_key(run)}
+    result = stage(
+        cfg.out / "eval" / f"{spec.stem}.json",
+        key,
+        lambda: {"layer_error": layer_errors(run, student), **evaluate_model(run, student)},
+    )
+    result = {**result, **info, "variant": spec.variant, "loss": spec.loss, "budget": spec.budget,
+              "seed": spec.seed, "dims": list(spec.dims)}  # fmt: skip
+    if spec.variant in TRAINED_PRF:  # the draw training started from (a Performer of these dims)
+        untrained = {k: v for k, v in key["student"].items() if k in ("teacher", "dims", "seed")}
+        dims_tag = "-".join(map(str, spec.dims))
+        path = cfg.out / "eval" / f"untrained-{dims_tag}-s{spec.seed}.json"
+        draw = make_student(run.teacher, "prf", spec.dims, spec.seed)
+        result["layer_error_before"] = stage(path, {**untrained, **eval_key(run)},
+                                             lambda: layer_errors(run, draw))  # fmt: skip
+    log(f"{spec.name}: WikiText-2 perplexity {result['wikitext2_ppl']:.2f}, mean KL "
+        f"{_mean(result['layer_error']['kl'])}")  # fmt: skip
+    return result
+
+
+def _mean(values) -> str:
+    return "—" if None in values else f"{np.mean(values):.4g}"
+
+
+def layer_errors(run: Run, student) -> dict:
+    return evaluate.layer_errors(run.teacher, student, run.texts["heldout"], run.ctx,
+                                 run.cfg.error_windows)  # fmt: skip
+
+
+def provenance() -> dict:
+    """What made the results: package and library versions, and the git commit of a checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None  # fmt: skip
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "dofmini", "reproduce.py"],
+                                    cwd=here, capture_output=True, text=True,
+                                    timeout=10).stdout.strip())  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, False
+    return {"dofmini": dofmini.__version__, "git_commit": commit, "git_dirty": dirty,
+            "python": platform.python_version(), "torch": torch.__version__,
+            "numpy": np.__version__, "threads": torch.get_num_threads()}  # fmt: skip
+
+
+def collect(run: Run, teacher_result, allocation, sweep_rows, curves, students) -> dict:
+    cfg = run.cfg
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("out", "data")}
+    settings.update(ctx=run.ctx, lam=run.lam, budgets=list(run.budgets))
+    stages = teacher_result["eval_seconds"] + allocation["seconds"]
+    stages += sum(s["train_seconds"] + s["eval_seconds"] for s in students.values())
+    model_cfg = run.teacher.config
+    return {"teacher": {"name": model_cfg.name, "identity": run.teacher.identity,
+                        "head_dim": model_cfg.head_dim, "n_layer": model_cfg.n_layer,
+                        **teacher_result},
+            "dof": allocation, "sweep": sweep_rows, "curves": curves, "students": students,
+            "config": settings, "inputs": run.inputs, "provenance": provenance(),
+            # a resumed run skips finished stages, so its own wall time says little
+            "timings": {"stages_seconds": stages,
+                        "this_invocation_seconds": time.time() - run.t0}}  # fmt: skip
+
+
+def show_generation(run: Run, students: dict):
     """A greedy continuation of PROMPT from the teacher (KV cache) and from the best trained student
     (recurrent O(1)-state decoding)."""
-    trained = [k for k in variants if not k.startswith("performer")] or list(variants)
+    trained = {k: v for k, v in students.items() if v["variant"] != "performer"}
     if not trained:
         return
-    best = min(trained, key=lambda k: variants[k]["wikitext2_ppl"])
-    student = distill.load_student(
-        teacher, out / "students" / f"{best.replace('/', '-')}.safetensors"
-    )
-    prompt = tokenizer.encode(PROMPT).ids
+    best = min(trained, key=lambda k: trained[k]["wikitext2_ppl"])
+    path = run.cfg.out / "students" / f"{best.replace('/', '-')}.safetensors"
+    student = load_student(run.teacher, path)
+    prompt = run.tokenizer.encode(PROMPT).ids
     log(f"\ngreedy continuations of {PROMPT!r}:")
-    for name, model in (("teacher", teacher), (best, student)):
-        log(f"  {name}: {tokenizer.decode(dofmini.generate(model, prompt, 24)[len(prompt) :])!r}")
+    for name, model in (("teacher", run.teacher), (best, student)):
+        text = run.tokenizer.decode(dofmini.generate(model, prompt, 24)[len(prompt) :])
+        log(f"  {name}: {text!r}")
 
 
 if __name__ == "__main__":

@@ -5,4 +5,5 @@ from .checkpoint import CheckpointError, load_tokenizer
 from .generate import generate
 from .model import load
 
+__version__ = "0.2.0"
 __all__ = ["CheckpointError", "generate", "load", "load_tokenizer"]

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .distill import BUILDERS, sharing_copy
 from .linear_attention import LinearState, causal_linear_attention, recurrent_step
 
 
@@ -99,19 +98,3 @@ def to_dijiang(model: nn.Module, seed: int) -> nn.Module:
     for i, block in enumerate(model.blocks):
         block.attn = DiJiangAttention(block.attn, seed + i).to(next(block.attn.parameters()).device)
     return model
-
-
-def make_dijiang(teacher: nn.Module, seed: int) -> nn.Module:
-    """A DiJiang student sharing the teacher's frozen tensors (none copied; the teacher is left untouched)."""
-    student = to_dijiang(sharing_copy(teacher), seed)
-    student.meta = {
-        "kind": "dijiang",
-        "dims": [teacher.config.head_dim] * len(student.blocks),
-        "seed": seed,
-    }
-    return student
-
-
-BUILDERS["dijiang"] = lambda teacher, meta: make_dijiang(
-    teacher, meta["seed"]
-)  # distill.load_student's lookup

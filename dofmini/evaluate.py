@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .distill import as_token_ids, capture, layer_pass
 from .tasks import DEFAULT_DATA, TASKS, load_task
 
 # the perplexity texts, relative to the data folder
@@ -82,23 +83,6 @@ def perplexity(model, token_ids, ctx: int, stride=None, batch: int = 8):
         scored += int(keep.sum())
         progress(i + len(chunk), f"ppl {math.exp(nll / scored):.2f} ")
     return math.exp(nll / scored), nll, scored
-
-
-# Per-layer approximation error of trained features (SPEC §6, second item) joins here with distillation.
-
-
-def _logits_at(model, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Logits [N, V] of the N positions where `keep` [B, T] is set. The output head dominates a small
-    model's cost, so a hook on the final norm (whose output feeds only the head) drops every other position."""
-    if not hasattr(model, "ln_f"):
-        raise TypeError(
-            f"{type(model).__name__} has no ln_f: task scoring expects a dofmini.model.Model"
-        )
-    handle = model.ln_f.register_forward_hook(lambda module, inputs, out: out[keep])  # [N, D]
-    try:
-        return model(ids)
-    finally:
-        handle.remove()
 
 
 @torch.no_grad()
@@ -200,22 +184,36 @@ def evaluate_tasks(
     return results
 
 
-def results_table(rows: dict, metric: str = "acc") -> str:
-    """Markdown: one row per model, one column per task (`metric`, LAMBADA's acc where it has no such
-    metric) and their unweighted average; each header carries the example count."""
-    tasks = list(dict.fromkeys(t for tasks in rows.values() for t in tasks))
-    counts = {t: {r[t]["n"] for r in rows.values() if t in r} for t in tasks}
-    for t, n in counts.items():
-        if len(n) > 1:
-            raise ValueError(f"{t}: models were scored on different example counts {sorted(n)}")
-    head = [f"{t} (n={counts[t].pop()})" for t in tasks]
-    lines = ["| model | " + " | ".join(head) + " | average |", "|---" * (len(tasks) + 2) + "|"]
-    for model, res in rows.items():
-        values = [res[t].get(metric, res[t]["acc"]) if t in res else None for t in tasks]
-        cells = ["—" if v is None else f"{v:.4f}" for v in values]
-        average = "—" if None in values else f"{np.mean(values):.4f}"
-        lines.append(f"| {model} | " + " | ".join(cells) + f" | {average} |")
-    return "\n".join(lines)
+@torch.no_grad()
+def layer_errors(teacher, student, token_ids, ctx: int, windows: int, offset: int = 0,
+                 batch: int = 4, chunk: int = 256) -> dict:  # fmt: skip
+    """Per-layer approximation error of a student's attention, with the teacher's own inputs.
+
+    On `windows` disjoint windows of ctx tokens of token_ids, starting at window `offset`, fed `batch`
+    at a time: lists over layers of the mean over heads of "kernel_l2" (the l2 loss), "kl" (KL(p‖p̂)
+    per query) and "output_rel" (‖ŷ − y‖/‖y‖ of the per-head attention outputs before the output
+    projection). None for a layer without PRF `features` (DiJiang: its gate reads the block input, so
+    it has no per-head output to compare either)."""
+    need = (offset + windows) * ctx
+    token_ids = as_token_ids(token_ids, need, "layer_errors")
+    device = next(teacher.parameters()).device
+    all_windows = token_ids[offset * ctx : need].view(windows, ctx).to(device)  # [W, ctx]
+    sums = [{} for _ in student.blocks]
+    for ids in all_windows.split(batch):
+        for acc, block, (q, k, v) in zip(sums, student.blocks, capture(teacher, ids)):
+            if not hasattr(block.attn, "features"):
+                continue
+            terms = layer_pass(block.attn.features, q, k, v.double(), {"l2", "kl", "err"}, chunk)
+            for name, t in terms.items():
+                acc[name] = acc.get(name, 0) + t * len(ids)  # [H] weighted by windows
+    errors = {"kernel_l2": [], "kl": [], "output_rel": []}
+    for acc in sums:
+        found = bool(acc)
+        errors["kernel_l2"].append(acc["l2"].mean().item() / windows if found else None)
+        errors["kl"].append(acc["kl"].mean().item() / windows if found else None)
+        rel = (acc["err"] / acc["norm"]).sqrt().mean().item() if found else None
+        errors["output_rel"].append(rel)
+    return errors
 
 
 def evaluate_model(
@@ -295,7 +293,8 @@ def main(argv=None):
     }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
-    print(results_table({result["model"]: result["tasks"]}))
+    for task, scores in result["tasks"].items():
+        print(f"{task}: " + ", ".join(f"{k} {v:.4g}" for k, v in scores.items()))
     print(
         f"WikiText-2 ppl {result['wikitext2_ppl']:.4f}, held-out ppl {result['heldout_ppl']:.4f}; "
         f"{result['eval_seconds']:.0f} s on {result['threads']} threads"

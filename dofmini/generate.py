@@ -3,7 +3,6 @@ linear-attention layers (whatever each layer's `new_cache` returns). The prompt 
 for linear layers), then each new token costs one call; a linear layer's step is O(M·d) whatever the context.
 """
 
-
 import torch
 
 

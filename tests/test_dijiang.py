@@ -10,10 +10,17 @@ import torch.nn.functional as F
 from conftest import FIXTURES
 
 from dofmini import load
-from dofmini.dijiang import DiJiangAttention, dct_matrix, dijiang_projection, make_dijiang
-from dofmini.distill import load_student, save_student, train_direct
+from dofmini.dijiang import DiJiangAttention, dct_matrix, dijiang_projection
+from dofmini.distill import train_direct
+from dofmini.students import load_student, make_student, save_student
 
 NEW_PARAMS = {"decay_logit", "norm.weight", "norm.bias", "gate"}
+
+
+def make_dijiang(teacher, seed):
+    return make_student(
+        teacher, "dijiang", [teacher.config.head_dim] * teacher.config.n_layer, seed
+    )
 
 
 def perturbed(student, seed=0):
@@ -52,7 +59,7 @@ def test_projection_is_seeded_dct_times_normal_quantiles():
     assert torch.allclose(P, dct_matrix(16) * w, atol=1e-12)
     u = torch.rand(16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     assert torch.allclose(w, torch.special.ndtri(u), atol=1e-12)
-    model = make_dijiang(load(FIXTURES / "gpt2-tiny"), seed=5)  # layer i draws with seed + i
+    model = make_dijiang(load(FIXTURES / "gpt2-tiny"), 5)  # layer i draws with seed + i
     for i, block in enumerate(model.blocks):
         assert torch.equal(
             block.attn.proj, dijiang_projection(8, torch.Generator().manual_seed(5 + i)).float()
@@ -60,7 +67,7 @@ def test_projection_is_seeded_dct_times_normal_quantiles():
 
 
 def test_features_are_a_softmax_and_decay_starts_at_the_papers_values():
-    attn = make_dijiang(load(FIXTURES / "gpt2-tiny"), seed=0).blocks[0].attn
+    attn = make_dijiang(load(FIXTURES / "gpt2-tiny"), 0).blocks[0].attn
     q = 100 * torch.randn(2, 4, 9, 8, generator=torch.Generator().manual_seed(0))  # large norms too
     phi = attn.phi(q)  # [2, 4, 9, 8]
     assert bool((phi >= 0).all()) and torch.allclose(phi.sum(-1), torch.ones(2, 4, 9))
@@ -89,7 +96,7 @@ def quadratic_reference(attn: DiJiangAttention, x):
 @pytest.mark.parametrize("T,chunk", [(23, 5), (16, 4), (1, 8), (30, 64)])
 def test_chunked_forward_matches_the_quadratic_reference(T, chunk):
     attn = (
-        perturbed(make_dijiang(load(FIXTURES / "gpt2-tiny", dtype=torch.float64), seed=1).double())
+        perturbed(make_dijiang(load(FIXTURES / "gpt2-tiny", dtype=torch.float64), 1).double())
         .blocks[1]
         .attn
     )
@@ -101,7 +108,7 @@ def test_chunked_forward_matches_the_quadratic_reference(T, chunk):
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "neox-tiny"])
 def test_recurrent_decoding_matches_the_full_forward(name):
-    student = perturbed(make_dijiang(load(FIXTURES / name), seed=2))
+    student = perturbed(make_dijiang(load(FIXTURES / name), 2))
     for block in student.blocks:
         block.attn.chunk = 4  # prefills span several chunks plus a remainder
     ids = torch.randint(
@@ -124,7 +131,7 @@ def test_recurrent_decoding_matches_the_full_forward(name):
 
 def test_causal_and_only_the_new_tensors_train():
     teacher = load(FIXTURES / "gpt2-tiny")
-    student = perturbed(make_dijiang(teacher, seed=3))
+    student = perturbed(make_dijiang(teacher, 3))
     ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1))
     later = ids.clone()
     later[:, 25:] = (later[:, 25:] + 1) % 96
@@ -146,7 +153,7 @@ def test_causal_and_only_the_new_tensors_train():
 
 def test_student_file_round_trip(tmp_path):
     teacher = load(FIXTURES / "gpt2-tiny")
-    student = perturbed(make_dijiang(teacher, seed=4))
+    student = perturbed(make_dijiang(teacher, 4))
     save_student(student, tmp_path / "dj.safetensors", {"loss": "direct"})
     loaded = load_student(teacher, tmp_path / "dj.safetensors")
     assert loaded.meta == {"kind": "dijiang", "dims": [8, 8], "seed": 4, "loss": "direct"}
@@ -158,7 +165,7 @@ def test_student_file_round_trip(tmp_path):
 def test_short_direct_training_lowers_the_lm_loss():
     """20 steps of distill.train_direct on a sequence the tiny model can learn to continue only through its
     attention (a random 13-token pattern, repeated), loss measured on windows it did not train on."""
-    student = make_dijiang(load(FIXTURES / "gpt2-tiny"), seed=0)
+    student = make_dijiang(load(FIXTURES / "gpt2-tiny"), 0)
     seq = torch.randint(0, 96, (13,), generator=torch.Generator().manual_seed(0)).repeat(
         200
     )  # [2600]
@@ -171,5 +178,5 @@ def test_short_direct_training_lowers_the_lm_loss():
             ).item()
 
     before = held_loss()
-    train_direct(student, train, steps=20, batch=4, ctx=32, seed=0, log=lambda line: None)
+    train_direct(student, train, steps=20, batch=4, ctx=32, data_seed=0, log=lambda line: None)
     assert held_loss() < before - 0.5  # seen: 5.06 -> 3.39

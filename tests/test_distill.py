@@ -10,16 +10,9 @@ import torch
 from conftest import FIXTURES, shared_path
 
 from dofmini import CheckpointError, load, load_tokenizer
-from dofmini.distill import (
-    _layer_pass,
-    distill,
-    layer_errors,
-    load_student,
-    make_student,
-    save_student,
-    train_direct,
-)
-from dofmini.evaluate import perplexity
+from dofmini.distill import distill, layer_pass, train_direct
+from dofmini.evaluate import layer_errors, perplexity
+from dofmini.students import load_student, make_student, save_student
 from dofmini.linear_attention import causal_linear_attention
 
 
@@ -63,10 +56,21 @@ def test_each_loss_beats_the_performer_draw_on_heldout_text(standin_gpt2, wiki, 
     train, held = wiki
     dims = [64] * standin_gpt2.config.n_layer
     before = layer_errors(
-        standin_gpt2, make_student(standin_gpt2, dims, seed=0), held, ctx=64, batches=2, batch=4
+        standin_gpt2, make_student(standin_gpt2, "prf", dims, 0), held, 64, windows=8, batch=4
     )
-    student = distill(standin_gpt2, dims, train, loss, steps=30, batch=2, ctx=64, seed=0, log=quiet)
-    after = layer_errors(standin_gpt2, student, held, ctx=64, batches=2, batch=4)
+    student = distill(
+        standin_gpt2,
+        dims,
+        train,
+        loss=loss,
+        steps=30,
+        batch=2,
+        ctx=64,
+        feature_seed=0,
+        data_seed=0,
+        log=quiet,
+    )
+    after = layer_errors(standin_gpt2, student, held, 64, windows=8, batch=4)
     # kl is the softmax loss minus the teacher's own entropy, so lower kl is lower held-out softmax loss
     assert all(a < b for a, b in zip(after[metric], before[metric])), (
         before[metric],
@@ -77,9 +81,9 @@ def test_each_loss_beats_the_performer_draw_on_heldout_text(standin_gpt2, wiki, 
 
 def test_direct_training_lowers_heldout_lm_loss(standin_gpt2, wiki):
     train, held = wiki
-    student = make_student(standin_gpt2, [64] * standin_gpt2.config.n_layer, seed=0)
+    student = make_student(standin_gpt2, "prf", [64] * standin_gpt2.config.n_layer, 0)
     before = perplexity(student, held[:1024], ctx=64)[0]
-    train_direct(student, train, steps=10, batch=2, ctx=64, seed=0, log=quiet)
+    train_direct(student, train, steps=10, batch=2, ctx=64, data_seed=0, log=quiet)
     after = perplexity(student, held[:1024], ctx=64)[0]
     assert after < before
 
@@ -108,11 +112,18 @@ def tiny_capture(tiny, tiny_ids, batch, ctx):
 
 def test_metrics_match_a_dense_float64_reference_at_any_chunk(tiny, tiny_ids):
     student = distill(
-        tiny, [5, 12], tiny_ids, "softmax", steps=3, batch=2, ctx=32, seed=1, log=quiet
+        tiny,
+        [5, 12],
+        tiny_ids,
+        loss="softmax",
+        steps=3,
+        batch=2,
+        ctx=32,
+        feature_seed=1,
+        data_seed=1,
+        log=quiet,
     )
-    got = [
-        layer_errors(tiny, student, tiny_ids, ctx=32, batches=2, batch=2, chunk=c) for c in (7, 256)
-    ]
+    got = [layer_errors(tiny, student, tiny_ids, 32, windows=4, batch=2, chunk=c) for c in (7, 256)]
     for layer, (q, k, v) in enumerate(tiny_capture(tiny, tiny_ids, 4, 32)):
         features = student.blocks[layer].attn.features
         with torch.no_grad():
@@ -135,14 +146,25 @@ def test_metrics_match_a_dense_float64_reference_at_any_chunk(tiny, tiny_ids):
 
 @pytest.mark.parametrize("loss", ["l2", "softmax"])
 def test_chunked_backward_gives_the_dense_gradient(tiny, tiny_ids, loss):
-    student = distill(tiny, [5, 12], tiny_ids, "l2", steps=2, batch=2, ctx=32, seed=1, log=quiet)
+    student = distill(
+        tiny,
+        [5, 12],
+        tiny_ids,
+        loss="l2",
+        steps=2,
+        batch=2,
+        ctx=32,
+        feature_seed=1,
+        data_seed=1,
+        log=quiet,
+    )
     for layer, (q, k, _) in enumerate(tiny_capture(tiny, tiny_ids, 2, 32)):
         features = student.blocks[layer].attn.features
         dense_losses(features, q, k)[0 if loss == "l2" else 1].mean().backward()
         expected = [features.z.grad.clone(), features.a.grad.clone()]
         features.zero_grad()
         term = "l2" if loss == "l2" else "ce"
-        value = _layer_pass(features, q, k, None, {term}, chunk=5, train=True)[term].mean()
+        value = layer_pass(features, q, k, None, {term}, chunk=5, train=True)[term].mean()
         assert value.item() == pytest.approx(
             dense_losses(features, q, k)[0 if loss == "l2" else 1].mean().item()
         )
@@ -156,12 +178,23 @@ def test_chunked_backward_gives_the_dense_gradient(tiny, tiny_ids, loss):
 @pytest.mark.parametrize("loss", ["l2", "softmax", "direct"])
 def test_only_z_and_alpha_change_and_the_teacher_stays_intact(tiny, tiny_ids, loss):
     teacher_hash = tensors_hash(tiny)
-    start = make_student(tiny, [8, 3], seed=2)
+    start = make_student(tiny, "prf", [8, 3], 2)
     before = {n: t.clone() for n, t in start.state_dict().items()}
     if loss == "direct":
-        student = train_direct(start, tiny_ids, steps=3, batch=2, ctx=32, seed=2, log=quiet)
+        student = train_direct(start, tiny_ids, steps=3, batch=2, ctx=32, data_seed=2, log=quiet)
     else:
-        student = distill(tiny, [8, 3], tiny_ids, loss, steps=3, batch=2, ctx=32, seed=2, log=quiet)
+        student = distill(
+            tiny,
+            [8, 3],
+            tiny_ids,
+            loss=loss,
+            steps=3,
+            batch=2,
+            ctx=32,
+            feature_seed=2,
+            data_seed=2,
+            log=quiet,
+        )
     after = student.state_dict()
     changed = {n for n in before if not torch.equal(before[n], after[n])}
     assert changed == {f"blocks.{i}.attn.features.{p}" for i in range(2) for p in "za"}
@@ -172,7 +205,7 @@ def test_only_z_and_alpha_change_and_the_teacher_stays_intact(tiny, tiny_ids, lo
 
 
 def test_direct_loss_gradients_reach_only_z_and_alpha(tiny, tiny_ids):
-    student = make_student(tiny, [8, 3], seed=0)
+    student = make_student(tiny, "prf", [8, 3], 0)
     logits = student(tiny_ids[:64].view(2, 32))  # [2, 32, V]
     targets = tiny_ids[:64].view(2, 32)[:, 1:]  # [2, 31]
     torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten()).backward()
@@ -184,7 +217,18 @@ def test_direct_loss_gradients_reach_only_z_and_alpha(tiny, tiny_ids):
 def test_same_seed_gives_a_bit_identical_student(tiny, tiny_ids):
     runs = [
         trainable(
-            distill(tiny, [6, 6], tiny_ids, "softmax", steps=3, batch=2, ctx=32, seed=s, log=quiet)
+            distill(
+                tiny,
+                [6, 6],
+                tiny_ids,
+                loss="softmax",
+                steps=3,
+                batch=2,
+                ctx=32,
+                feature_seed=s,
+                data_seed=s,
+                log=quiet,
+            )
         )
         for s in (4, 4, 5)
     ]
@@ -198,11 +242,11 @@ def test_saved_student_reloads_with_bit_identical_logits(tiny, tiny_ids, tmp_pat
         tiny,
         [6, 10],
         tiny_ids,
-        "l2",
+        loss="l2",
         steps=3,
         batch=2,
         ctx=32,
-        seed=3,
+        feature_seed=3,
         out_path=path,
         meta={"lam": 0.0625},
         log=quiet,
@@ -214,7 +258,7 @@ def test_saved_student_reloads_with_bit_identical_logits(tiny, tiny_ids, tmp_pat
         and loaded.meta["lam"] == 0.0625
         and loaded.meta["loss"] == "l2"
     )
-    assert loaded.meta["seed"] == 3 and loaded.meta["kind"] == "prf"
+    assert loaded.meta["feature_seed"] == 3 and loaded.meta["kind"] == "prf"
     ids = tiny_ids[:64].view(2, 32)
     with torch.no_grad():
         assert torch.equal(loaded(ids), student(ids))
@@ -225,7 +269,7 @@ def test_saved_student_reloads_with_bit_identical_logits(tiny, tiny_ids, tmp_pat
 
 def test_load_refuses_a_file_of_another_teacher(tiny, tmp_path):
     path = tmp_path / "student.safetensors"
-    save_student(make_student(tiny, [4, 4], seed=0), path)
+    save_student(make_student(tiny, "prf", [4, 4], 0), path)
     other = load(FIXTURES / "neox-tiny")
     with pytest.raises(CheckpointError) as err:
         load_student(other, path)
@@ -249,12 +293,12 @@ def test_resume_after_interruption_equals_an_uninterrupted_run(tiny, tiny_ids, t
     def run(path, log):
         if loss == "direct":
             return train_direct(
-                make_student(tiny, [5, 7], seed=1),
+                make_student(tiny, "prf", [5, 7], 1),
                 tiny_ids,
                 steps=6,
                 batch=2,
                 ctx=32,
-                seed=1,
+                data_seed=1,
                 out_path=path,
                 save_every=2,
                 log_every=2,
@@ -264,11 +308,12 @@ def test_resume_after_interruption_equals_an_uninterrupted_run(tiny, tiny_ids, t
             tiny,
             [5, 7],
             tiny_ids,
-            loss,
+            loss=loss,
             steps=6,
             batch=2,
             ctx=32,
-            seed=1,
+            feature_seed=1,
+            data_seed=1,
             out_path=path,
             save_every=2,
             log_every=2,
@@ -290,35 +335,20 @@ def test_resume_after_interruption_equals_an_uninterrupted_run(tiny, tiny_ids, t
     assert not (tmp_path / "resumed.safetensors.progress").exists()
 
 
-def test_resume_refuses_progress_of_other_settings(tiny, tiny_ids, tmp_path):
+def test_progress_of_other_settings_is_set_aside_and_training_starts_over(tiny, tiny_ids, tmp_path):
     path = tmp_path / "s.safetensors"
+    settings = dict(loss="l2", steps=4, batch=2, ctx=32, out_path=path, save_every=2, log_every=2)
     with pytest.raises(KeyboardInterrupt):
-        distill(
-            tiny,
-            [4, 4],
-            tiny_ids,
-            "l2",
-            steps=4,
-            batch=2,
-            ctx=32,
-            out_path=path,
-            save_every=2,
-            log_every=2,
-            log=interrupt_at(2),
-        )
-    with pytest.raises(CheckpointError, match="lr"):
-        distill(
-            tiny,
-            [4, 4],
-            tiny_ids,
-            "l2",
-            steps=4,
-            batch=2,
-            ctx=32,
-            lr=0.01,
-            out_path=path,
-            log=quiet,
-        )
+        distill(tiny, [4, 4], tiny_ids, log=interrupt_at(2), **settings)
+    assert path.with_name(path.name + ".progress").exists()
+    lines = []
+    student = distill(tiny, [4, 4], tiny_ids, lr=0.01, log=lines.append, **settings)
+    assert "lr" in lines[0] and "starting over" in lines[0], lines
+    assert not any("resuming" in line for line in lines)
+    fresh = distill(tiny, [4, 4], tiny_ids, lr=0.01, log=quiet, **{**settings, "out_path": None})
+    assert all(
+        torch.equal(a, b) for a, b in zip(trainable(student).values(), trainable(fresh).values())
+    )
 
 
 @pytest.mark.parametrize(
@@ -326,7 +356,7 @@ def test_resume_refuses_progress_of_other_settings(tiny, tiny_ids, tmp_path):
     [
         ({"loss": "kl"}, "loss 'kl'"),
         ({"ctx": 65}, "ctx <= 64"),
-        ({"dims": [4]}, "1 feature dims for 2 blocks"),
+        ({"dims": [4]}, "1 dims for 2 layers"),
     ],
 )
 def test_bad_settings_are_named(tiny, tiny_ids, kwargs, message):

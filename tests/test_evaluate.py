@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from torch import nn
 
 from dofmini import load, load_tokenizer
-from dofmini.evaluate import encode_file, perplexity, results_table, score_examples, score_requests
+from dofmini.evaluate import encode_file, perplexity, score_examples, score_requests
 from dofmini.tasks import Example
 
 WORDS = ["q", "x", "y", "the", "cat", "dog", "ran", "far"]
@@ -174,25 +174,6 @@ def test_perplexity_rejects_bad_windows():
         perplexity(model, torch.zeros(200, dtype=torch.long), 16, stride=16)
     with pytest.raises(ValueError, match="do not fill one window"):
         perplexity(model, torch.zeros(10, dtype=torch.long), 16)
-
-
-def test_results_table_carries_counts_and_average():
-    rows = {
-        "teacher": {
-            "piqa": {"acc": 0.6, "acc_norm": 0.5, "n": 10},
-            "lambada": {"acc": 0.2, "ppl": 9.0, "n": 4},
-        },
-        "student": {"piqa": {"acc": 0.5, "acc_norm": 0.7, "n": 10}},
-    }
-    table = results_table(rows, metric="acc_norm").splitlines()
-    assert table[0] == "| model | piqa (n=10) | lambada (n=4) | average |"
-    assert (
-        table[2] == "| teacher | 0.5000 | 0.2000 | 0.3500 |"
-        and table[3] == "| student | 0.7000 | — | — |"
-    )
-    rows["student"]["lambada"] = {"acc": 0.1, "ppl": 9.0, "n": 5}
-    with pytest.raises(ValueError, match="lambada"):
-        results_table(rows)
 
 
 @pytest.mark.parametrize("name", ["standin-gpt2", "standin-pythia"])

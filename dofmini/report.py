@@ -1,0 +1,291 @@
+"""Every table and chart of a run: the allocation, the λ/J sweep, and report.md with its SVG charts.
+
+Students are grouped by (variant, loss, budget); each metric is given as the mean over seeds with a 95%
+t-interval, and DoF (and the oracle) are compared with Fix seed by seed (a paired design: the same seed
+draws the same data order for every variant).
+"""
+
+import numpy as np
+
+from . import plots, stats
+from .files import write_text
+
+ERROR_METRICS = ("kl", "output_rel", "kernel_l2")
+PPL_METRICS = (("wikitext2_ppl", "WikiText-2 ppl"), ("heldout_ppl", "held-out ppl"))
+
+
+def allocation_table(result: dict) -> str:
+    """Per layer: each head's DoF, the layer's DoF, and every variant's dims at every budget."""
+    columns = [(b, v) for b, dims in result["dims"].items() for v in dims]
+    head = " | ".join(f"{v} b{b}" for b, v in columns)
+    lines = [f"| layer | DoF per head | layer DoF | {head} |", "|---" * (3 + len(columns)) + "|"]
+    for layer, heads in enumerate(result["per_head"]):
+        cells = " | ".join(str(result["dims"][b][v][layer]) for b, v in columns)
+        per_head = " ".join(f"{x:.1f}" for x in heads)
+        lines.append(f"| {layer} | {per_head} | {max(heads):.1f} | {cells} |")
+    sums = " | ".join(str(sum(result["dims"][b][v])) for b, v in columns)
+    lines.append(f"| sum | | | {sums} |")
+    return "\n".join(lines)
+
+
+def write_allocation(out, result: dict, log):
+    """dof.csv (per head), allocation.svg (the first budget), and the table on the terminal."""
+    rows = ["layer,head,dof"]
+    for layer, heads in enumerate(result["per_head"]):
+        rows += [f"{layer},{head},{x:.4f}" for head, x in enumerate(heads)]
+    write_text(out / "dof.csv", "\n".join(rows) + "\n")
+    budget = next(iter(result["dims"]))
+    title = f"DoF allocation, budget {budget} (λ={result['lam']:g}, J={result['J']})"
+    plots.allocation_chart(result["dims"][budget]["dof"], result["per_head"],
+                           out / "allocation.svg", title)  # fmt: skip
+    log(allocation_table(result))
+    if result["warning"]:
+        log(result["warning"])
+
+
+def write_sweep(out, rows: list, log):
+    lines = ["| Σ̂ | λ | J | layer DoF | dof dims |", "|---|---|---|---|---|"]
+    for r in rows:
+        layer = " ".join(f"{x:.0f}" for x in r["layer_dof"])
+        dims = " ".join(map(str, r["dims"]))
+        gram = "G/J" if r["normalize"] else "G"
+        lines.append(f"| {gram} | 2^{np.log2(r['lam']):.0f} | {r['J']} | {layer} | {dims} |")
+    write_text(out / "sweep.md", "\n".join(lines) + "\n")
+    log("\n".join(lines))
+
+
+def groups(students: dict) -> dict:
+    """{(variant, loss, budget): {seed: student result}} in run order."""
+    out = {}
+    for s in students.values():
+        out.setdefault((s["variant"], s["loss"], s["budget"]), {})[s["seed"]] = s
+    return out
+
+
+def metric(student: dict, name: str):
+    """A student's mean-over-layers error, or its perplexity; None where it has none."""
+    if name in ("wikitext2_ppl", "heldout_ppl"):
+        return student[name]
+    values = student["layer_error"][name]
+    return None if None in values else float(np.mean(values))
+
+
+def _ci(values) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "—"
+    if len(values) == 1:
+        return f"{values[0]:.4g}"
+    mean, half = stats.mean_ci(values)
+    return f"{mean:.4g} ± {half:.2g}"
+
+
+def summary_table(grouped: dict, teacher: dict) -> str:
+    names = ["mean KL", "mean output error", "mean kernel L2", "WikiText-2 ppl", "held-out ppl"]
+    lines = ["| variant | loss | budget | seeds | " + " | ".join(names) + " | train s |",
+             "|---" * (len(names) + 5) + "|"]  # fmt: skip
+    lines.append("| teacher | — | — | — | — | — | — | "
+                 f"{teacher['wikitext2_ppl']:.2f} | {teacher['heldout_ppl']:.2f} | — |")  # fmt: skip
+    for (variant, loss, budget), by_seed in grouped.items():
+        runs = list(by_seed.values())
+        cells = [_ci([metric(s, m) for s in runs]) for m in ERROR_METRICS]
+        cells += [_ci([s[m] for s in runs]) for m, _ in PPL_METRICS]
+        train = np.mean([s["train_seconds"] for s in runs])
+        lines.append(f"| {variant} | {loss} | {budget} | {len(runs)} | " + " | ".join(cells)
+                     + f" | {train:.0f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def comparisons(grouped: dict, teacher: dict) -> list:
+    """DoF − Fix and oracle − Fix per seed, per loss and budget, for every metric; and the share of
+    Fix's perplexity degradation removed, where Fix is worse than the teacher beyond its interval."""
+    lines = []
+    for (variant, loss, budget), by_seed in grouped.items():
+        fix = grouped.get(("fix", loss, budget))
+        if variant not in ("dof", "dof_clip", "oracle") or not fix:
+            continue
+        seeds = sorted(set(by_seed) & set(fix))
+        lines.append(f"\n**{variant} − fix, {loss} loss, budget {budget} ({len(seeds)} seeds)**\n")
+        lines += ["| metric | fix | " + variant + " | difference (95% CI) | relative |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        for name in (*ERROR_METRICS, *(m for m, _ in PPL_METRICS)):
+            f = [metric(fix[s], name) for s in seeds]
+            d = [metric(by_seed[s], name) for s in seeds]
+            if None in f or None in d:
+                continue
+            lines.append(f"| {name} | {_ci(f)} | {_ci(d)} | {_paired(d, f)} | "
+                         f"{100 * (np.mean(d) / np.mean(f) - 1):+.1f}% |")  # fmt: skip
+        for name, label in PPL_METRICS:
+            f = [fix[s][name] for s in seeds]
+            d = [by_seed[s][name] for s in seeds]
+            share = stats.share_removed(teacher[name], f, d)
+            lines.append(f"- {label}: {_share_text(share)}")
+    return lines
+
+
+def _paired(a, b) -> str:
+    if len(a) < 2:
+        return f"{a[0] - b[0]:+.4g} (one seed: no interval)"
+    mean, half = stats.paired_diff(a, b)
+    return f"{mean:+.4g} ± {half:.2g}"
+
+
+def _share_text(share) -> str:
+    if share[0] is None:
+        return f"share of Fix's degradation removed: not defined ({share[1]})"
+    mean, half = share
+    return f"share of Fix's degradation removed {100 * mean:.1f}% ± {100 * half:.1f}%"
+
+
+def layer_tables(grouped: dict, out) -> tuple:
+    """Per-layer error tables (mean over seeds, before and after training) and a chart per metric."""
+    lines, charts = [], []
+    for name in ERROR_METRICS:
+        series, rows = {}, []
+        for (variant, loss, budget), by_seed in grouped.items():
+            runs = list(by_seed.values())
+            if None in runs[0]["layer_error"][name]:
+                continue
+            label = f"{variant}/{loss}/b{budget}"
+            after = np.mean([s["layer_error"][name] for s in runs], axis=0)
+            series[label] = after.tolist()
+            rows.append((label, after))
+            if "layer_error_before" in runs[0]:
+                before = np.mean([s["layer_error_before"][name] for s in runs], axis=0)
+                rows.append((f"{label} before training", before))
+        if not rows:
+            continue
+        n_layer = len(rows[0][1])
+        lines += [f"\n**{name}**\n",
+                  "| student | " + " | ".join(f"L{i}" for i in range(n_layer)) + " | mean |",
+                  "|---" * (n_layer + 2) + "|"]  # fmt: skip
+        for label, values in rows:
+            cells = " | ".join(f"{x:.4g}" for x in values)
+            lines.append(f"| {label} | {cells} | {np.mean(values):.4g} |")
+        file = f"error_{name}.svg"
+        plots.line_chart(series, out / file, f"per-layer {name} by student", name,
+                         log_y=name != "output_rel")  # fmt: skip
+        charts.append(f"![{name}]({file})")
+    return lines, charts
+
+
+def budget_chart(grouped: dict, out, name: str = "kl") -> str:
+    """Mean-layer error against budget, one line per variant and loss, with 95% CI bars."""
+    lines = {}
+    for (variant, loss, budget), by_seed in grouped.items():
+        values = [metric(s, name) for s in by_seed.values()]
+        if None in values or variant == "performer":
+            continue
+        mean, half = stats.mean_ci(values) if len(values) > 1 else (values[0], None)
+        lines.setdefault(f"{variant}/{loss}", []).append((budget, mean, half))
+    lines = {k: v for k, v in lines.items() if len(v) > 1}
+    if not lines:
+        return ""
+    series = {}
+    for label, points in lines.items():
+        points.sort()
+        halves = [p[2] for p in points]
+        series[label] = ([p[0] for p in points], [p[1] for p in points],
+                         None if None in halves else halves)  # fmt: skip
+    plots.xy_chart(series, out / f"budget_{name}.svg", f"mean-layer {name} against budget",
+                   "features per layer (budget)", name, log_x=True, log_y=True)  # fmt: skip
+    return f"![{name} against budget](budget_{name}.svg)"
+
+
+def curves_section(results: dict, out) -> list:
+    """The per-layer error curves, how well layer DoF predicts them, and the oracle allocation."""
+    curves = results.get("curves")
+    if not curves:
+        return []
+    ms, mean = curves["dims"], curves["mean_kl"]  # mean[layer][k]
+    layer_dof = [max(h) for h in results["dof"]["per_head"]]
+    series = {f"layer {i} (DoF {d:.0f})": (ms, errs, None)
+              for i, (d, errs) in enumerate(zip(layer_dof, mean))}  # fmt: skip
+    plots.xy_chart(series, out / "curves_kl.svg", "held-out KL per layer against its features",
+                   "features M", "KL", log_x=True, log_y=True)  # fmt: skip
+    target = float(np.median([errs[len(ms) // 2] for errs in mean]))
+    needed = [stats.features_needed(ms, errs, target) for errs in mean]
+    rho = stats.spearman(layer_dof, [np.inf if n is None else n for n in needed])
+    lines = ["", "## Per-layer error against features, and the oracle allocation", "",
+             f"Fix students at M = {', '.join(map(str, ms))} features in every layer, seeds "
+             f"{', '.join(curves['kl'])}; held-out KL on windows disjoint from those of the tables "
+             "above, mean over seeds.", "", "![curves](curves_kl.svg)", "",
+             "| layer | layer DoF | " + " | ".join(f"M={m}" for m in ms)
+             + f" | M to reach KL {target:.3g} |", "|---" * (len(ms) + 3) + "|"]  # fmt: skip
+    for i, (d, errs, n) in enumerate(zip(layer_dof, mean, needed)):
+        cells = " | ".join(f"{x:.4g}" for x in errs)
+        lines.append(
+            f"| {i} | {d:.1f} | {cells} | {'>' + str(ms[-1]) if n is None else f'{n:.1f}'} |"
+        )
+    lines += ["", f"Spearman rank correlation between layer DoF and the M a layer needs to reach "
+                  f"KL {target:.3g}: {rho:+.2f}.", "",
+              "The oracle allocation minimises the summed interpolated KL of these curves at each "
+              "budget:", "", "| budget | DoF dims | oracle dims |", "|---|---|---|"]  # fmt: skip
+    for budget, dims in curves["oracle"].items():
+        dof_dims = results["dof"]["dims"][budget]["dof"]
+        lines.append(f"| {budget} | {' '.join(map(str, dof_dims))} | {' '.join(map(str, dims))} |")
+    return lines
+
+
+def loss_chart(grouped: dict, out) -> str:
+    """The training-loss curve (mean over layers) of each trained group's first seed."""
+    series = {}
+    for (variant, loss, budget), by_seed in grouped.items():
+        curve = by_seed[min(by_seed)].get("loss_curve") or []
+        if len(curve) > 1:
+            steps, values = zip(*curve)
+            series[f"{variant}/{loss}/b{budget}"] = (list(steps), list(values), None)
+    if not series:
+        return ""
+    plots.xy_chart(series, out / "training_loss.svg", "training loss (mean over layers), first seed",
+                   "step", "loss", log_y=True)  # fmt: skip
+    return "![training loss](training_loss.svg)"
+
+
+def tasks_table(students: dict, teacher: dict) -> str:
+    rows = {"teacher": teacher["tasks"], **{k: s["tasks"] for k, s in students.items()}}
+    tasks = list(teacher["tasks"])
+    if not tasks:
+        return (
+            "Tasks skipped (--limit 0): these teachers sit at chance on them, so perplexity and "
+            "the per-layer errors are what separate the variants."
+        )
+    counts = [teacher["tasks"][t]["n"] for t in tasks]
+    lines = ["| model | " + " | ".join(f"{t} (n={n})" for t, n in zip(tasks, counts))
+             + " | average |", "|---" * (len(tasks) + 2) + "|"]  # fmt: skip
+    for name, result in rows.items():
+        values = [result[t].get("acc_norm", result[t]["acc"]) for t in tasks]
+        cells = " | ".join(f"{v:.4f}" for v in values)
+        lines.append(f"| {name} | {cells} | {np.mean(values):.4f} |")
+    return "acc_norm where a task has it, else acc:\n\n" + "\n".join(lines)
+
+
+def write(out, results: dict) -> str:
+    """report.md and its charts; returns the summary table for the terminal."""
+    teacher, students, dof_result = results["teacher"], results["students"], results["dof"]
+    cfg, grouped = results["config"], groups(students)
+    summary = summary_table(grouped, teacher)
+    errors, charts = layer_tables(grouped, out)
+    charts += [c for c in (budget_chart(grouped, out), loss_chart(grouped, out)) if c]
+    times = ["| student | train s | evaluation s |", "|---|---|---|",
+             f"| teacher | — | {teacher['eval_seconds']:.1f} |"]  # fmt: skip
+    times += [f"| {k} | {s['train_seconds']:.1f} | {s['eval_seconds']:.1f} |"
+              for k, s in students.items()]  # fmt: skip
+    gram = "G/J" if dof_result["normalize"] else "raw G"
+    text = "\n".join([
+        f"# dofmini report: {teacher['name']} ({cfg['profile']} profile)", "",
+        f"ctx {cfg['ctx']}, seeds {cfg['seeds']}, budgets {cfg['budgets']}, {cfg['steps']} steps "
+        f"of {cfg['batch']} windows, DoF λ={dof_result['lam']:g}, J={dof_result['J']}, {gram}; "
+        f"the stages took {results['timings']['stages_seconds']:.0f} s in all.", "",
+        "Means over seeds with 95% Student-t intervals (± half width).", "",
+        "## Feature dimensions per layer", "", allocation_table(dof_result), "",
+        "![allocation](allocation.svg)", "", "## Students", "", summary, "",
+        "## DoF and the oracle against Fix, seed by seed", *comparisons(grouped, teacher), "",
+        "## Per-layer approximation error (teacher inputs, held-out text, mean over heads)", "",
+        "kernel_l2 compares unnormalised kernel values. The softmax and direct losses leave each "
+        "row's scale free,", "so for students trained with them kl and output_rel are the errors "
+        "that count.", *errors, "", " ".join(charts), *curves_section(results, out), "",
+        "## Zero-shot tasks", "", tasks_table(students, teacher), "", "## Times", "",
+        "\n".join(times), ""])  # fmt: skip
+    write_text(out / "report.md", text)
+    return summary
