@@ -202,3 +202,70 @@ def _shares(weights, total, hi):
     if f != total:  # interpolate inside the segment, or extrapolate past the last kink
         c = lo_c + (c - lo_c) * (total - lo_f) / (f - lo_f)
     return [min(max(c * w, 1), hi) for w in weights]
+
+
+def oracle_allocate(curves, budget, ms=None):
+    """Per-layer dims in [ms[0], ms[-1]] summing to exactly L·budget with the least summed error.
+
+    curves[l][k] is layer l's error with ms[k] features (ms: strictly increasing integers >= 1, at
+    least two; None means 1, 2, ..., K, a curve measured at every M). Between measured points the
+    error is taken linear in M, so every integer M in range has an error. The minimum is found
+    exactly by dynamic programming over layers (the least summed error of layers 0..l for every
+    total), not by a greedy on marginal gains: the greedy is optimal only when every curve is
+    convex, and measured curves need not be. On exact ties the earlier layers get the features.
+    Cost: L·(ms[-1] − ms[0] + 1) vector steps of length L·(budget − ms[0]) + 1.
+    """
+    try:
+        errors = torch.as_tensor(curves, dtype=torch.float64)  # [L, K]
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"oracle_allocate: curves must be an [L, K] table of numbers: {err}"
+        ) from err
+    if errors.dim() != 2 or errors.shape[0] < 1 or errors.shape[1] < 2:
+        raise ValueError(
+            f"oracle_allocate: curves must be [L, K] with L >= 1 and K >= 2 measured points, got "
+            f"shape {tuple(errors.shape)}"
+        )
+    if not torch.isfinite(errors).all():
+        raise ValueError("oracle_allocate: curves hold non-finite errors")
+    ms = list(range(1, errors.shape[1] + 1)) if ms is None else list(ms)
+    if (
+        len(ms) != errors.shape[1]
+        or any(int(m) != m for m in ms)
+        or ms[0] < 1
+        or any(b <= a for a, b in zip(ms, ms[1:]))
+    ):
+        raise ValueError(
+            f"oracle_allocate: ms must be {errors.shape[1]} strictly increasing integers >= 1 (one "
+            f"per column of curves), got {ms}"
+        )
+    lo, hi = int(ms[0]), int(ms[-1])
+    if int(budget) != budget or not lo <= budget <= hi:
+        raise ValueError(
+            f"oracle_allocate: budget must be an integer in [{lo}, {hi}], got {budget}"
+        )
+    knots = torch.tensor(ms, dtype=torch.float64)  # [K]
+    grid = torch.arange(lo, hi + 1, dtype=torch.float64)  # [R] every integer M in range
+    seg = (torch.searchsorted(knots, grid, right=True) - 1).clamp(max=len(ms) - 2)  # [R]
+    frac = (grid - knots[seg]) / (knots[seg + 1] - knots[seg])  # [R]
+    dense = errors[:, seg] + frac * (errors[:, seg + 1] - errors[:, seg])  # [L, R]
+    extra = len(errors) * (int(budget) - lo)  # features handed out above lo in every layer
+    best = torch.full((extra + 1,), math.inf, dtype=torch.float64)  # [E+1] by total extra
+    best[0] = 0.0
+    picks = []
+    for row in dense:  # [R]
+        new = torch.full_like(best, math.inf)  # [E+1]
+        pick = torch.zeros(extra + 1, dtype=torch.long)  # [E+1] this layer's extra at the optimum
+        for x in range(min(len(row), extra + 1)):
+            cand = best[: extra + 1 - x] + row[x]  # [E+1-x]
+            # strict: on a tie this layer keeps the smallest x, leaving features to earlier layers
+            better = cand < new[x:]  # [E+1-x]
+            new[x:] = torch.where(better, cand, new[x:])
+            pick[x:] = torch.where(better, x, pick[x:])
+        best = new
+        picks.append(pick)
+    dims = []
+    for pick in reversed(picks):
+        dims.append(lo + int(pick[extra]))
+        extra -= dims[-1] - lo
+    return dims[::-1]

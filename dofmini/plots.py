@@ -1,63 +1,95 @@
-"""Hand-written SVG charts (no plotting dependency): per-layer allocation with per-head DoF, and lines by layer."""
+"""Hand-written SVG charts (no plotting dependency): per-layer allocation with per-head DoF,
+lines by layer, and lines over a numeric x with error bars."""
 
 import math
 from xml.sax.saxutils import escape
 
 W, H, LEFT, RIGHT, TOP, BOTTOM = 640, 360, 64, 64, 40, 48  # canvas and margins, px
 COLORS = ("#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb")
+# Marker outlines relative to the point (circle, square, triangle, diamond, inverted triangle):
+# hollow and of a different shape per series, so points of coinciding lines all stay visible.
+SHAPES = (
+    "m-4,0a4,4 0 1 0 8,0a4,4 0 1 0 -8,0z",
+    "m-3.5,-3.5h7v7h-7z",
+    "m0,-5l4.5,8h-9z",
+    "m0,-5l5,5l-5,5l-5,-5z",
+    "m0,5l4.5,-8h-9z",
+)
 
 
-def _ticks(top, log):
-    """Axis maximum and tick values: 1-2-5 steps from 0, or powers of ten on a log axis."""
+def _ticks(lo, hi, log):
+    """Tick values covering [lo, hi]: 1-2-5 steps on a linear axis, which always includes 0; on a
+    log axis 1, 2, 5 per decade, or powers of ten alone when that would exceed 7 ticks."""
     if log:
-        return [
-            10.0**e
-            for e in range(math.floor(math.log10(top[0])), math.ceil(math.log10(top[1])) + 1)
-        ]
-    step = 10 ** math.floor(math.log10(top / 5)) if top > 0 else 1
-    step *= next(m for m in (1, 2, 5, 10) if top / (step * m) <= 6)
-    return [step * i for i in range(math.ceil(top / step - 1e-9) + 1)]
+        decades = range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+        ticks = [m * 10.0**e for e in decades for m in (1, 2, 5)]
+        first = max(i for i, t in enumerate(ticks) if t <= lo * (1 + 1e-9))
+        last = max(first + 1, min(i for i, t in enumerate(ticks) if t >= hi * (1 - 1e-9)))
+        ticks = ticks[first : last + 1]
+        return ticks if len(ticks) <= 7 else [10.0**e for e in decades]
+    lo, hi = min(lo, 0.0), max(hi, 0.0)
+    step = 10 ** math.floor(math.log10((hi - lo) / 5)) if hi > lo else 1
+    step *= next(m for m in (1, 2, 5, 10) if (hi - lo) / (step * m) <= 6)
+    return [step * i for i in range(math.floor(lo / step + 1e-9), math.ceil(hi / step - 1e-9) + 1)]
 
 
-def _axis(ticks, log, x, label, anchor):
+def _scale(ticks, log, start, end):
+    """The value -> pixel map placing ticks[0] at pixel start and ticks[-1] at pixel end."""
+    f = math.log10 if log else float
+    lo, hi = f(ticks[0]), f(ticks[-1])
+    return lambda v: start + (end - start) * (f(v) - lo) / ((hi - lo) or 1)
+
+
+def _y_axis(ticks, log, x, label, anchor):
     """A vertical axis at x; returns its SVG and the value -> pixel map."""
-    lo, hi = (math.log10(ticks[0]), math.log10(ticks[-1])) if log else (ticks[0], ticks[-1])
-    span = (hi - lo) or 1
-
-    def y(v):
-        return TOP + (H - TOP - BOTTOM) * (1 - ((math.log10(v) if log else v) - lo) / span)
-
+    y = _scale(ticks, log, H - BOTTOM, TOP)
     side = -6 if anchor == "end" else 6
-    parts = [f'<line x1="{x}" y1="{TOP}" x2="{x}" y2="{H - BOTTOM}" stroke="#000"/>']
-    parts += [
-        f'<text x="{x + side}" y="{y(t) + 4:.1f}" text-anchor="{anchor}">{t:g}</text>'
-        for t in ticks
-    ]
     lx = x + (-48 if anchor == "end" else 48)
-    parts.append(
-        f'<text transform="translate({lx},{H / 2}) rotate(-90)" text-anchor="middle">{escape(label)}</text>'
-    )
-    return parts, y
+    return [
+        f'<line x1="{x}" y1="{TOP}" x2="{x}" y2="{H - BOTTOM}" stroke="#000"/>',
+        *(
+            f'<text x="{x + side}" y="{y(t) + 4:.1f}" text-anchor="{anchor}">{t:g}</text>'
+            for t in ticks
+        ),
+        f'<text transform="translate({lx},{H / 2}) rotate(-90)" text-anchor="middle">'
+        f"{escape(label)}</text>",
+    ], y
 
 
-def _write(path, title, n_layers, parts):
-    xs = [LEFT + (W - LEFT - RIGHT) * (i + 0.5) / n_layers for i in range(n_layers)]
-    parts += [
-        f'<text x="{x:.1f}" y="{H - BOTTOM + 16}" text-anchor="middle">{i}</text>'
-        for i, x in enumerate(xs)
-    ]
-    parts += [
+def _x_axis(ticks, label, log=False, centres=None):
+    """The bottom axis; returns its SVG and the value -> pixel map.
+
+    centres=n instead makes n equal slots labelled 0..n-1 (layers), value i mapping to slot i's
+    centre, so bars and lines over layers line up.
+    """
+    if centres is None:
+        x = _scale(ticks, log, LEFT, W - RIGHT)
+    else:
+        ticks = range(centres)
+        x = lambda i: LEFT + (W - LEFT - RIGHT) * (i + 0.5) / centres
+    return [
         f'<line x1="{LEFT}" y1="{H - BOTTOM}" x2="{W - RIGHT}" y2="{H - BOTTOM}" stroke="#000"/>',
-        f'<text x="{W / 2}" y="{H - 8}" text-anchor="middle">layer</text>',
-        f'<text x="{W / 2}" y="{TOP - 16}" text-anchor="middle" font-size="15">{escape(title)}</text>',
+        *(
+            f'<text x="{x(t):.1f}" y="{H - BOTTOM + 16}" text-anchor="middle">{t:g}</text>'
+            for t in ticks
+        ),
+        f'<text x="{W / 2}" y="{H - 8}" text-anchor="middle">{escape(label)}</text>',
+    ], x
+
+
+def _write(path, title, parts, width=W):
+    head = (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{H}" '
+        f'font-family="sans-serif" font-size="11">'
+    )
+    parts = [
+        f'<rect width="{width:.0f}" height="{H}" fill="#fff"/>',
+        *parts,
+        f'<text x="{W / 2}" y="{TOP - 16}" text-anchor="middle" font-size="15">'
+        f"{escape(title)}</text>",
     ]
     with open(path, "w", encoding="utf-8") as f:
-        f.write(
-            f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" '
-            f'font-size="11">\n<rect width="{W}" height="{H}" fill="#fff"/>\n'
-            + "\n".join(parts)
-            + "\n</svg>\n"
-        )
+        f.write(head + "\n" + "\n".join(parts) + "\n</svg>\n")
 
 
 def allocation_chart(dims, per_head_dof, path, title):
@@ -67,16 +99,14 @@ def allocation_chart(dims, per_head_dof, path, title):
         raise ValueError(
             f"allocation_chart: {n} layer dims but per_head_dof has {len(per_head_dof)} layers"
         )
-    left, y_dim = _axis(_ticks(max(dims), False), False, LEFT, "feature dim M (bars)", "end")
-    right, y_dof = _axis(
-        _ticks(max(max(h) for h in per_head_dof), False),
-        False,
-        W - RIGHT,
-        "DoF per head (dots)",
-        "start",
+    left, y_dim = _y_axis(_ticks(0, max(dims), False), False, LEFT, "feature dim M (bars)", "end")
+    top_dof = max(max(h) for h in per_head_dof)
+    right, y_dof = _y_axis(
+        _ticks(0, top_dof, False), False, W - RIGHT, "DoF per head (dots)", "start"
     )
+    bottom, _ = _x_axis(None, "layer", centres=n)
     slot = (W - LEFT - RIGHT) / n
-    parts = left + right
+    parts = left + right + bottom
     for i, (m, heads) in enumerate(zip(dims, per_head_dof)):
         x0 = LEFT + slot * i
         parts.append(
@@ -84,33 +114,88 @@ def allocation_chart(dims, per_head_dof, path, title):
             f'height="{H - BOTTOM - y_dim(m):.1f}" fill="#bcd0e8"><title>M = {m}</title></rect>'
         )
         parts += [
-            f'<circle cx="{x0 + slot * (0.25 + 0.5 * j / max(len(heads) - 1, 1)):.1f}" cy="{y_dof(v):.1f}" '
-            f'r="3.5" fill="#cc3311"><title>head {j}: {v:.1f}</title></circle>'
+            f'<circle cx="{x0 + slot * (0.25 + 0.5 * j / max(len(heads) - 1, 1)):.1f}" '
+            f'cy="{y_dof(v):.1f}" r="3.5" fill="#cc3311"><title>head {j}: {v:.1f}</title></circle>'
             for j, v in enumerate(heads)
         ]
-    _write(path, title, n, parts)
+    _write(path, title, parts)
 
 
 def line_chart(series, path, title, ylabel, log_y=False):
-    """One line per named series over layers 0..L-1; log_y needs positive values."""
-    values = [v for vs in series.values() for v in vs]
-    if log_y and min(values) <= 0:
-        raise ValueError(f"line_chart: log_y needs positive values, got minimum {min(values)}")
+    """One line per named series over layers 0..L-1, a marker on every value; log_y needs
+    positive values."""
     n = max(len(vs) for vs in series.values())
-    parts, y = _axis(
-        _ticks((min(values), max(values)) if log_y else max(values), log_y),
-        log_y,
-        LEFT,
-        ylabel,
-        "end",
-    )
-    for k, (name, vs) in enumerate(series.items()):
-        color = COLORS[k % len(COLORS)]
-        pts = " ".join(
-            f"{LEFT + (W - LEFT - RIGHT) * (i + 0.5) / n:.1f},{y(v):.1f}" for i, v in enumerate(vs)
+    lines = {name: (range(len(vs)), vs, None) for name, vs in series.items()}
+    _lines("line_chart", lines, path, title, ylabel, log_y, _x_axis(None, "layer", centres=n))
+
+
+def xy_chart(series, path, title, xlabel, ylabel, log_x=False, log_y=False):
+    """Lines over a numeric x: series maps a name to (xs, ys, half_widths or None).
+
+    Every point gets a marker and, where its half width is a number (not None or nan), a vertical
+    error bar ys ± half width (a mean ± CI). A log axis needs positive values; on a log y axis a
+    bar's lower end at or below 0 is cut at the axis bottom.
+    """
+    xs = [float(x) for xs, _, _ in series.values() for x in xs]
+    if not xs or not all(map(math.isfinite, xs)) or (log_x and min(xs) <= 0):
+        raise ValueError(
+            f"xy_chart: x values must be present and finite{' and > 0 (log_x)' * log_x}: {xs}"
         )
+    axis = _x_axis(_ticks(min(xs), max(xs), log_x), xlabel, log_x)
+    _lines("xy_chart", series, path, title, ylabel, log_y, axis)
+
+
+def _lines(chart, series, path, title, ylabel, log_y, x_axis):
+    """Draw series {name: (xs, ys, half_widths or None)} against x_axis (SVG parts, x map)."""
+    checked = []  # (name, xs, ys, half widths with nan for "no bar")
+    for name, (xs, ys, hws) in series.items():
+        xs, ys = list(xs), [float(v) for v in ys]
+        hws = [math.nan] * len(ys) if hws is None else [float(h) for h in hws]
+        if not len(xs) == len(ys) == len(hws) or not all(map(math.isfinite, ys)):
+            raise ValueError(
+                f"{chart}: series {name!r} needs equal-length xs, ys, half widths and finite ys, "
+                f"got {xs}, {ys}, {hws}"
+            )
+        if any(h < 0 for h in hws) or (log_y and min(ys) <= 0):
+            raise ValueError(
+                f"{chart}: series {name!r} has a negative half width or, with log_y, a y <= 0: "
+                f"ys {ys}, half widths {hws}"
+            )
+        checked.append((str(name), xs, ys, hws))
+    # the axis spans every y and every bar end that can be drawn (nan ends drop out)
+    ends = [e for _, _, ys, hws in checked for y, h in zip(ys, hws) for e in (y - h, y, y + h)]
+    ends = [e for e in ends if math.isfinite(e) and (e > 0 or not log_y)]
+    ticks = _ticks(min(ends), max(ends), log_y)
+    parts, y = _y_axis(ticks, log_y, LEFT, ylabel, "end")
+    axis_parts, x = x_axis
+    parts += axis_parts
+    bars, marks = [], []
+    for k, (name, xs, ys, hws) in enumerate(checked):
+        color, shape = COLORS[k % len(COLORS)], SHAPES[k % len(SHAPES)]
+        pts = [(x(a), y(b)) for a, b in zip(xs, ys)]
+        parts.append(
+            f'<polyline points="{" ".join(f"{px:.1f},{py:.1f}" for px, py in pts)}" fill="none" '
+            f'stroke="{color}" stroke-width="2"/>'
+        )
+        for (px, py), a, b, h in zip(pts, xs, ys, hws):
+            tip = f"{escape(name)}: {a:g}, {b:.4g}" + (f" ± {h:.2g}" if math.isfinite(h) else "")
+            marks.append(
+                f'<path class="marker" d="M{px:.1f},{py:.1f}{shape}" fill="#fff" '
+                f'stroke="{color}" stroke-width="1.5"><title>{tip}</title></path>'
+            )
+            if math.isfinite(h):
+                lo, hi = y(b - h if b - h > 0 or not log_y else ticks[0]), y(b + h)
+                bars.append(
+                    f'<path class="errbar" d="M{px:.1f},{lo:.1f}V{hi:.1f}M{px - 3:.1f},{lo:.1f}h6'
+                    f'M{px - 3:.1f},{hi:.1f}h6" stroke="{color}"/>'
+                )
+        key_y = TOP + 14 * k + 6
         parts += [
-            f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="2"/>',
-            f'<text x="{LEFT + 8}" y="{TOP + 14 * k + 10}" fill="{color}">{escape(name)}</text>',
+            f'<path class="key" d="M{W - RIGHT + 16},{key_y - 4}{shape}" fill="#fff" '
+            f'stroke="{color}" stroke-width="1.5"/>',
+            f'<text x="{W - RIGHT + 26}" y="{key_y}" fill="{color}">{escape(name)}</text>',
         ]
-    _write(path, title, n, parts)
+    # bars and markers last, over every line, so no later line hides an earlier series' points;
+    # the legend gets its own column right of the plot (about 7 px a character), never over data
+    width = W - RIGHT + 34 + 7 * max(len(name) for name, *_ in checked)
+    _write(path, title, parts + bars + marks, max(W, width))

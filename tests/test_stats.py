@@ -1,0 +1,223 @@
+"""Seed statistics against hand-computed numbers, and the oracle allocation against brute force."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dofmini.dof import oracle_allocate
+from dofmini.stats import (
+    features_needed,
+    mean_ci,
+    paired_diff,
+    share_removed,
+    spearman,
+    t_critical,
+)
+
+FAST = settings(max_examples=60, deadline=None)
+T_975_2 = 4.302653  # Student t quantile 0.975 for 2 degrees of freedom, from the printed tables
+
+
+@pytest.mark.parametrize(
+    "level, df, table",  # two-sided critical values as printed in standard t tables
+    [(0.95, 1, 12.7062), (0.95, 2, 4.3027), (0.95, 3, 3.1824), (0.95, 10, 2.2281)]
+    + [(0.95, 30, 2.0423), (0.95, 120, 1.9799), (0.99, 5, 4.0321), (0.90, 4, 2.1318)],
+)
+def test_t_critical_matches_the_tables(level, df, table):
+    assert t_critical(level, df) == pytest.approx(table, abs=1e-4)
+
+
+def test_t_critical_tends_to_the_normal_quantile():
+    assert t_critical(0.95, 100_000) == pytest.approx(1.959964, abs=1e-4)
+
+
+def test_mean_ci_of_one_to_four():
+    # s = sqrt((2.25 + 0.25 + 0.25 + 2.25) / 3) = 1.290994; t(0.975, 3) = 3.182446 (tables)
+    mean, half = mean_ci([1, 2, 3, 4])
+    assert mean == 2.5
+    assert half == pytest.approx(3.182446 * 1.290994 / 2, abs=1e-5)  # 2.054260
+    assert half == pytest.approx(2.054260, abs=1e-5)
+
+
+def test_mean_ci_of_one_seed_has_no_interval_and_bad_input_is_named():
+    mean, half = mean_ci([0.7])
+    assert mean == 0.7 and math.isnan(half)
+    with pytest.raises(ValueError, match="mean_ci: values"):
+        mean_ci([])
+    with pytest.raises(ValueError, match="mean_ci: values"):
+        mean_ci([1.0, math.nan])
+    with pytest.raises(ValueError, match="level"):
+        mean_ci([1.0, 2.0], level=95)
+
+
+def test_paired_diff_by_hand():
+    # differences 2, 3, 2: mean 7/3, s² = (1/9 + 4/9 + 1/9) / 2 = 1/3, half = t·sqrt(1/3)/sqrt(3)
+    mean, half = paired_diff([3, 5, 4], [1, 2, 2])
+    assert mean == pytest.approx(7 / 3)
+    assert half == pytest.approx(T_975_2 / 3, abs=1e-5)
+    with pytest.raises(ValueError, match="pair up"):
+        paired_diff([1, 2], [1, 2, 3])
+
+
+def test_share_removed_when_fix_is_clearly_worse():
+    # fix − teacher = 1.0, 1.2, 0.8: mean 1, s 0.2, lower end 1 − 4.30·0.2/√3 = 0.50 > 0.
+    # ratios (fix − dof)/(fix − teacher) = 1/2, 2/3, 1/2: mean 5/9, s² = (1/324 + 4/324 + 1/324)/2
+    # = 1/108, half = t·sqrt(1/108)/sqrt(3) = t/18
+    ci, reason = share_removed(1.0, [2.0, 2.2, 1.8], [1.5, 1.4, 1.4])
+    assert reason is None
+    assert ci[0] == pytest.approx(5 / 9)
+    assert ci[1] == pytest.approx(T_975_2 / 18, abs=1e-6)
+
+
+def test_share_removed_declines_a_ratio_of_noise():
+    # fix − teacher = 0.1, −0.1, 0.3: mean 0.1, half 4.30·0.2/√3 = 0.50, so the lower end is < 0
+    ci, reason = share_removed(1.0, [1.1, 0.9, 1.3], [1.0, 1.0, 1.0])
+    assert ci is None and "not worse than the teacher" in reason
+    ci, reason = share_removed(1.0, [2.0], [1.5])
+    assert ci is None and "one seed" in reason
+    # nine seeds at 2 and one at the teacher: the mean gap is clear (0.9 ± 0.23), one seed's is 0
+    ci, reason = share_removed(1.0, [2.0] * 9 + [1.0], [1.5] * 10)
+    assert ci is None and "not above the teacher" in reason
+    with pytest.raises(ValueError, match="share_removed: fix has 2 seeds, dof has 1"):
+        share_removed(1.0, [2.0, 2.0], [1.0])
+
+
+def test_spearman_with_ties_by_hand():
+    # ranks x = 1, 2.5, 2.5, 4 and y = 1, 3, 2, 4 around 2.5: cov 4.5, Sxx 4.5, Syy 5
+    assert spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(4.5 / math.sqrt(4.5 * 5))
+    assert spearman([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0)
+    assert math.isnan(spearman([1, 1, 1], [1, 2, 3]))
+    with pytest.raises(ValueError, match="spearman"):
+        spearman([1, 2], [1, 2, 3])
+
+
+@FAST
+@given(st.lists(st.integers(-1000, 1000), min_size=2, max_size=12, unique=True))
+def test_spearman_is_one_under_any_increasing_map(x):
+    assert spearman(x, [v**3 + 7 for v in x]) == pytest.approx(1.0)
+    assert spearman(x, [-v for v in x]) == pytest.approx(-1.0)
+
+
+def test_features_needed_interpolates_in_log_m():
+    ms, errors = [8, 16, 32], [1.0, 0.5, 0.1]
+    # 0.3 is half the drop from 16 to 32 features, so the answer is 16·2^0.5
+    assert features_needed(ms, errors, 0.3) == pytest.approx(16 * math.sqrt(2))
+    assert features_needed(ms, errors, 0.5) == pytest.approx(16)
+    assert features_needed(ms, errors, 2.0) == 8  # already reached at the smallest measured M
+    assert features_needed(ms, errors, 0.05) == math.inf
+    with pytest.raises(ValueError, match="strictly increasing"):
+        features_needed([8, 8, 32], errors, 0.3)
+    with pytest.raises(ValueError, match="equal nonzero lengths"):
+        features_needed([8, 16], errors, 0.3)
+
+
+def summed_error(curves, ms, dims):
+    """The objective, by numpy's own piecewise-linear interpolation."""
+    return sum(np.interp(m, ms, errors) for errors, m in zip(curves, dims))
+
+
+def brute_force(curves, ms, budget):
+    """The least summed error over every integer allocation within [ms[0], ms[-1]]."""
+    grid = range(ms[0], ms[-1] + 1)
+    tables = [{m: np.interp(m, ms, errors) for m in grid} for errors in curves]
+    return min(
+        sum(t[m] for t, m in zip(tables, dims))
+        for dims in itertools.product(grid, repeat=len(curves))
+        if sum(dims) == len(curves) * budget
+    )
+
+
+def check_oracle(curves, ms, budget):
+    dims = oracle_allocate(curves, budget, ms)
+    assert sum(dims) == len(curves) * budget
+    assert all(ms[0] <= m <= ms[-1] and isinstance(m, int) for m in dims)
+    assert summed_error(curves, ms, dims) == pytest.approx(brute_force(curves, ms, budget))
+
+
+def convex_decreasing(ms):
+    """A curve with nonincreasing drops per feature: start, then slopes sorted steepest first."""
+    slopes = st.lists(st.floats(0, 10), min_size=len(ms) - 1, max_size=len(ms) - 1)
+    return st.tuples(st.floats(0, 100), slopes).map(
+        lambda c: list(
+            itertools.accumulate(
+                (-s * (b - a) for s, a, b in zip(sorted(c[1], reverse=True), ms, ms[1:])),
+                initial=c[0],
+            )
+        )
+    )
+
+
+SMALL_MS = [1, 2, 4, 8]
+
+
+@FAST
+@given(
+    st.integers(2, 4).flatmap(
+        lambda n: st.lists(convex_decreasing(SMALL_MS), min_size=n, max_size=n)
+    ),
+    st.integers(1, 8),
+)
+def test_oracle_matches_brute_force_on_convex_curves(curves, budget):
+    check_oracle(curves, SMALL_MS, budget)
+
+
+@FAST
+@given(
+    st.integers(2, 4).flatmap(
+        lambda n: st.lists(
+            st.lists(st.floats(0, 10), min_size=4, max_size=4), min_size=n, max_size=n
+        )
+    ),
+    st.integers(1, 8),
+)
+def test_oracle_matches_brute_force_on_any_curves(curves, budget):
+    check_oracle(curves, SMALL_MS, budget)
+
+
+@FAST
+@given(
+    st.integers(1, 12).flatmap(
+        lambda n: st.lists(
+            st.lists(st.floats(0, 1), min_size=5, max_size=5), min_size=n, max_size=n
+        )
+    ),
+    st.integers(8, 128),
+)
+def test_oracle_spends_the_exact_budget(curves, budget):
+    dims = oracle_allocate(curves, budget, [8, 16, 32, 64, 128])
+    assert sum(dims) == len(curves) * budget and all(8 <= m <= 128 for m in dims)
+
+
+def test_oracle_by_hand_where_the_greedy_fails():
+    # layer 0 gains nothing from its 2nd feature and 10 from its 3rd; layer 1 gains 1 then 0.5. A
+    # greedy on marginal gains feeds layer 1 twice (summed error 10 + 8.5); the optimum is [3, 1].
+    assert oracle_allocate([[10, 10, 0], [10, 9, 8.5]], 2) == [3, 1]
+    # convex: layer 0 drops 2 per feature, layer 1 drops 1, so both spare features go to layer 0
+    assert oracle_allocate([[4, 0], [2, 0]], 2, ms=[1, 3]) == [3, 1]
+    assert oracle_allocate([[1.0, 0.0], [1.0, 0.0]], 2) == [2, 2]
+
+
+def test_oracle_ties_go_to_the_earlier_layer():
+    assert oracle_allocate([[2, 1, 0], [2, 1, 0]], 2) == [3, 1]
+
+
+@pytest.mark.parametrize(
+    "curves, budget, ms, match",
+    [
+        ([[1.0, 0.5]], 3, [1, 2], r"budget must be an integer in \[1, 2\], got 3"),
+        ([[1.0, 0.5]], 1.5, [1, 2], "budget must be an integer"),
+        ([[1.0, 0.5], [1.0]], 1, [1, 2], r"\[L, K\] table"),
+        ([[1.0]], 1, [1], "K >= 2"),
+        ([[1.0, math.inf]], 1, [1, 2], "non-finite"),
+        ([[1.0, 0.5]], 1, [1, 2, 4], "one per column"),
+        ([[1.0, 0.5]], 2, [2, 2], "strictly increasing"),
+        ([[1.0, 0.5]], 1, [0, 2], "integers >= 1"),
+    ],
+)
+def test_oracle_rejects_bad_input_by_name(curves, budget, ms, match):
+    with pytest.raises(ValueError, match=match):
+        oracle_allocate(curves, budget, ms)
