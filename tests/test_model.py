@@ -1,19 +1,22 @@
-"""The reimplemented GPT-2 and GPT-NeoX against logits computed by Hugging Face transformers (the fixtures in
-tests/fixtures, made by tests/make_fixtures.py), the stand-in teachers, and the loader's error messages."""
+"""The reimplemented GPT-2 and GPT-NeoX against logits computed by Hugging Face transformers (the
+fixtures in tests/fixtures, made by tests/make_fixtures.py) and the stand-in teachers; the cached
+forward pass and `keep=`. The loader's checks and errors are in test_checkpoint.py."""
 
+import functools
 import json
-import shutil
 
 import pytest
 import torch
 from conftest import FIXTURES, shared_path
-from safetensors.torch import load_file, save_file
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from dofmini import CheckpointError, checkpoint, load, load_tokenizer
+from dofmini import load, load_tokenizer
 
 FIXTURE_NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "reference.json").is_file())
-# Low-precision bounds, on logits of magnitude ~10: fp16 keeps 11 mantissa bits and bf16 8, and both families
-# accumulate rounding over two layers, so these sit a little above the largest difference seen.
+# Low-precision bounds, on logits of magnitude ~10: fp16 keeps 11 mantissa bits and bf16 8, and
+# both families accumulate rounding over two layers, so these sit a little above the largest
+# difference seen.
 LOW_PRECISION_BOUND = {torch.float16: 0.05, torch.bfloat16: 0.25}
 
 
@@ -22,7 +25,8 @@ def reference(name):
 
 
 def greedy(model, prompt, n):
-    """Uncached greedy decoding: the full forward pass on the growing sequence, argmax of the last position."""
+    """Uncached greedy decoding: the full forward pass on the growing sequence, argmax of the last
+    position."""
     ids = torch.tensor([prompt])
     for _ in range(n):
         ids = torch.cat([ids, model(ids)[:, -1:].argmax(-1)], dim=1)  # [1, T + 1]
@@ -106,107 +110,40 @@ def test_cached_forward_equals_full_forward():
     assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5)
 
 
-# --- errors: each bad checkpoint, built on the fly from a good fixture, names what is wrong -----------------
+@functools.cache
+def fixture_model(name):
+    return load(FIXTURES / name)
 
 
-@pytest.fixture
-def gpt2_copy(tmp_path):
-    folder = tmp_path / "gpt2-copy"
-    shutil.copytree(FIXTURES / "gpt2-tiny", folder)
-    return folder
+@pytest.mark.parametrize("name", ["gpt2-tiny", "neox-tiny"])
+@settings(max_examples=20, deadline=None)
+@given(bits=st.integers(0, 2**24 - 1))
+def test_keep_gives_the_kept_rows_of_the_full_forward(name, bits):
+    model = fixture_model(name)
+    ids = torch.tensor(reference(name)["ids"])  # [2, 12]
+    keep = torch.tensor([bool(bits >> i & 1) for i in range(24)]).view(2, 12)  # [2, 12]
+    with torch.no_grad():
+        full = model(ids)  # [2, 12, V]
+        kept = model(ids, keep=keep)  # [N, V]
+    assert kept.shape == (int(keep.sum()), model.config.vocab_size)
+    torch.testing.assert_close(kept, full[keep])
 
 
-def rewrite_tensors(folder, edit):
-    file = folder / "model.safetensors"
-    tensors = load_file(file)
-    edit(tensors)
-    save_file(tensors, file)
+def test_keep_nothing_gives_no_logits_and_still_captures_every_layer():
+    model = fixture_model("neox-tiny")
+    ids = torch.tensor(reference("neox-tiny")["ids"])  # [2, 12]
+    capture = []
+    with torch.no_grad():
+        logits = model(ids, capture=capture, keep=torch.zeros(2, 12, dtype=torch.bool))
+    assert logits.shape == (0, model.config.vocab_size)
+    assert len(capture) == model.config.n_layer
 
 
 @pytest.mark.parametrize(
-    "edit, message",
-    [
-        (
-            lambda t: t.pop("transformer.h.1.mlp.c_fc.weight"),
-            r"missing tensor 'h.1.mlp.c_fc.weight' .* \(expected shape \[32, 128\]",
-        ),
-        (
-            lambda t: t.update({"h.0.attn.extra": torch.zeros(3)}),
-            r"unexpected tensor 'h.0.attn.extra'",
-        ),
-        (
-            lambda t: t.update({"transformer.wpe.weight": torch.zeros(63, 32)}),
-            r"'transformer.wpe.weight' .* shape \[63, 32\], expected \[64, 32\]",
-        ),
-        (
-            lambda t: t.update({"transformer.ln_f.bias": torch.zeros(32, dtype=torch.int64)}),
-            r"'transformer.ln_f.bias' .* dtype",
-        ),
-    ],
+    "keep", [torch.ones(2, 12), torch.ones(2, 11, dtype=torch.bool)], ids=["float", "shape"]
 )
-def test_bad_tensor_is_named(gpt2_copy, edit, message):
-    rewrite_tensors(gpt2_copy, edit)
-    with pytest.raises(CheckpointError, match=message):
-        load(gpt2_copy)
-
-
-def test_checkpoint_without_transformer_prefix_loads(gpt2_copy):
-    # transformers saves GPT2LMHeadModel with a "transformer." prefix (the fixtures); the hub's gpt2 has none.
-    rewrite_tensors(
-        gpt2_copy, lambda t: t.update({k.removeprefix("transformer."): t.pop(k) for k in list(t)})
-    )
-    ref = reference("gpt2-tiny")
-    with torch.no_grad():
-        logits = load(gpt2_copy)(torch.tensor(ref["ids"]))
-    assert (logits - torch.tensor(ref["logits_fp32"])).abs().max().item() < 1e-5
-
-
-@pytest.mark.parametrize("damage", ["truncate", "garble"])
-def test_corrupt_file_is_named(gpt2_copy, damage):
-    file = gpt2_copy / "model.safetensors"
-    data = file.read_bytes()
-    file.write_bytes(
-        data[: len(data) // 2]
-        if damage == "truncate"
-        else b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage" + data[17:]
-    )
-    with pytest.raises(CheckpointError, match="model.safetensors is truncated or corrupt"):
-        load(gpt2_copy)
-
-
-def test_unsupported_model_type_is_named(gpt2_copy):
-    config = json.loads((gpt2_copy / "config.json").read_text())
-    (gpt2_copy / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
-    with pytest.raises(
-        CheckpointError, match="model_type 'llama'; dofmini supports 'gpt2' and 'gpt_neox'"
-    ):
-        load(gpt2_copy)
-
-
-def test_folder_without_config_and_unknown_name(tmp_path):
-    with pytest.raises(CheckpointError, match="has no config.json"):
-        load(tmp_path)
-    with pytest.raises(
-        CheckpointError, match="unknown model 'gpt5': not a folder, and not one of gpt2, pythia-70m"
-    ):
-        load("gpt5")
-
-
-def test_offline_download_says_what_to_fetch_and_where(tmp_path, monkeypatch):
-    pytest.importorskip(
-        "huggingface_hub", reason="tokenizers brings huggingface_hub; it is the download path"
-    )
-    from huggingface_hub import constants
-
-    # Port 9 on loopback has no listener: the same state as a machine without internet, on any machine.
-    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
-    monkeypatch.setattr(checkpoint, "WEIGHTS_DIR", tmp_path)
-    with pytest.raises(
-        CheckpointError,
-        match=r"hub is unreachable .* Download config.json, model.safetensors, "
-        r"tokenizer.json from http://127.0.0.1:9/openai-community/gpt2",
-    ):
-        load("gpt2")
-    assert not any(tmp_path.iterdir()), (
-        "a failed download must leave nothing where a checkpoint is expected"
-    )
+def test_keep_that_is_not_a_mask_like_ids_is_refused(keep):
+    model = fixture_model("gpt2-tiny")
+    ids = torch.tensor(reference("gpt2-tiny")["ids"])  # [2, 12]
+    with pytest.raises(ValueError, match=r"keep is torch\.\w+ \[2, 1\d\]; expected a torch.bool"):
+        model(ids, keep=keep)
