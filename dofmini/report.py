@@ -74,9 +74,9 @@ def _ci(values) -> str:
     values = [v for v in values if v is not None]
     if not values:
         return "—"
-    if len(values) == 1:
-        return f"{values[0]:.4g}"
     mean, half = stats.mean_ci(values)
+    if len(values) == 1:
+        return f"{mean:.4g}"
     return f"{mean:.4g} ± {half:.2g}"
 
 
@@ -131,9 +131,10 @@ def _paired(a, b) -> str:
 
 
 def _share_text(share) -> str:
-    if share[0] is None:
-        return f"share of Fix's degradation removed: not defined ({share[1]})"
-    mean, half = share
+    interval, reason = share
+    if interval is None:
+        return f"share of Fix's degradation removed: not defined ({reason})"
+    mean, half = interval
     return f"share of Fix's degradation removed {100 * mean:.1f}% ± {100 * half:.1f}%"
 
 
@@ -176,7 +177,7 @@ def budget_chart(grouped: dict, out, name: str = "kl") -> str:
         values = [metric(s, name) for s in by_seed.values()]
         if None in values or variant == "performer":
             continue
-        mean, half = stats.mean_ci(values) if len(values) > 1 else (values[0], None)
+        mean, half = stats.mean_ci(values)
         lines.setdefault(f"{variant}/{loss}", []).append((budget, mean, half))
     lines = {k: v for k, v in lines.items() if len(v) > 1}
     if not lines:
@@ -184,9 +185,7 @@ def budget_chart(grouped: dict, out, name: str = "kl") -> str:
     series = {}
     for label, points in lines.items():
         points.sort()
-        halves = [p[2] for p in points]
-        series[label] = ([p[0] for p in points], [p[1] for p in points],
-                         None if None in halves else halves)  # fmt: skip
+        series[label] = tuple(list(column) for column in zip(*points))
     plots.xy_chart(series, out / f"budget_{name}.svg", f"mean-layer {name} against budget",
                    "features per layer (budget)", name, log_x=True, log_y=True)  # fmt: skip
     return f"![{name} against budget](budget_{name}.svg)"
@@ -205,7 +204,7 @@ def curves_section(results: dict, out) -> list:
                    "features M", "KL", log_x=True, log_y=True)  # fmt: skip
     target = float(np.median([errs[len(ms) // 2] for errs in mean]))
     needed = [stats.features_needed(ms, errs, target) for errs in mean]
-    rho = stats.spearman(layer_dof, [np.inf if n is None else n for n in needed])
+    rho = stats.spearman(layer_dof, needed)
     lines = ["", "## Per-layer error against features, and the oracle allocation", "",
              f"Fix students at M = {', '.join(map(str, ms))} features in every layer, seeds "
              f"{', '.join(curves['kl'])}; held-out KL on windows disjoint from those of the tables "
@@ -215,7 +214,7 @@ def curves_section(results: dict, out) -> list:
     for i, (d, errs, n) in enumerate(zip(layer_dof, mean, needed)):
         cells = " | ".join(f"{x:.4g}" for x in errs)
         lines.append(
-            f"| {i} | {d:.1f} | {cells} | {'>' + str(ms[-1]) if n is None else f'{n:.1f}'} |"
+            f"| {i} | {d:.1f} | {cells} | {n:.1f} |"
         )
     lines += ["", f"Spearman rank correlation between layer DoF and the M a layer needs to reach "
                   f"KL {target:.3g}: {rho:+.2f}.", "",

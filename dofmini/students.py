@@ -55,9 +55,11 @@ def trainable(model) -> dict:
 
 
 def save_tensors(tensors: dict, path, metadata: dict):
-    """A safetensors file written atomically, metadata values JSON-encoded in sorted key order."""
+    """A safetensors file written atomically. The metadata is one JSON string in sorted key order
+    under the key "dofmini": safetensors writes a metadata dict in random order, so the same student
+    would otherwise give different bytes."""
     tensors = {n: t.detach().cpu().contiguous() for n, t in sorted(tensors.items())}
-    meta = {k: json.dumps(v, sort_keys=True) for k, v in sorted(metadata.items())}
+    meta = {"dofmini": json.dumps(metadata, sort_keys=True)}
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), meta))
 
 
@@ -70,9 +72,11 @@ def read_tensors(path):
     except (SafetensorError, OSError) as err:
         raise CheckpointError(f"cannot read {path}: {err}") from None
     try:
-        return tensors, {k: json.loads(v) for k, v in raw.items()}
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path}: metadata is not JSON ({err})") from None
+        return tensors, json.loads(raw["dofmini"])
+    except (KeyError, json.JSONDecodeError) as err:
+        raise CheckpointError(
+            f"{path}: no dofmini metadata ({type(err).__name__}: {err})"
+        ) from None
 
 
 def save_student(student, path, meta=None):

@@ -1,126 +1,127 @@
-"""`reproduce.py` end to end on the GPT-2 stand-in (quick profile, as a subprocess), its argument errors, and the
-vendorability of the modules the README says can be copied alone."""
+"""`reproduce.py` end to end on the GPT-2 stand-in (quick profile, as a subprocess): every student of a
+seeds × budgets grid, reruns that recompute nothing, a changed flag that recomputes what it touches,
+one-line errors for bad values before any model work, and the vendorability of the modules the
+README says can be copied alone."""
 
 import ast
 import json
 import re
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, shared_path
+from conftest import FIXTURES, REPO, shared_path
 
-VARIANT_KEYS = {
-    "performer/none",
-    "dijiang/direct",
-    "fix/softmax",
-    "dof/softmax",
-    "dof_clip/softmax",
-}
-TASKS = {"piqa", "arc_easy", "arc_challenge", "winogrande", "wsc273", "mmlu", "logiqa", "lambada"}
-TRAINING_LINE = re.compile(r"^(distill \w+|direct) \d+/\d+: loss", re.M)  # distill's progress lines
-VENDORABLE = {
-    "linear_attention.py": {"torch"},
-    "dof.py": {"torch", "numpy"},
-    "plots.py": set(),
-    "tasks.py": set(),
-    "generate.py": {"torch"},
-}
+TRAINING_LINE = re.compile(r"^(softmax|l2|direct) \d+/\d+: loss", re.M)  # distill's progress lines
+VENDORABLE = {"linear_attention.py": {"torch"}, "dof.py": {"torch"}, "plots.py": set(),
+              "tasks.py": set(), "generate.py": {"torch"}, "stats.py": set()}  # fmt: skip
 
 
-def reproduce(*args, timeout=600):
-    return subprocess.run(
-        [sys.executable, str(REPO / "reproduce.py"), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-    )
+def reproduce(*args, timeout=900, env=None):
+    return subprocess.run([sys.executable, str(REPO / "reproduce.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env=env)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
+def grid_run(tmp_path_factory):
+    """Seeds 0, 1 and budgets 8, 16 for Fix, DoF and the oracle, on the quick profile, no tasks."""
     model = shared_path("weights", "standin-gpt2")
-    shared_path("data", "wikitext-2-raw")
-    out = tmp_path_factory.mktemp("quick")
-    first = reproduce(model, "--profile", "quick", "--out", out)
+    store = shared_path("data")
+    out = tmp_path_factory.mktemp("grid")
+    args = [model, "--profile", "quick", "--out", out, "--data", store, "--seeds", "0,1",
+            "--budgets", "8,16", "--variants", "performer,fix,dof,oracle", "--limit", "0"]  # fmt: skip
+    first = reproduce(*args)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    return model, out, first
+    return args, out, first
 
 
-def test_quick_profile_writes_every_variant_and_task(quick_run):
-    _, out, first = quick_run
+def test_grid_has_every_variant_budget_and_seed(grid_run):
+    _, out, first = grid_run
     results = json.loads((out / "results.json").read_text())
-    assert set(results["variants"]) == VARIANT_KEYS
-    assert set(results["teacher"]["tasks"]) == TASKS
-    for key, variant in results["variants"].items():
-        assert set(variant["tasks"]) == TASKS, key
-        assert variant["wikitext2_ppl"] > 1 and len(variant["dims"]) == 6
-        assert set(variant["layer_error"]) == {"kernel_l2", "kl", "output_rel"}
-        if key.startswith(("fix/", "dof/", "dof_clip/")):
-            assert set(variant["layer_error_before"]) == {"kernel_l2", "kl", "output_rel"}
-    dims = results["dof"]["dims"]
-    assert sum(dims["dof"]) == sum(dims["fix"]) == 6 * 64 and max(dims["dof_clip"]) <= 64
-    assert results["dof"]["seed"] == results["config"]["seed"] == 0
-    assert "DoF removes" in (out / "report.md").read_text()
-    assert "greedy continuations" in first.stdout and TRAINING_LINE.search(first.stdout)
-
-
-def test_quick_profile_svgs_parse(quick_run):
-    _, out, _ = quick_run
-    svgs = sorted(out.glob("*.svg"))
-    assert {p.name for p in svgs} >= {"allocation.svg", "error_kl.svg", "error_output_rel.svg"}
-    for svg in svgs:
+    expected = {f"{v}/{loss}/b{b}/s{s}" for v, loss in
+                (("performer", "none"), ("fix", "softmax"), ("dof", "softmax"),
+                 ("oracle", "softmax")) for b in (8, 16) for s in (0, 1)}  # fmt: skip
+    assert set(results["students"]) == expected
+    for name, student in results["students"].items():
+        assert sum(student["dims"]) == 6 * student["budget"], name
+        assert set(student["layer_error"]) == {"kernel_l2", "kl", "output_rel"}
+        assert student["tasks"] == {} and student["wikitext2_ppl"] > 1
+        if not name.startswith("performer"):
+            assert student["loss_curve"] and "layer_error_before" in student
+    curves = results["curves"]
+    assert curves["dims"] == [8, 16, 32, 64, 128] and set(curves["kl"]) == {"0", "1"}
+    assert all(len(curves["oracle"][b]) == 6 for b in ("8", "16"))
+    assert results["config"]["seeds"] == [0, 1] and results["provenance"]["dofmini"]
+    assert not any(str(out) in json.dumps(v) for v in results["inputs"].values())
+    text = (out / "report.md").read_text()
+    assert "dof − fix, softmax loss, budget 16 (2 seeds)" in text and "Spearman" in text
+    for svg in out.glob("*.svg"):
         assert ET.parse(svg).getroot().tag.endswith("svg")
+    assert {"budget_kl.svg", "curves_kl.svg", "training_loss.svg"} <= {
+        p.name for p in out.glob("*")
+    }
+    assert "[1/" in first.stdout and "left)" in first.stdout and "plan (" in first.stdout
 
 
-def test_second_run_skips_every_stage(quick_run):
-    model, out, _ = quick_run
-    again = reproduce(model, "--profile", "quick", "--out", out)
+def test_rerun_recomputes_nothing(grid_run):
+    args, out, _ = grid_run
+    before = (out / "results.json").read_text()
+    again = reproduce(*args)
     assert again.returncode == 0, again.stderr[-3000:]
-    skipped = sorted(
-        Path(line.split("skip: ")[1].split()[0]).relative_to(out).as_posix()
-        for line in again.stdout.splitlines()
-        if "skip: " in line
-    )
-    # each variant has two stages (train, evaluate), saved as students/<key>.json and eval/<key>.json
-    keys = [k.replace("/", "-") for k in VARIANT_KEYS]
-    untrained = [
-        f"eval/{v}-untrained.json" for v in ("fix", "dof", "dof_clip")
-    ]  # errors before training
-    assert skipped == sorted(
-        ["teacher.json", "allocation.json"]
-        + untrained
-        + [f"{d}/{k}.json" for d in ("students", "eval") for k in keys]
-    )
-    assert not TRAINING_LINE.search(again.stdout), "a finished student was trained again"
+    assert "redo:" not in again.stdout and not TRAINING_LINE.search(again.stdout)
+    after = json.loads((out / "results.json").read_text())
+    assert after["students"] == json.loads(before)["students"]
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["gpt5"], "unknown model 'gpt5'"),
-        (["{empty}"], "has no config.json"),
-        (["{standin}", "--variants", "fix,hedgehog"], "unknown variant 'hedgehog'"),
-        (["{standin}", "--loss", "kl"], "unknown loss 'kl'"),
-    ],
-)
-def test_bad_arguments_give_one_line(tmp_path, args, message):
-    fill = {"{empty}": str(tmp_path), "{standin}": str(REPO / "tests" / "fixtures" / "gpt2-tiny")}
-    result = reproduce(*[fill.get(a, a) for a in args], timeout=120)
+def test_changed_flag_recomputes_what_it_touches(grid_run, tmp_path):
+    args, out, _ = grid_run
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(out), str(copy)], check=True)
+    args = [str(copy) if a == out else a for a in args]
+    changed = reproduce(*args, "--lam", "0.5")
+    assert changed.returncode == 0, changed.stderr[-3000:]
+    assert f"redo: {copy / 'allocation.json'}: lam changed" in changed.stdout
+    assert f"redo: {copy / 'teacher.json'}" not in changed.stdout  # λ does not touch the teacher
+    results = json.loads((copy / "results.json").read_text())
+    assert results["dof"]["lam"] == 0.5 == results["config"]["lam"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["gpt5"], "unknown model 'gpt5'"),
+    (["{empty}"], "has no config.json"),
+    (["{tiny}", "--variants", "fix,hedgehog"], "unknown variant 'hedgehog'"),
+    (["{tiny}", "--loss", "kl"], "unknown loss 'kl'"),
+    (["{tiny}", "--lam", "0"], "--lam 0.0: expected a positive finite number"),
+    (["{tiny}", "--lam", "-1"], "--lam -1.0: expected a positive finite number"),
+    (["{tiny}", "--lam", "nan"], "--lam nan: expected a positive finite number"),
+    (["{tiny}", "--limit", "-1"], "--limit -1: expected 0 (no tasks) or more"),
+    (["{tiny}", "--seeds", "0,-3"], "--seeds -3: expected 0.."),
+    (["{tiny}", "--seeds", "5,5"], "a seed appears twice"),
+    (["{tiny}", "--seed", str(2**40)], f"--seeds {2**40}: expected 0.."),
+    (["{tiny}", "--budgets", "0"], "--budgets 0: expected a positive number"),
+    (["{tiny}", "--budgets", "8,x"], "--budgets '8,x': expected comma-separated integers"),
+    (["{tiny}", "--out", "{file}"], "exists and is not a directory"),
+])  # fmt: skip
+def test_bad_values_give_one_line_before_model_work(tmp_path, args, message):
+    (tmp_path / "file").write_text("x")
+    fill = {"{empty}": tmp_path, "{tiny}": FIXTURES / "gpt2-tiny", "{file}": tmp_path / "file"}
+    env = {"PATH": "", "DOFMINI_DATA": str(tmp_path / "store"), "HOME": str(tmp_path)}
+    t0 = time.time()
+    result = reproduce(*[fill.get(a, a) for a in args], timeout=120, env=env)
     assert result.returncode != 0
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr and time.time() - t0 < 30
 
 
 @pytest.mark.skipif(
-    torch.cuda.is_available(), reason="this machine has CUDA, so --device cuda is valid here"
+    torch.cuda.is_available(), reason="this machine has CUDA, so cuda is valid here"
 )
 def test_cuda_without_cuda_is_refused():
-    result = reproduce(REPO / "tests" / "fixtures" / "gpt2-tiny", "--device", "cuda", timeout=120)
+    result = reproduce(FIXTURES / "gpt2-tiny", "--device", "cuda", timeout=120)
     assert result.returncode != 0 and "--device cuda is not available" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
@@ -128,21 +129,14 @@ def test_cuda_without_cuda_is_refused():
 @pytest.mark.parametrize("module", sorted(VENDORABLE))
 def test_vendorable_module_imports_only_torch_numpy_stdlib(module):
     tree = ast.parse((REPO / "dofmini" / module).read_text())
-    imported = {
-        alias.name.split(".")[0]
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Import)
-        for alias in node.names
-    }
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}  # fmt: skip
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            assert node.level == 0, (
-                f"{module} imports a sibling module ({node.module}); it must stand alone"
-            )
+            assert node.level == 0, f"{module} imports a sibling module ({node.module})"
             imported.add(node.module.split(".")[0])
-    outside = {name for name in imported if name not in sys.stdlib_module_names} - VENDORABLE[
-        module
-    ]
+    outside = {name for name in imported if name not in sys.stdlib_module_names}
+    outside -= VENDORABLE[module]
     assert not outside, (
-        f"{module} imports {outside}; vendorable modules may use only {VENDORABLE[module] or 'stdlib'}"
+        f"{module} imports {outside}; it may use only {VENDORABLE[module] or 'stdlib'}"
     )
