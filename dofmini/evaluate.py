@@ -16,10 +16,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import data
 from .distill import as_token_ids, capture, layer_pass
-from .tasks import DEFAULT_DATA, TASKS, load_task
+from .tasks import TASKS, load_task
 
-# the perplexity texts, relative to the data folder
+# the perplexity texts, relative to the data folder; each name is also its dofmini.data group
 PPL_TEXTS = {"wikitext2": "wikitext-2-raw/wiki.test.raw", "heldout": "corpus/wikipedia-heldout.txt"}
 
 
@@ -265,16 +266,22 @@ def main(argv=None):
     )
     p.add_argument("--limit", type=int, help="first N examples per task")
     p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated task names")
-    p.add_argument("--data", default=str(DEFAULT_DATA), help="the shared data folder")
+    p.add_argument(
+        "--data", help="the data store (default: $DOFMINI_DATA or ~/.cache/dofmini/data)"
+    )
     p.add_argument("--out", help="also write the results here as JSON")
     args = p.parse_args(argv)
+    data_dir = data.store_dir(args.data)
+    try:
+        data.ensure([*PPL_TEXTS, *args.tasks.split(",")], data_dir)
+    except data.DataError as err:
+        raise SystemExit(f"python -m dofmini.evaluate: error: {err}") from None
     try:
         model, tokenizer = load(args.model), load_tokenizer(args.model)
     except CheckpointError as err:
-        raise SystemExit(f"python -m dofmini.evaluate: error: {err}")
+        raise SystemExit(f"python -m dofmini.evaluate: error: {err}") from None
     texts = {
-        name: encode_file(Path(args.data) / relative, tokenizer)
-        for name, relative in PPL_TEXTS.items()
+        name: encode_file(data_dir / relative, tokenizer) for name, relative in PPL_TEXTS.items()
     }
     result = {
         "model": model.config.name,
@@ -288,7 +295,7 @@ def main(argv=None):
             args.windows,
             args.limit,
             args.tasks.split(","),
-            args.data,
+            data_dir,
         ),
     }
     if args.out:

@@ -1,8 +1,9 @@
-"""Zero-shot evaluation tasks read from the shared data folder, framed as lm-evaluation-harness frames them.
+"""Zero-shot evaluation tasks read from a data folder, framed as lm-evaluation-harness frames them.
 
-Every task becomes a list of `Example`s: choice i is scored by the log-likelihood of `continuations[i]`
-given `contexts[i]`. Ordinary multiple choice shares one context; partial scoring (Winogrande, WSC273)
-puts the option in the context and scores the shared suffix. LAMBADA is one "choice": its continuation.
+Every task becomes a list of `Example`s: choice i is scored by the log-likelihood of
+`continuations[i]` given `contexts[i]`. Ordinary multiple choice shares one context; partial scoring
+(Winogrande, WSC273) puts the option in the context and scores the shared suffix. LAMBADA is one
+"choice": its continuation.
 """
 
 import csv
@@ -11,8 +12,6 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 @dataclass
@@ -28,14 +27,17 @@ def _choices(context: str, options: list, label: int, group: str = "") -> Exampl
 
 
 def _partial(prefix: str, options: list, suffix: str, label: int) -> Example:
-    """Trinh & Le's partial scoring: each option completes the prefix, the common suffix is scored."""
+    """Trinh & Le's partial scoring: each option completes the prefix; the common suffix is
+    scored."""
     return Example([prefix + o for o in options], [" " + suffix.strip()] * len(options), label)
 
 
 def _file(data_dir, relative: str) -> Path:
-    path = Path(data_dir or DEFAULT_DATA) / relative
+    path = Path(data_dir) / relative
     if not path.is_file():
-        raise FileNotFoundError(f"missing {path}: task data described in shared/data/README.md")
+        raise FileNotFoundError(
+            f"missing {path}: the task file {relative}, which dofmini.data.ensure downloads"
+        )
     return path
 
 
@@ -45,7 +47,7 @@ def _jsonl(path: Path) -> list:
     ]
 
 
-def load_piqa(data_dir=None) -> list:
+def load_piqa(data_dir) -> list:
     docs = _jsonl(_file(data_dir, "piqa/valid.jsonl"))
     labels = _file(data_dir, "piqa/valid-labels.lst").read_text().split()
     if len(labels) != len(docs):
@@ -56,7 +58,7 @@ def load_piqa(data_dir=None) -> list:
     ]
 
 
-def load_arc(subset: str, data_dir=None) -> list:
+def load_arc(subset: str, data_dir) -> list:
     examples = []
     for d in _jsonl(_file(data_dir, f"arc/ARC-{subset}-Test.jsonl")):
         choices = d["question"]["choices"]
@@ -69,7 +71,7 @@ def load_arc(subset: str, data_dir=None) -> list:
     return examples
 
 
-def load_winogrande(data_dir=None) -> list:
+def load_winogrande(data_dir) -> list:
     examples = []
     for d in _jsonl(_file(data_dir, "winogrande/winogrande_1.1/dev.jsonl")):
         blank = d["sentence"].index("_")
@@ -84,9 +86,10 @@ def load_winogrande(data_dir=None) -> list:
     return examples
 
 
-def load_wsc273(data_dir=None) -> list:
-    """The first 273 schemas, rebuilt as the Hugging Face `winograd_wsc` set and normalised as the harness
-    does: possessive pronouns turn the option into "X's"; a leading article/pronoun is lowercased mid-sentence."""
+def load_wsc273(data_dir) -> list:
+    """The first 273 schemas, rebuilt as the Hugging Face `winograd_wsc` set and normalised as the
+    harness does: possessive pronouns turn the option into "X's"; a leading article/pronoun is
+    lowercased mid-sentence."""
     clean = lambda s: " ".join((s or "").split())  # noqa: E731
     examples = []
     for schema in list(ET.parse(_file(data_dir, "wsc273/WSCollection.xml")).getroot())[:273]:
@@ -120,9 +123,10 @@ def load_wsc273(data_dir=None) -> list:
     return examples
 
 
-def load_mmlu(data_dir=None, per_subject=None) -> list:
+def load_mmlu(data_dir, per_subject=None) -> list:
     """Letter scoring, as the harness's default MMLU: the options are listed in the context and the
-    continuations are " A" .. " D" (so acc_norm equals acc). `per_subject` keeps the first N of each subject."""
+    continuations are " A" .. " D" (so acc_norm equals acc). `per_subject` keeps the first N of each
+    subject."""
     folder = _file(data_dir, "mmlu/test/abstract_algebra_test.csv").parent
     examples = []
     for path in sorted(folder.glob("*_test.csv")):
@@ -131,16 +135,18 @@ def load_mmlu(data_dir=None, per_subject=None) -> list:
             rows = list(csv.reader(f))[:per_subject]
         for question, a, b, c, d, answer in rows:
             context = (
-                f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}"
-                f".\n\n{question.strip()}\nA. {a}\nB. {b}\nC. {c}\nD. {d}\nAnswer:"
+                "The following are multiple choice questions (with answers) about "
+                f"{subject.replace('_', ' ')}.\n\n{question.strip()}\n"
+                f"A. {a}\nB. {b}\nC. {c}\nD. {d}\nAnswer:"
             )
             examples.append(_choices(context, list("ABCD"), "ABCD".index(answer.strip()), subject))
     return examples
 
 
-def load_logiqa(data_dir=None) -> list:
+def load_logiqa(data_dir) -> list:
     """Test.txt: records of 8 lines (blank, answer letter, passage, question, four "X." options),
-    normalised like the harness (". " after every period, the option's 2-character prefix dropped)."""
+    normalised like the harness (". " after every period, the option's 2-character prefix
+    dropped)."""
     lines = _file(data_dir, "logiqa/Test.txt").read_text(encoding="utf-8").split("\n")
     norm = lambda s: s.replace(".", ". ").strip()  # noqa: E731
     examples = []
@@ -156,7 +162,7 @@ def load_logiqa(data_dir=None) -> list:
     return examples
 
 
-def load_lambada(data_dir=None) -> list:
+def load_lambada(data_dir) -> list:
     return [
         _choices(d["context"], [d["continuation"]], 0)
         for d in _jsonl(_file(data_dir, "lambada/lambada_openai.jsonl"))
@@ -175,11 +181,12 @@ TASKS = {
 }
 
 
-def load_task(name: str, data_dir=None, limit=None) -> list:
-    """The task's examples; `limit` keeps the first N. MMLU keeps the first ceil(N/57) of each subject, at most N
-    in all, so a limited run still spreads over the subjects it macro-averages."""
+def load_task(name: str, data_dir, limit=None) -> list:
+    """The task's examples from the data folder `data_dir`; `limit` keeps the first N. MMLU keeps
+    the first ceil(N/57) of each subject, at most N in all, so a limited run still spreads over the
+    subjects it macro-averages."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
     if name == "mmlu":
         return load_mmlu(data_dir, limit and -(-limit // 57))[:limit]
-    return TASKS[name](data_dir=data_dir)[:limit]
+    return TASKS[name](data_dir)[:limit]

@@ -1,6 +1,12 @@
-"""Shared paths and fixtures. `../shared` (stand-in teachers and datasets) sits beside the checkout in CI;
-in a user's fresh clone it is absent and the tests that need it skip, saying so."""
+"""Shared paths and fixtures. `../shared` (stand-in teachers and datasets) sits beside the checkout
+in CI; in a user's fresh clone it is absent and the tests that need it skip, saying so.
+`data_mirror` serves a data folder over HTTP on 127.0.0.1."""
 
+import functools
+import http.server
+import threading
+import urllib.parse
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,7 +21,8 @@ def shared_path(*parts: str) -> Path:
     path = SHARED.joinpath(*parts)
     if not path.exists():
         pytest.skip(
-            f"{path} is absent: the stand-in weights and datasets live in ../shared beside the checkout"
+            f"{path} is absent: the stand-in weights and datasets live in ../shared beside the "
+            "checkout"
         )
     return path
 
@@ -32,3 +39,51 @@ def standin_pythia():
     from dofmini import load
 
     return load(shared_path("weights", "standin-pythia"))
+
+
+@dataclass
+class Mirror:
+    """A folder served over HTTP on 127.0.0.1 by the `data_mirror` fixture."""
+
+    url: str
+    requests: list  # the paths asked for, in order
+    cut: dict  # {path: bytes sent before the connection drops}, each used by one request
+
+
+class _MirrorHandler(http.server.SimpleHTTPRequestHandler):
+    def do_GET(self):
+        path = urllib.parse.unquote(self.path.lstrip("/"))
+        self.server.mirror.requests.append(path)
+        cut = self.server.mirror.cut.pop(path, None)
+        if cut is None:
+            return super().do_GET()
+        body = (Path(self.directory) / path).read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))  # promises the whole file
+        self.end_headers()
+        self.wfile.write(body[:cut])
+        self.close_connection = True
+
+    def log_message(self, format, *args):  # keeps the test output clean
+        pass
+
+
+@pytest.fixture
+def data_mirror():
+    """`data_mirror(folder)` serves `folder` over HTTP on 127.0.0.1 (a real ThreadingHTTPServer on a
+    free port) and returns its `Mirror`; for DOFMINI_DATA_MIRROR=mirror.url. Servers stop after the
+    test."""
+    servers = []
+
+    def serve(folder) -> Mirror:
+        handler = functools.partial(_MirrorHandler, directory=str(folder))
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        server.mirror = Mirror(f"http://127.0.0.1:{server.server_port}", [], {})
+        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+        servers.append(server)
+        return server.mirror
+
+    yield serve
+    for server in servers:
+        server.shutdown()
+        server.server_close()

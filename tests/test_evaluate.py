@@ -1,5 +1,6 @@
-"""Perplexity and task scoring against direct computations: a bigram model whose log-likelihoods are known in
-closed form, the tiny transformers-made fixture, and the stand-in teachers' reference.json."""
+"""Perplexity and task scoring against direct computations: a bigram model whose log-likelihoods
+are known in closed form, the tiny transformers-made fixture, and the stand-in teachers'
+reference.json."""
 
 import json
 import math
@@ -19,7 +20,7 @@ WORDS = ["q", "x", "y", "the", "cat", "dog", "ran", "far"]
 
 
 class Bigram(nn.Module):
-    """Next-token log-probabilities = table[current token], so every score is a sum of table entries."""
+    """Next-token log-probabilities = table[current token]: each score is a sum of table entries."""
 
     def __init__(self, probs: dict):
         super().__init__()
@@ -81,8 +82,8 @@ def test_acc_and_acc_norm_pick_the_expected_choices(bigram, word_tokenizer):
 
 
 def test_partial_scoring_scores_only_the_shared_suffix(bigram, word_tokenizer):
-    # The whole sentence is likelier with "dog" (0.9 * 0.1 > 0.05 * 0.8), but the suffix " ran far" is
-    # likelier after "cat": partial scoring must pick cat, for acc and acc_norm alike.
+    # The whole sentence is likelier with "dog" (0.9 * 0.1 > 0.05 * 0.8), but the suffix " ran far"
+    # is likelier after "cat": partial scoring must pick cat, for acc and acc_norm alike.
     examples = [
         Example(["the dog", "the cat"], [" ran far", " ran far"], 1),
         Example(["the cat", "the dog"], [" ran far", " ran far"], 0),
@@ -201,6 +202,8 @@ def test_evaluate_command_writes_reference_perplexity_and_tasks(tmp_path, capsys
     main(
         [
             str(folder),
+            "--data",
+            str(shared_path("data")),
             "--windows",
             "64",
             "--limit",
@@ -219,4 +222,6 @@ def test_evaluate_command_writes_reference_perplexity_and_tasks(tmp_path, capsys
     assert {t: r["n"] for t, r in result["tasks"].items()} == {"piqa": 3, "lambada": 3}
     assert "| standin-gpt2 |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="config.json"):
-        main([str(tmp_path)])
+        main([str(tmp_path), "--data", str(shared_path("data"))])
+    with pytest.raises(SystemExit, match="unknown data group.*'hellaswag'"):
+        main([str(folder), "--data", str(tmp_path), "--tasks", "piqa,hellaswag"])

@@ -1,0 +1,208 @@
+"""The data store: registry checks that run in a fresh clone, the Wikipedia conversion, and
+downloads from a real HTTP server on 127.0.0.1 (no other network)."""
+
+import hashlib
+import re
+import shutil
+import socket
+import string
+import time
+
+import pytest
+from conftest import shared_path
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dofmini import data
+from dofmini.evaluate import PPL_TEXTS
+from dofmini.files import sha256_file
+from dofmini.tasks import TASKS, load_task
+
+SERVED = ["wikitext2", "piqa", "logiqa"]  # 3.5 MB in 5 files over 3 folders: a quick full fill
+
+
+@pytest.fixture(autouse=True)
+def no_user_store(monkeypatch, tmp_path):
+    """No test sees the caller's store or mirror settings, writes to ~/.cache or uses a proxy."""
+    for name in ("DOFMINI_DATA", "DOFMINI_DATA_MIRROR", "http_proxy", "HTTP_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def stored(root) -> set:
+    """Every file under `root` (temporaries included), as "/"-separated relative paths."""
+    return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
+
+
+def paths(groups) -> set:
+    return {f.path for f in data.files(groups)}
+
+
+def test_every_group_resolves_and_covers_what_the_code_reads():
+    assert set(data.GROUPS) == {"wikitext2", "corpus", "heldout", *TASKS}
+    assert all(data.files(group) for group in data.GROUPS)
+    assert {f.group for f in data.FILES} == set(data.GROUPS)
+    assert set(PPL_TEXTS.values()) <= paths(PPL_TEXTS)
+    assert len(paths("corpus")) == 17
+    assert all(re.fullmatch(r"corpus/wikipedia/[^/]+\.txt", p) for p in paths("corpus"))
+    assert len(paths("mmlu")) == 57
+    assert all(re.fullmatch(r"mmlu/test/[a-z_]+_test\.csv", p) for p in paths("mmlu"))
+    with pytest.raises(data.DataError, match="unknown data group.*'hellaswag'"):
+        data.files(["piqa", "hellaswag"])
+
+
+def test_registry_rows_are_well_formed():
+    assert len({f.path for f in data.FILES}) == len(data.FILES)
+    for f in data.FILES:
+        assert re.fullmatch(r"[\w.-]+(/[\w.-]+)*", f.path) and ".." not in f.path.split("/")
+        assert f.size > 0 and re.fullmatch(r"[0-9a-f]{64}", f.sha256)
+        assert f.url.startswith("https://") and " " not in f.url
+    assert set(data.ARTICLES) == paths(data.WIKIEXTRACTOR_GROUPS)
+    for titles in data.ARTICLES.values():
+        assert titles and len(set(titles)) == len(titles)
+
+
+def test_store_location(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert data.store_dir() == tmp_path / "xdg" / "dofmini" / "data"
+    monkeypatch.setenv("DOFMINI_DATA", str(tmp_path / "env"))
+    assert data.store_dir() == tmp_path / "env"
+    assert data.store_dir(tmp_path / "flag") == tmp_path / "flag"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.delenv("DOFMINI_DATA")
+    assert str(data.store_dir()).endswith(".cache/dofmini/data")
+
+
+def wikiextractor(articles, trailing=" ") -> bytes:
+    """`articles` [(title, [lines])] in WikiExtractor's layout, as the Wikipedia sources have them:
+    `trailing` after every other line, and a short stub (which the store leaves out) after each."""
+    records = []
+    for i, (title, lines) in enumerate(articles):
+        text = "\n".join(line + trailing * (n % 2) for n, line in enumerate(lines))
+        records.append(f'<doc id="{i}" url="u?curid={i}" title="{title}">\n{title}\n\n{text}')
+        records.append(f'<doc id="{i}0" url="u" title="Zz {i}">\nZz {i}\n\nZz may refer to:')
+    return "".join(f"{record}\n\n</doc>\n" for record in records).encode("utf-8")
+
+
+def shared_as_wikiextractor(f: data.DataFile) -> bytes:
+    """The shared copy of Wikipedia file `f`, put back into WikiExtractor's layout."""
+    text = shared_path("data", f.path).read_text(encoding="utf-8")
+    parts = re.split(r"(?m)^= (.*) =\n\n", text)[1:]
+    return wikiextractor([(t, b.rstrip("\n").split("\n")) for t, b in zip(parts[::2], parts[1::2])])
+
+
+words = st.text(string.ascii_lowercase + " .,;é€", min_size=1).map(str.strip).filter(bool)
+
+
+@given(st.dictionaries(words, st.lists(words, min_size=1, max_size=5), min_size=1, max_size=5))
+def test_wikiextractor_records_become_the_store_form(articles):
+    raw = wikiextractor(list(articles.items()), trailing=" \t")
+    expected = "\n".join(f"= {t} =\n\n" + "\n".join(lines) + "\n" for t, lines in articles.items())
+    assert data.articles_from_wikiextractor(raw, list(articles)) == expected.encode("utf-8")
+    with pytest.raises(data.DataError, match="1 article.*'Zz absent'"):
+        data.articles_from_wikiextractor(raw, [*articles, "Zz absent"])
+
+
+def test_wikipedia_sources_convert_to_the_pinned_files():
+    """Each pinned Wikipedia file, put back into WikiExtractor's layout, converts to its pin."""
+    for f in data.files(data.WIKIEXTRACTOR_GROUPS):
+        converted = data.articles_from_wikiextractor(
+            shared_as_wikiextractor(f), data.ARTICLES[f.path]
+        )
+        assert hashlib.sha256(converted).hexdigest() == f.sha256, f.path
+
+
+def test_wikipedia_source_downloaded_or_placed_is_converted(data_mirror, monkeypatch, tmp_path):
+    (heldout,) = data.files("heldout")
+    served, store = tmp_path / "served", tmp_path / "store"
+    served.mkdir()
+    (served / "wiki_45").write_bytes(shared_as_wikiextractor(heldout))
+    source = heldout._replace(url=f"{data_mirror(served).url}/wiki_45")
+    monkeypatch.setattr(data, "FILES", (source,))  # the registry, with this source's URL
+    assert data.ensure("heldout", store, log=lambda message: None) == {heldout.path: heldout.sha256}
+    assert sha256_file(store / heldout.path) == heldout.sha256 and stored(store) == {heldout.path}
+    shutil.copy(served / "wiki_45", store / heldout.path)  # as the offline message says to
+    assert data.ensure("heldout", store) == {heldout.path: heldout.sha256}
+    assert sha256_file(store / heldout.path) == heldout.sha256 and stored(store) == {heldout.path}
+
+
+def test_every_shared_copy_matches_its_pin():
+    shared = shared_path("data")
+    for f in data.FILES:
+        path = shared / f.path
+        assert path.stat().st_size == f.size and sha256_file(path) == f.sha256, f.path
+
+
+def test_empty_store_fills_from_the_mirror_then_downloads_nothing(
+    data_mirror, monkeypatch, tmp_path
+):
+    mirror = data_mirror(shared_path("data"))
+    monkeypatch.setenv("DOFMINI_DATA_MIRROR", mirror.url)
+    store = tmp_path / "store"
+    plan = data.describe(SERVED, store).splitlines()
+    assert [line.rsplit("; ", 1)[1] for line in plan[1:]] == ["2 to download"] * 2 + [
+        "1 to download"
+    ]
+    hashes = data.ensure(SERVED, store, log=lambda message: None)
+    assert hashes == {f.path: f.sha256 for f in data.files(SERVED)}
+    assert all(sha256_file(store / path) == sha for path, sha in hashes.items())
+    assert stored(store) == paths(SERVED) and sorted(mirror.requests) == sorted(paths(SERVED))
+    assert data.ensure(SERVED, store) == hashes and len(mirror.requests) == len(hashes)
+    assert data.missing(SERVED, store) == [] and "none to download" in data.describe("piqa", store)
+
+
+def test_store_holds_every_file_the_tasks_read(monkeypatch, tmp_path):
+    monkeypatch.setenv("DOFMINI_DATA_MIRROR", f"file://{shared_path('data')}")
+    data.ensure(TASKS, tmp_path, log=lambda message: None)
+    assert stored(tmp_path) == paths(TASKS)
+    for name in TASKS:
+        assert len(load_task(name, tmp_path, limit=2)) == 2
+
+
+def test_cut_download_leaves_nothing_and_a_rerun_completes(data_mirror, monkeypatch, tmp_path):
+    mirror = data_mirror(shared_path("data"))
+    monkeypatch.setenv("DOFMINI_DATA_MIRROR", mirror.url)
+    cut = "wikitext-2-raw/wiki.test.raw"
+    mirror.cut[cut] = 600_000
+    with pytest.raises(data.DataError, match=f"{cut}: .* stopped after 600000 of 1290590 bytes"):
+        data.ensure(["wikitext2"], tmp_path, log=lambda message: None)
+    assert stored(tmp_path) == {"wikitext-2-raw/wiki.valid.raw"}  # no partial file, no temporary
+    data.ensure(["wikitext2"], tmp_path, log=lambda message: None)
+    assert stored(tmp_path) == paths("wikitext2") and mirror.requests.count(cut) == 2
+    assert sha256_file(tmp_path / cut) == {f.path: f.sha256 for f in data.FILES}[cut]
+
+
+def test_flipped_byte_is_named_with_both_hashes(data_mirror, monkeypatch, tmp_path):
+    served, store = tmp_path / "served", tmp_path / "store"
+    shutil.copytree(shared_path("data", "piqa"), served / "piqa")
+    corrupt = served / "piqa" / "valid.jsonl"
+    body = bytearray(corrupt.read_bytes())
+    body[len(body) // 2] ^= 1
+    corrupt.write_bytes(body)
+    actual, pinned = sha256_file(corrupt), data.files("piqa")[0].sha256
+    monkeypatch.setenv("DOFMINI_DATA_MIRROR", data_mirror(served).url)
+    with pytest.raises(data.DataError) as raised:
+        data.ensure(["piqa"], store, log=lambda message: None)
+    assert "piqa/valid.jsonl" in str(raised.value) and pinned in str(raised.value)
+    assert actual in str(raised.value) and stored(store) == set()
+    (store / "piqa").mkdir(parents=True, exist_ok=True)  # the failed download made the folder
+    shutil.copy(corrupt, store / "piqa")
+    with pytest.raises(data.DataError, match=f"expected sha256 {pinned}.* found sha256 {actual}"):
+        data.ensure(["piqa"], store)
+
+
+def test_offline_gives_one_message_listing_every_missing_file(monkeypatch, tmp_path):
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    monkeypatch.setenv("DOFMINI_DATA_MIRROR", url)
+    start = time.monotonic()
+    with pytest.raises(data.DataError) as raised:
+        data.ensure(SERVED, tmp_path / "store")
+    assert time.monotonic() - start < 10
+    message = str(raised.value)
+    size = sum(f.size for f in data.files(SERVED)) / 1e6
+    assert message.startswith(f"5 data file(s), {size:.1f} MB, are missing and 127.0.0.1:")
+    for f in data.files(SERVED):
+        assert f"{url}/{f.path}\n    -> {tmp_path / 'store' / f.path}" in message
+    assert not (tmp_path / "store").exists()
