@@ -15,7 +15,6 @@ import json
 import math
 import platform
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from dofmini.students import load_student, make_student, save_student
 VARIANTS = ("performer", "dijiang", "fix", "dof", "dof_clip", "oracle")
 LOSSES = ("softmax", "l2", "direct")
 TRAINED_PRF = ("fix", "dof", "dof_clip", "oracle")  # variants whose draw is trained
+CALIBRATION = "wikitext-2-raw/wiki.valid.raw"  # DoF calibration text, in the data store
 PROMPT = "The history of the city begins in the"
 SEED_LIMIT = 2**31 - 1  # seeds are offset by the layer index and must stay within torch's range
 # steps None: one pass over the training corpus (the paper's one pass over its Wikipedia slice);
@@ -304,10 +304,7 @@ def main(argv=None):
 
 def fetch_data(cfg: RunConfig) -> dict:
     """Every data file the run reads, present and verified (downloaded if missing): {path: sha256}."""
-    missing = data.missing(data_groups(cfg), cfg.data)
-    if missing:
-        size = sum(row[2] for row in missing)
-        log(f"data: {len(missing)} files ({size / 1e6:.1f} MB) to download into {cfg.data}")
+    log(data.describe(data_groups(cfg), cfg.data))
     return data.ensure(data_groups(cfg), cfg.data, log=log)
 
 
@@ -416,8 +413,9 @@ def plan_run(run: Run):
 def encode_texts(run: Run):
     """calib (WikiText-2 valid, for DoF), wikitext2 (test), heldout and train token ids."""
     cfg = run.cfg
-    sources = {"calib": data.files("wikitext2")[:1], "wikitext2": data.files("wikitext2")[1:],
-               "heldout": data.files("heldout"), "train": data.files("corpus")}  # fmt: skip
+    sources = {"calib": [CALIBRATION], "wikitext2": [evaluate.PPL_TEXTS["wikitext2"]],
+               "heldout": [evaluate.PPL_TEXTS["heldout"]],
+               "train": [f.path for f in data.files("corpus")]}  # fmt: skip
     for name, relative in sources.items():
         max_chars = cfg.train_chars if name == "train" else None
         key = {"tokenizer": run.inputs["tokenizer"], "max_chars": max_chars,
@@ -458,7 +456,7 @@ def estimate_allocation(run: Run) -> dict:
     cfg, model_cfg = run.cfg, run.teacher.config
     key = {"teacher": run.inputs["teacher"], "lam": run.lam, "J": cfg.J, "seed": cfg.seeds[0],
            "normalize": not cfg.raw_gram, "ctx": run.ctx, "calib_windows": cfg.calib_windows,
-           "budgets": list(run.budgets), "calib": run.inputs[data.files("wikitext2")[0]]}  # fmt: skip
+           "budgets": list(run.budgets), "calib": run.inputs[CALIBRATION]}  # fmt: skip
 
     def compute():
         t0 = time.time()
@@ -470,7 +468,7 @@ def estimate_allocation(run: Run) -> dict:
         dims = {str(b): {"fix": [b] * model_cfg.n_layer, "dof": dof.allocate(layer, b),
                          "dof_clip": dof.allocate(layer, b, cap=cap)} for b in run.budgets}  # fmt: skip
         return {"lam": run.lam, "J": cfg.J, "seed": cfg.seeds[0], "normalize": not cfg.raw_gram,
-                "calibration": f"{data.files('wikitext2')[0]}: first {len(calib)} tokens, ctx {run.ctx}",
+                "calibration": f"{CALIBRATION}: first {len(calib)} tokens, ctx {run.ctx}",
                 "per_head": per_head.tolist(), "warning": dof.saturation_warning(per_head, cfg.J),
                 "dims": dims, "seconds": time.time() - t0}  # fmt: skip
 

@@ -131,7 +131,7 @@ def ensure(groups, root, log=None) -> dict:
     Present files are checked first (size, then sha256). A missing file's host must take a TCP
     connection within CONNECT_SECONDS; else one DataError lists every missing file, its URL and
     where to put it, before any download. Each download is checked before it is kept."""
-    log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+    log = log or (lambda message: print(message, flush=True))
     root = Path(root)
     needed = files(groups)
     absent = [f for f in needed if not (root / f.path).is_file()]
@@ -229,7 +229,9 @@ def _download(f: DataFile, dest: Path, log) -> None:
         try:
             with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as out:
                 length = int(response.headers.get("Content-Length") or 0) or None
-                with tqdm(total=length, unit="B", unit_scale=True, desc=f.path, leave=False) as bar:
+                with tqdm(
+                    total=length, unit="B", unit_scale=True, desc=f.path, file=sys.stdout
+                ) as bar:
                     while block := response.read(1 << 16):
                         bar.update(out.write(block))
                 received = out.tell()

@@ -8,7 +8,6 @@ lose tokens from the left.
 """
 
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -37,7 +36,6 @@ class _Progress:
             self.next = done + self.step
             print(
                 f"{self.what}: {done}/{self.total} {note}({time.time() - self.t0:.0f}s)",
-                file=sys.stderr,
                 flush=True,
             )
 
@@ -116,9 +114,7 @@ def score_requests(model, requests, ctx=None, batch_tokens: int = 4096, what: st
             ids[b, : len(row)] = torch.tensor(row)
             keep[b, len(row) - n : len(row)] = True
         ids, keep = ids.to(device), keep.to(device)
-        logprobs = (
-            _logits_at(model, ids, keep).float().log_softmax(-1)
-        )  # [N, V], rows in `keep` order
+        logprobs = model(ids, keep=keep).float().log_softmax(-1)  # [N, V], rows in `keep` order
         best, end = (
             logprobs.argmax(-1),
             0,
@@ -181,7 +177,7 @@ def evaluate_tasks(
         results[name] = score_examples(
             model, tokenizer, load_task(name, data_dir, limit), ctx, batch_tokens, name
         )
-        print(f"{name}: {results[name]} ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
+        print(f"{name}: {results[name]} ({time.time() - t0:.0f}s)", flush=True)
     return results
 
 
@@ -236,7 +232,6 @@ def evaluate_model(
         result[f"{name}_ppl"], result[f"{name}_tokens"] = ppl, n
         print(
             f"{name} perplexity {ppl:.4f} over {n} tokens ({time.time() - t0:.0f}s)",
-            file=sys.stderr,
             flush=True,
         )
     result["ppl_seconds"] = time.time() - t0

@@ -213,9 +213,7 @@ def curves_section(results: dict, out) -> list:
              + f" | M to reach KL {target:.3g} |", "|---" * (len(ms) + 3) + "|"]  # fmt: skip
     for i, (d, errs, n) in enumerate(zip(layer_dof, mean, needed)):
         cells = " | ".join(f"{x:.4g}" for x in errs)
-        lines.append(
-            f"| {i} | {d:.1f} | {cells} | {n:.1f} |"
-        )
+        lines.append(f"| {i} | {d:.1f} | {cells} | {n:.1f} |")
     lines += ["", f"Spearman rank correlation between layer DoF and the M a layer needs to reach "
                   f"KL {target:.3g}: {rho:+.2f}.", "",
               "The oracle allocation minimises the summed interpolated KL of these curves at each "
