@@ -24,7 +24,7 @@ import torch
 
 import dofmini
 from dofmini import data, dof, evaluate, report
-from dofmini.checkpoint import CheckpointError, load_tokenizer, resolve
+from dofmini.checkpoint import CheckpointError, load_tokenizer, locate, resolve
 from dofmini.distill import distill, train_direct
 from dofmini.files import atomic_write, sha256_file, write_text
 from dofmini.students import load_student, make_student, save_student
@@ -178,6 +178,10 @@ def check(cfg: RunConfig) -> RunConfig:
     ):
         extra = " (torch sees no CUDA device)" if cfg.device == "cuda" else ""
         _fail(f"--device {cfg.device} is not available here; use cpu{extra}")
+    try:
+        locate(cfg.model)
+    except CheckpointError as err:
+        _fail(str(err))
     out = cfg.out or Path("runs") / f"{Path(cfg.model).name}-{cfg.profile}"
     if out.exists() and not out.is_dir():
         _fail(f"--out {out} exists and is not a directory")

@@ -41,9 +41,9 @@ class CheckpointError(ValueError):
     and what was expected."""
 
 
-def resolve(path_or_name) -> Path:
-    """A checkpoint folder for a local path or a known model name, downloading a named model on
-    first use."""
+def locate(path_or_name) -> Path:
+    """The checkpoint folder a local path or a known model name stands for, without downloading: a
+    CheckpointError for a folder without config.json or an unknown name."""
     path = Path(path_or_name)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -56,9 +56,15 @@ def resolve(path_or_name) -> Path:
         raise CheckpointError(
             f"unknown model {name!r}: not a folder, and not one of {', '.join(HUB_REPOS)}"
         )
-    folder = WEIGHTS_DIR / name
-    if not all((folder / f).is_file() for f in FILES):
-        download(name, folder)
+    return WEIGHTS_DIR / name
+
+
+def resolve(path_or_name) -> Path:
+    """A checkpoint folder for a local path or a known model name, downloading a named model on
+    first use."""
+    folder = locate(path_or_name)
+    if not Path(path_or_name).is_dir() and not all((folder / f).is_file() for f in FILES):
+        download(str(path_or_name), folder)
     return folder
 
 
