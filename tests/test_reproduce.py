@@ -5,7 +5,10 @@ README says can be copied alone."""
 
 import ast
 import json
+import os
 import re
+import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +18,7 @@ import pytest
 import torch
 from conftest import FIXTURES, REPO, shared_path
 
+TASKS = {"piqa", "arc_easy", "arc_challenge", "winogrande", "wsc273", "mmlu", "logiqa", "lambada"}
 TRAINING_LINE = re.compile(r"^(softmax|l2|direct) \d+/\d+: loss", re.M)  # distill's progress lines
 VENDORABLE = {"linear_attention.py": {"torch"}, "dof.py": {"torch"}, "plots.py": set(),
               "tasks.py": set(), "generate.py": {"torch"}, "stats.py": set()}  # fmt: skip
@@ -140,3 +144,31 @@ def test_vendorable_module_imports_only_torch_numpy_stdlib(module):
     assert not outside, (
         f"{module} imports {outside}; it may use only {VENDORABLE[module] or 'stdlib'}"
     )
+
+
+def test_quick_run_fills_an_empty_store_through_a_mirror(data_mirror, tmp_path):
+    mirror = data_mirror(shared_path("data"))
+    model = tmp_path / "standin"
+    shutil.copytree(shared_path("weights", "standin-gpt2"), model)
+    env = {**os.environ, "DOFMINI_DATA": str(tmp_path / "store"), "DOFMINI_DATA_MIRROR": mirror.url}
+    result = reproduce(model, "--profile", "quick", "--out", tmp_path / "out", env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert len(results["students"]) == 5 and set(results["teacher"]["tasks"]) == set(TASKS)
+    assert len(mirror.requests) == 86  # every file of the store, each fetched once
+    assert all(path in results["inputs"] for path in mirror.requests)
+
+
+def test_offline_run_stops_within_ten_seconds_naming_every_missing_file(tmp_path):
+    with socket.socket() as closed:  # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    store = tmp_path / "store"
+    env = {**os.environ, "DOFMINI_DATA": str(store), "DOFMINI_DATA_MIRROR": url}
+    t0 = time.time()
+    result = reproduce(FIXTURES / "gpt2-tiny", "--profile", "quick", env=env, timeout=60)
+    assert result.returncode != 0 and time.time() - t0 < 10
+    assert "Traceback" not in result.stderr
+    for path in (f"{url}/wikitext-2-raw/wiki.test.raw", str(store / "piqa" / "valid.jsonl")):
+        assert path in result.stderr
+    assert not store.exists() or not any(p.is_file() for p in store.rglob("*"))
