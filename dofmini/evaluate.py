@@ -7,6 +7,8 @@ and concatenated, so the scored tokens are exactly the continuation's own encodi
 lose tokens from the left.
 """
 
+import argparse
+import json
 import math
 import time
 from pathlib import Path
@@ -16,7 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from . import data
+from .checkpoint import CheckpointError, load_tokenizer, locate
 from .distill import as_token_ids, capture, layer_pass
+from .files import write_text
+from .model import load
 from .tasks import TASKS, load_task
 
 # the perplexity texts, relative to the data folder; each name is also its dofmini.data group
@@ -242,65 +247,49 @@ def evaluate_model(
 
 def main(argv=None):
     """A full evaluation pass of one checkpoint: WikiText-2 and held-out perplexity, then every task."""
-    import argparse
-    import json
-
-    from .checkpoint import CheckpointError, load_tokenizer
-    from .model import load
-
     p = argparse.ArgumentParser(prog="python -m dofmini.evaluate", description=main.__doc__)
     p.add_argument("model", help="a known name or a checkpoint folder")
-    p.add_argument(
-        "--ctx",
-        type=int,
-        default=256,
-        help="perplexity window (default 256, the stand-ins' protocol)",
-    )
-    p.add_argument(
-        "--windows", type=int, help="perplexity on the first N windows of each text (default: all)"
-    )
+    p.add_argument("--ctx", type=int, default=256, help="perplexity window (default 256)")
+    p.add_argument("--windows", type=int, help="perplexity on the first N windows of each text")
     p.add_argument("--limit", type=int, help="first N examples per task")
     p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated task names")
-    p.add_argument(
-        "--data", help="the data store (default: $DOFMINI_DATA or ~/.cache/dofmini/data)"
-    )
-    p.add_argument("--out", help="also write the results here as JSON")
+    p.add_argument("--data", help="the data store (default $DOFMINI_DATA, else the user cache)")
+    p.add_argument("--out", type=Path, help="also write the results here as JSON")
     args = p.parse_args(argv)
+    tasks = args.tasks.split(",")
     data_dir = data.store_dir(args.data)
     try:
-        data.ensure([*PPL_TEXTS, *args.tasks.split(",")], data_dir)
-    except data.DataError as err:
-        raise SystemExit(f"python -m dofmini.evaluate: error: {err}") from None
-    try:
+        _check(args, tasks)
+        data.ensure([*PPL_TEXTS, *tasks], data_dir)
         model, tokenizer = load(args.model), load_tokenizer(args.model)
-    except CheckpointError as err:
+    except (CheckpointError, data.DataError, ValueError) as err:
         raise SystemExit(f"python -m dofmini.evaluate: error: {err}") from None
-    texts = {
-        name: encode_file(data_dir / relative, tokenizer) for name, relative in PPL_TEXTS.items()
-    }
-    result = {
-        "model": model.config.name,
-        "ctx": args.ctx,
-        "threads": torch.get_num_threads(),
-        **evaluate_model(
-            model,
-            tokenizer,
-            texts,
-            args.ctx,
-            args.windows,
-            args.limit,
-            args.tasks.split(","),
-            data_dir,
-        ),
-    }
+    texts = {name: encode_file(data_dir / path, tokenizer) for name, path in PPL_TEXTS.items()}
+    result = evaluate_model(model, tokenizer, texts, args.ctx, args.windows, args.limit, tasks,
+                            data_dir)  # fmt: skip
+    result.update(model=model.config.name, ctx=args.ctx, threads=torch.get_num_threads())
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_text(args.out, json.dumps(result, indent=1, sort_keys=True))
     for task, scores in result["tasks"].items():
         print(f"{task}: " + ", ".join(f"{k} {v:.4g}" for k, v in scores.items()))
-    print(
-        f"WikiText-2 ppl {result['wikitext2_ppl']:.4f}, held-out ppl {result['heldout_ppl']:.4f}; "
-        f"{result['eval_seconds']:.0f} s on {result['threads']} threads"
-    )
+    print(f"WikiText-2 ppl {result['wikitext2_ppl']:.4f}, held-out ppl "
+          f"{result['heldout_ppl']:.4f}; {result['eval_seconds']:.0f} s on {result['threads']} "
+          "threads")  # fmt: skip
+
+
+def _check(args, tasks):
+    """Every flag's value, before any data or model work: a ValueError naming the flag."""
+    locate(args.model)
+    if args.ctx < 2:
+        raise ValueError(f"--ctx {args.ctx}: expected 2 or more tokens")
+    for flag, value in (("--windows", args.windows), ("--limit", args.limit)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: expected 1 or more (leave it out for all)")
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"--tasks {unknown[0]!r}: expected names from {', '.join(TASKS)}")
+    if args.out and args.out.is_dir():
+        raise ValueError(f"--out {args.out} is a directory; expected a file path")
 
 
 if __name__ == "__main__":

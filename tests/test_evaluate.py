@@ -3,6 +3,7 @@ are known in closed form, the tiny transformers-made fixture, and the stand-in t
 reference.json."""
 
 import json
+import re
 import math
 from types import SimpleNamespace
 
@@ -36,10 +37,10 @@ class Bigram(nn.Module):
         self.table = nn.Parameter(
             table.log().float(), requires_grad=False
         )  # a weight: evaluate finds its device
-        self.ln_f = nn.Identity()  # the final norm evaluate hooks to keep only scored positions
 
-    def forward(self, ids):
-        return self.ln_f(self.table[ids])  # [B, T, V]
+    def forward(self, ids, keep=None):
+        logprobs = self.table[ids]  # [B, T, V]
+        return logprobs if keep is None else logprobs[keep]  # [N, V] as dofmini.model.Model gives
 
 
 @pytest.fixture(scope="module")
@@ -220,8 +221,15 @@ def test_evaluate_command_writes_reference_perplexity_and_tasks(tmp_path, capsys
     )
     assert result["wikitext2_tokens"] == 64 * 255
     assert {t: r["n"] for t, r in result["tasks"].items()} == {"piqa": 3, "lambada": 3}
-    assert "| standin-gpt2 |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "piqa: acc " in printed and "WikiText-2 ppl " in printed
     with pytest.raises(SystemExit, match="config.json"):
         main([str(tmp_path), "--data", str(shared_path("data"))])
-    with pytest.raises(SystemExit, match="unknown data group.*'hellaswag'"):
-        main([str(folder), "--data", str(tmp_path), "--tasks", "piqa,hellaswag"])
+    bad = [(["--tasks", "piqa,hellaswag"], "--tasks 'hellaswag': expected names from piqa"),
+           (["--limit", "0"], "--limit 0: expected 1 or more"),
+           (["--windows", "-2"], "--windows -2: expected 1 or more"),
+           (["--ctx", "1"], "--ctx 1: expected 2 or more"),
+           (["--out", str(tmp_path)], "is a directory; expected a file path")]  # fmt: skip
+    for flags, message in bad:  # each refused before the data store is looked at
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            main([str(folder), "--data", str(tmp_path / "empty"), *flags])
