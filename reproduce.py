@@ -213,6 +213,11 @@ def stage(path: Path, key: dict, compute):
     return result
 
 
+def _save_npy(path: Path, array: np.ndarray):
+    with open(path, "wb") as f:  # a file object: given a name, np.save would append ".npy"
+        np.save(f, array)
+
+
 def token_ids(path: Path, key: dict, texts, tokenizer, max_chars) -> torch.Tensor:
     """Token ids of text files, encoded once and cached as .npy (no pickle) beside a key file."""
     key_path = path.with_suffix(".json")
@@ -221,7 +226,7 @@ def token_ids(path: Path, key: dict, texts, tokenizer, max_chars) -> torch.Tenso
         return torch.from_numpy(np.load(path))
     text = "".join(Path(f).read_text(encoding="utf-8") for f in texts)[:max_chars]
     ids = np.array(tokenizer.encode(text).ids, dtype=np.int64)
-    atomic_write(path, lambda tmp: np.save(open(tmp, "wb"), ids))
+    atomic_write(path, lambda tmp: _save_npy(tmp, ids))
     write_text(key_path, json.dumps(key, sort_keys=True))
     return torch.from_numpy(ids)
 

@@ -186,8 +186,8 @@ def _train(
     student.train_seconds = seconds + time.time() - t0
     student.loss_curve = curve
     if out_path:
-        info = {"settings": settings, "train_seconds": student.train_seconds, "loss_curve": curve}
-        save_student(student, out_path, info)
+        # no times in the file: the same settings always give the same bytes
+        save_student(student, out_path, {"settings": settings, "loss_curve": curve})
         progress.unlink(missing_ok=True)
     return student
 

@@ -77,7 +77,7 @@ def _x_axis(ticks, label, log=False, centres=None):
     ], x
 
 
-def _write(path, title, parts, width=W):
+def _svg(title, parts, width=W) -> str:
     head = (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{H}" '
         f'font-family="sans-serif" font-size="11">'
@@ -88,11 +88,10 @@ def _write(path, title, parts, width=W):
         f'<text x="{W / 2}" y="{TOP - 16}" text-anchor="middle" font-size="15">'
         f"{escape(title)}</text>",
     ]
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(head + "\n" + "\n".join(parts) + "\n</svg>\n")
+    return head + "\n" + "\n".join(parts) + "\n</svg>\n"
 
 
-def allocation_chart(dims, per_head_dof, path, title):
+def allocation_chart(dims, per_head_dof, title) -> str:
     """Bars: feature dims per layer (left axis); dots: every head's DoF (right axis)."""
     n = len(dims)
     if len(per_head_dof) != n:
@@ -118,18 +117,18 @@ def allocation_chart(dims, per_head_dof, path, title):
             f'cy="{y_dof(v):.1f}" r="3.5" fill="#cc3311"><title>head {j}: {v:.1f}</title></circle>'
             for j, v in enumerate(heads)
         ]
-    _write(path, title, parts)
+    return _svg(title, parts)
 
 
-def line_chart(series, path, title, ylabel, log_y=False):
+def line_chart(series, title, ylabel, log_y=False) -> str:
     """One line per named series over layers 0..L-1, a marker on every value; log_y needs
     positive values."""
     n = max(len(vs) for vs in series.values())
     lines = {name: (range(len(vs)), vs, None) for name, vs in series.items()}
-    _lines("line_chart", lines, path, title, ylabel, log_y, _x_axis(None, "layer", centres=n))
+    return _lines("line_chart", lines, title, ylabel, log_y, _x_axis(None, "layer", centres=n))
 
 
-def xy_chart(series, path, title, xlabel, ylabel, log_x=False, log_y=False):
+def xy_chart(series, title, xlabel, ylabel, log_x=False, log_y=False) -> str:
     """Lines over a numeric x: series maps a name to (xs, ys, half_widths or None).
 
     Every point gets a marker and, where its half width is a number (not None or nan), a vertical
@@ -142,10 +141,10 @@ def xy_chart(series, path, title, xlabel, ylabel, log_x=False, log_y=False):
             f"xy_chart: x values must be present and finite{' and > 0 (log_x)' * log_x}: {xs}"
         )
     axis = _x_axis(_ticks(min(xs), max(xs), log_x), xlabel, log_x)
-    _lines("xy_chart", series, path, title, ylabel, log_y, axis)
+    return _lines("xy_chart", series, title, ylabel, log_y, axis)
 
 
-def _lines(chart, series, path, title, ylabel, log_y, x_axis):
+def _lines(chart, series, title, ylabel, log_y, x_axis) -> str:
     """Draw series {name: (xs, ys, half_widths or None)} against x_axis (SVG parts, x map)."""
     checked = []  # (name, xs, ys, half widths with nan for "no bar")
     for name, (xs, ys, hws) in series.items():
@@ -198,4 +197,4 @@ def _lines(chart, series, path, title, ylabel, log_y, x_axis):
     # bars and markers last, over every line, so no later line hides an earlier series' points;
     # the legend gets its own column right of the plot (about 7 px a character), never over data
     width = W - RIGHT + 34 + 7 * max(len(name) for name, *_ in checked)
-    _write(path, title, parts + bars + marks, max(W, width))
+    return _svg(title, parts + bars + marks, max(W, width))

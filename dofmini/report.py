@@ -36,8 +36,8 @@ def write_allocation(out, result: dict, log):
     write_text(out / "dof.csv", "\n".join(rows) + "\n")
     budget = next(iter(result["dims"]))
     title = f"DoF allocation, budget {budget} (λ={result['lam']:g}, J={result['J']})"
-    plots.allocation_chart(result["dims"][budget]["dof"], result["per_head"],
-                           out / "allocation.svg", title)  # fmt: skip
+    svg = plots.allocation_chart(result["dims"][budget]["dof"], result["per_head"], title)
+    write_text(out / "allocation.svg", svg)
     log(allocation_table(result))
     if result["warning"]:
         log(result["warning"])
@@ -164,8 +164,8 @@ def layer_tables(grouped: dict, out) -> tuple:
             cells = " | ".join(f"{x:.4g}" for x in values)
             lines.append(f"| {label} | {cells} | {np.mean(values):.4g} |")
         file = f"error_{name}.svg"
-        plots.line_chart(series, out / file, f"per-layer {name} by student", name,
-                         log_y=name != "output_rel")  # fmt: skip
+        svg = plots.line_chart(series, f"per-layer {name} by student", name, name != "output_rel")
+        write_text(out / file, svg)
         charts.append(f"![{name}]({file})")
     return lines, charts
 
@@ -186,8 +186,9 @@ def budget_chart(grouped: dict, out, name: str = "kl") -> str:
     for label, points in lines.items():
         points.sort()
         series[label] = tuple(list(column) for column in zip(*points))
-    plots.xy_chart(series, out / f"budget_{name}.svg", f"mean-layer {name} against budget",
-                   "features per layer (budget)", name, log_x=True, log_y=True)  # fmt: skip
+    svg = plots.xy_chart(series, f"mean-layer {name} against budget",
+                         "features per layer (budget)", name, log_x=True, log_y=True)  # fmt: skip
+    write_text(out / f"budget_{name}.svg", svg)
     return f"![{name} against budget](budget_{name}.svg)"
 
 
@@ -200,8 +201,9 @@ def curves_section(results: dict, out) -> list:
     layer_dof = [max(h) for h in results["dof"]["per_head"]]
     series = {f"layer {i} (DoF {d:.0f})": (ms, errs, None)
               for i, (d, errs) in enumerate(zip(layer_dof, mean))}  # fmt: skip
-    plots.xy_chart(series, out / "curves_kl.svg", "held-out KL per layer against its features",
-                   "features M", "KL", log_x=True, log_y=True)  # fmt: skip
+    svg = plots.xy_chart(series, "held-out KL per layer against its features", "features M",
+                         "KL", log_x=True, log_y=True)  # fmt: skip
+    write_text(out / "curves_kl.svg", svg)
     target = float(np.median([errs[len(ms) // 2] for errs in mean]))
     needed = [stats.features_needed(ms, errs, target) for errs in mean]
     rho = stats.spearman(layer_dof, needed)
@@ -234,8 +236,9 @@ def loss_chart(grouped: dict, out) -> str:
             series[f"{variant}/{loss}/b{budget}"] = (list(steps), list(values), None)
     if not series:
         return ""
-    plots.xy_chart(series, out / "training_loss.svg", "training loss (mean over layers), first seed",
-                   "step", "loss", log_y=True)  # fmt: skip
+    svg = plots.xy_chart(series, "training loss (mean over layers), first seed", "step", "loss",
+                         log_y=True)  # fmt: skip
+    write_text(out / "training_loss.svg", svg)
     return "![training loss](training_loss.svg)"
 
 

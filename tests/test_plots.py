@@ -13,8 +13,8 @@ from dofmini.plots import BOTTOM, LEFT, RIGHT, TOP, H, W, line_chart, xy_chart
 SVG = "{http://www.w3.org/2000/svg}"
 
 
-def parsed(path):
-    return ET.parse(path).getroot()
+def parsed(svg: str):
+    return ET.fromstring(svg)
 
 
 def marks(root, kind):
@@ -28,9 +28,8 @@ def anchor(mark):
     )
 
 
-def test_xy_chart_draws_a_marker_per_point_and_a_bar_per_interval(tmp_path):
-    path = tmp_path / "budget.svg"
-    xy_chart(
+def test_xy_chart_draws_a_marker_per_point_and_a_bar_per_interval():
+    svg = xy_chart(
         {
             "Fix <teacher-sized>": (
                 [16, 32, 64, 128],
@@ -40,14 +39,13 @@ def test_xy_chart_draws_a_marker_per_point_and_a_bar_per_interval(tmp_path):
             "DoF": ([16, 32, 64, 128], [0.4, 0.25, 0.2, 0.1], [0.06, math.nan, 0.02, 0.01]),
             "Oracle": ([16, 32, 64], [0.3, 0.2, 0.15], None),
         },
-        path,
         "mean-layer error & budget",
         "budget M",
         "KL",
         log_x=True,
         log_y=True,
     )
-    root = parsed(path)
+    root = parsed(svg)
     assert root.tag == SVG + "svg"
     assert len(root.findall(SVG + "polyline")) == 3
     assert len(marks(root, "marker")) == 4 + 4 + 3
@@ -58,30 +56,29 @@ def test_xy_chart_draws_a_marker_per_point_and_a_bar_per_interval(tmp_path):
     assert len(shapes) == 3
 
 
-def test_line_chart_has_markers_and_no_bars(tmp_path):
-    line_chart({"Fix": [0.2, 1.5, 0.7], "DoF": [0.2, 1.5, 0.3]}, tmp_path / "l.svg", "e", "KL")
-    root = parsed(tmp_path / "l.svg")
+def test_line_chart_has_markers_and_no_bars():
+    root = parsed(line_chart({"Fix": [0.2, 1.5, 0.7], "DoF": [0.2, 1.5, 0.3]}, "e", "KL"))
     assert len(marks(root, "marker")) == 6 and not marks(root, "errbar")
 
 
-def test_log_axes_reject_non_positive_values_by_name(tmp_path):
+def test_log_axes_reject_non_positive_values_by_name():
     with pytest.raises(
         ValueError, match=r"xy_chart: x values must be present and finite and > 0 \(log_x\)"
     ):
-        xy_chart({"a": ([0, 1], [1, 2], None)}, tmp_path / "x.svg", "t", "x", "y", log_x=True)
+        xy_chart({"a": ([0, 1], [1, 2], None)}, "t", "x", "y", log_x=True)
     with pytest.raises(ValueError, match="xy_chart: series 'a' .* log_y, a y <= 0"):
-        xy_chart({"a": ([1, 2], [0, 2], None)}, tmp_path / "y.svg", "t", "x", "y", log_y=True)
+        xy_chart({"a": ([1, 2], [0, 2], None)}, "t", "x", "y", log_y=True)
     with pytest.raises(ValueError, match="line_chart: series 'Fix' .* log_y, a y <= 0"):
-        line_chart({"Fix": [0.0, 1.0]}, tmp_path / "l.svg", "t", "KL", log_y=True)
+        line_chart({"Fix": [0.0, 1.0]}, "t", "KL", log_y=True)
     with pytest.raises(ValueError, match="series 'a' has a negative half width"):
-        xy_chart({"a": ([1, 2], [1, 2], [0.1, -0.1])}, tmp_path / "h.svg", "t", "x", "y")
+        xy_chart({"a": ([1, 2], [1, 2], [0.1, -0.1])}, "t", "x", "y")
     with pytest.raises(ValueError, match="series 'a' needs equal-length"):
-        xy_chart({"a": ([1, 2, 3], [1, 2], None)}, tmp_path / "n.svg", "t", "x", "y")
+        xy_chart({"a": ([1, 2, 3], [1, 2], None)}, "t", "x", "y")
 
 
-def test_a_bar_reaching_below_zero_on_a_log_axis_stops_at_the_axis(tmp_path):
-    xy_chart({"a": ([1, 2], [0.1, 1.0], [0.5, 0.1])}, tmp_path / "c.svg", "t", "x", "y", log_y=True)
-    _, low_end, high_end = anchor(marks(parsed(tmp_path / "c.svg"), "errbar")[0])
+def test_a_bar_reaching_below_zero_on_a_log_axis_stops_at_the_axis():
+    svg = xy_chart({"a": ([1, 2], [0.1, 1.0], [0.5, 0.1])}, "t", "x", "y", log_y=True)
+    _, low_end, high_end = anchor(marks(parsed(svg), "errbar")[0])
     assert low_end == pytest.approx(H - BOTTOM, abs=0.1) and high_end < low_end
 
 
@@ -98,11 +95,9 @@ positive = st.floats(1e-3, 1e3)
     st.booleans(),
     st.booleans(),
 )
-def test_every_point_and_bar_lies_inside_the_plot(tmp_path_factory, lines, log_x, log_y):
+def test_every_point_and_bar_lies_inside_the_plot(lines, log_x, log_y):
     series = {f"s{k}": tuple(map(list, zip(*points))) for k, points in enumerate(lines)}
-    path = tmp_path_factory.mktemp("xy") / "c.svg"
-    xy_chart(series, path, "t", "x", "y", log_x=log_x, log_y=log_y)
-    root = parsed(path)
+    root = parsed(xy_chart(series, "t", "x", "y", log_x=log_x, log_y=log_y))
     assert len(marks(root, "marker")) == sum(map(len, lines))
     assert len(marks(root, "errbar")) == sum(map(len, lines))
     for x, *ys in map(anchor, marks(root, "marker")):

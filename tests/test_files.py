@@ -1,0 +1,42 @@
+"""Every file a run writes goes through files.atomic_write: a write killed half-way leaves the old
+file (or none) and no temporary; the content hash is the file's sha256."""
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from dofmini.files import atomic_write, sha256_file, write_text
+
+
+def test_a_write_killed_half_way_leaves_the_old_file(tmp_path):
+    cache = tmp_path / "tokens-train.npy"
+    old = np.arange(1000, dtype=np.int64)
+    atomic_write(cache, lambda tmp: tmp.write_bytes(old.tobytes()))
+
+    def killed(tmp):
+        with open(tmp, "wb") as f:
+            f.write(b"\x00" * 4000)  # half of the new array
+            raise KeyboardInterrupt  # the kill, mid-write
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(cache, killed)
+    assert cache.read_bytes() == old.tobytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokens-train.npy"]
+
+
+def test_a_killed_first_write_leaves_nothing(tmp_path):
+    def killed(tmp):
+        tmp.write_text("{")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(tmp_path / "sub" / "results.json", killed)
+    assert list((tmp_path / "sub").iterdir()) == []
+
+
+def test_write_text_replaces_whole_and_hash_is_sha256(tmp_path):
+    path = write_text(tmp_path / "report.md", "first")
+    write_text(path, "second")
+    assert path.read_text() == "second"
+    assert sha256_file(path) == hashlib.sha256(b"second").hexdigest()
