@@ -69,6 +69,7 @@ class RunConfig:
     J: int = 1024  # queries and keys sampled per head for DoF
     raw_gram: bool = False  # DoF from the raw Gram G instead of G/J
     sweep: bool = False  # also sweep λ and J (sweep.md)
+    plan_only: bool = False  # print the plan and stop
     ctx: int | None = 256  # None: the model's own context, at most MAX_CTX
     calib_windows: int = 64  # windows of WikiText-2 valid for DoF
     steps: int | None = 400  # optimiser steps per student; None: one pass over the corpus
@@ -117,10 +118,13 @@ def parse_args(argv) -> RunConfig:
     p.add_argument("--lam", type=float, help="DoF λ (default 2^-4 for GPT-2, 2^-8 for Pythia)")
     p.add_argument("--raw-gram", action="store_true", help="DoF from the raw Gram G, not G/J")
     p.add_argument("--sweep", action="store_true", help="also sweep λ and J (sweep.md)")
+    p.add_argument("--plan-only", action="store_true",
+                   help="print the plan (downloads, stages, estimated times) and stop")  # fmt: skip
     args = p.parse_args(argv)
     fields = dict(PROFILES[args.profile])
     fields.update(model=args.model, profile=args.profile, out=args.out, data=args.data,
-                  device=args.device, raw_gram=args.raw_gram, sweep=args.sweep)  # fmt: skip
+                  device=args.device, raw_gram=args.raw_gram, sweep=args.sweep,
+                  plan_only=args.plan_only)  # fmt: skip
     if args.variants:
         fields["variants"] = tuple(args.variants.split(","))
     if args.loss:
@@ -290,12 +294,15 @@ def _duration(seconds: float) -> str:
 
 def main(argv=None):
     cfg = parse_args(argv)
+    log(data.describe(data_groups(cfg), cfg.data))
     try:
-        hashes = fetch_data(cfg)
+        hashes = {} if cfg.plan_only else fetch_data(cfg)
         run = load_teacher(cfg, hashes)
     except (CheckpointError, data.DataError) as err:
         _fail(str(err))
     plan_run(run)
+    if cfg.plan_only:
+        return
     encode_texts(run)
     teacher_result = evaluate_teacher(run)
     allocation = estimate_allocation(run)
@@ -313,7 +320,6 @@ def main(argv=None):
 
 def fetch_data(cfg: RunConfig) -> dict:
     """Every data file the run reads, present and verified (downloaded if missing): {path: sha256}."""
-    log(data.describe(data_groups(cfg), cfg.data))
     return data.ensure(data_groups(cfg), cfg.data, log=log)
 
 
@@ -384,17 +390,26 @@ def probe(run: Run) -> dict:
     return costs
 
 
+def _tokens_in(paths) -> int:
+    """About how many tokens data files hold (GPT-2's BPE: 4.5 bytes of English a token)."""
+    return int(sum(f.size for f in data.FILES if f.path in paths) / 4.5)
+
+
 def plan_run(run: Run):
     """Print the run's stages with their sizes and estimated times; keep them for the progress lines."""
     cfg, model_cfg, ctx = run.cfg, run.teacher.config, run.ctx
     costs = probe(run)
-    test_windows = cfg.eval_windows or 1200  # WikiText-2 test at ctx 256 is about 1,100 windows
+    text_windows = [_tokens_in([path]) // ctx for path in evaluate.PPL_TEXTS.values()]
+    if cfg.eval_windows:
+        text_windows = [min(w, cfg.eval_windows) for w in text_windows]
     tasks = [] if cfg.limit == 0 else list(TASK_SIZES)
     task_tokens = sum(min(cfg.limit or n, n) * tokens for n, tokens in
                       (TASK_SIZES[t] for t in tasks))  # fmt: skip
-    evaluation = 2 * test_windows * costs["forward"] + task_tokens / ctx * costs["forward"]
+    evaluation = (sum(text_windows) + task_tokens / ctx) * costs["forward"]
     errors = cfg.error_windows * costs["softmax"] / 2
-    train_windows = (cfg.steps or 3_500_000 // ctx // cfg.batch) * cfg.batch
+    train_windows = (
+        cfg.steps or _tokens_in([f.path for f in data.files("corpus")]) // ctx // cfg.batch
+    ) * cfg.batch
     heads = model_cfg.n_layer * model_cfg.n_head
     dof_seconds = cfg.calib_windows * costs["forward"] + heads * costs["cholesky"] * 3
     run.plan = [("teacher evaluation", evaluation), ("DoF estimate", dof_seconds)]
@@ -411,7 +426,7 @@ def plan_run(run: Run):
     )
     log(
         f"  each student: {train_windows // cfg.batch} steps of {cfg.batch} windows = "
-        f"{train_windows * ctx:,} tokens; evaluation on {test_windows} windows per text, "
+        f"{train_windows * ctx:,} tokens; evaluation on {' and '.join(map(str, text_windows))} windows, "
         f"{'no tasks' if not tasks else f'{len(tasks)} tasks'}"
     )
     for name, seconds in run.plan:
