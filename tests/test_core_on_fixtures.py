@@ -1,0 +1,88 @@
+"""The core claims on the checkpoints and task files in tests/fixtures, so they hold in a user's fresh
+clone without ../shared: every task's framing, DoF and allocation on a real forward pass, and
+distillation that lowers the held-out error of the draw it starts from. The stand-in versions in the
+other test files stay the stronger checks where ../shared exists."""
+
+import pytest
+import torch
+from conftest import FIXTURES
+
+from dofmini import load
+from dofmini.distill import distill
+from dofmini.dof import allocate, estimate_dof
+from dofmini.evaluate import layer_errors
+from dofmini.students import make_student
+from dofmini.tasks import TASKS, load_task
+
+TASK_FILES = FIXTURES / "tasks"  # two or three hand-written examples in each task's own format
+
+
+def test_every_task_frames_its_examples_as_the_harness_does():
+    framed = {name: load_task(name, TASK_FILES) for name in TASKS}
+    piqa = framed["piqa"]
+    assert piqa[0].contexts == ["Question: How do I keep bread fresh?\nAnswer:"] * 2
+    assert piqa[0].continuations == [" Store it in a sealed bag.", " Store it in a bowl of water."]
+    assert [e.label for e in piqa] == [0, 1]
+    arc = framed["arc_easy"][0]
+    assert arc.contexts == ["Question: Which gas do plants take in?\nAnswer:"] * 3
+    assert arc.continuations == [" oxygen", " carbon dioxide", " helium"] and arc.label == 1
+    assert framed["arc_challenge"][0].label == 0  # numeric answer keys work too
+    wino = framed["winogrande"][
+        0
+    ]  # partial scoring: the option fills the blank, the suffix is scored
+    assert wino.contexts == ["The cup did not fit in the box because the cup",
+                             "The cup did not fit in the box because the box"]  # fmt: skip
+    assert wino.continuations == [" was too big."] * 2 and wino.label == 0
+    trophy, thanks = framed["wsc273"]
+    assert trophy.contexts == [
+        "The trophy would not fit in the suitcase because the trophy",
+        "The trophy would not fit in the suitcase because the suitcase",
+    ]
+    assert trophy.continuations == [" was too big."] * 2 and trophy.label == 0
+    assert thanks.contexts[1] == "Anna thanked Beth because Beth's" and thanks.label == 1
+    mmlu = framed["mmlu"]
+    assert [e.group for e in mmlu] == ["abstract_algebra"] * 2 + ["astronomy"]
+    assert mmlu[0].contexts[0] == ("The following are multiple choice questions (with answers) about"
+                                   " abstract algebra.\n\nWhat is 2 + 2?\nA. 3\nB. 4\nC. 5\nD. 6\n"
+                                   "Answer:")  # fmt: skip
+    assert mmlu[0].continuations == [" A", " B", " C", " D"] and mmlu[2].label == 2
+    logiqa = framed["logiqa"][0]
+    assert logiqa.contexts[0] == ("Passage: All cats are animals. Tom is a cat.\nQuestion: Which "
+                                  "follows?\nChoices:\nA. Tom is a dog.\nB. Tom is a plant.\nC. Tom "
+                                  "is an animal.\nD. Tom is a fish.\nAnswer:")  # fmt: skip
+    assert logiqa.continuations[2] == " Tom is an animal." and logiqa.label == 2
+    lambada = framed["lambada"][0]
+    assert lambada.continuations == [" Rex"] and lambada.label == 0
+    assert len(load_task("mmlu", TASK_FILES, limit=2)) == 2
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "neox-tiny"])
+def test_dof_on_a_model_is_seeded_bounded_and_allocates_the_budget(name):
+    model = load(FIXTURES / name)
+    ids = torch.randint(
+        0, model.config.vocab_size, (512,), generator=torch.Generator().manual_seed(0)
+    )
+    dof = estimate_dof(model, ids, 2**-4, J=64, seed=3, ctx=32)  # [L, H]
+    assert dof.shape == (model.config.n_layer, model.config.n_head)
+    assert ((dof > 0) & (dof < 64)).all()
+    assert torch.equal(dof, estimate_dof(model, ids, 2**-4, J=64, seed=3, ctx=32))
+    assert not torch.equal(dof, estimate_dof(model, ids, 2**-4, J=64, seed=4, ctx=32))
+    dims = allocate(dof.amax(-1), 8)
+    assert sum(dims) == 8 * model.config.n_layer and min(dims) >= 1
+
+
+@pytest.mark.parametrize("loss", ["l2", "softmax"])
+def test_distillation_lowers_the_heldout_error_of_its_starting_draw(loss):
+    teacher = load(FIXTURES / "gpt2-tiny")
+    gen = torch.Generator().manual_seed(0)
+    train = torch.randint(0, teacher.config.vocab_size, (4096,), generator=gen)
+    held = torch.randint(0, teacher.config.vocab_size, (1024,), generator=gen)
+    dims = [8] * teacher.config.n_layer
+    before = layer_errors(teacher, make_student(teacher, "prf", dims, 0), held, 32, windows=8)
+    student = distill(
+        teacher, dims, train, loss=loss, steps=40, batch=4, ctx=32, log=lambda _: None
+    )
+    after = layer_errors(teacher, student, held, 32, windows=8)
+    metric = "kernel_l2" if loss == "l2" else "kl"
+    assert all(a < b for a, b in zip(after[metric], before[metric])), (before, after)
+    assert all(a < b for a, b in zip(after["output_rel"], before["output_rel"]))
