@@ -1,19 +1,19 @@
-"""Layerwise distillation of PRF features (the paper's §4), the direct baseline, and their training loop.
+"""Layerwise distillation of PRF features (paper §4), the direct baseline, and their training loop.
 
 Each layer's features learn from the frozen teacher's own q, k of that layer: one teacher pass feeds
 every layer, and no student layer feeds another. With s_ij = q_i·k_j/√d, m_i = max_{j≤i} s_ij and
 K̂ = Φ(q)·Φ(k):
-- "l2": mean over causal pairs (j ≤ i) of (exp(s_ij − m_i) − K̂_ij·exp(−m_i))². Both kernels are divided
-  by the teacher's row max, a per-query scale they share: large-norm heads then neither overflow nor
-  dominate, and no normalising sum is needed.
+- "l2": mean over causal pairs (j ≤ i) of (exp(s_ij − m_i) − K̂_ij·exp(−m_i))². Both kernels are
+  divided by the teacher's row max, a per-query scale they share: large-norm heads then neither
+  overflow nor dominate, and no normalising sum is needed.
 - "softmax": mean over queries of the cross-entropy −Σ_j p_ij log p̂_ij, p_i = softmax_{j≤i}(s_ij),
   p̂_ij = K̂_ij / Σ_{j'≤i} K̂_ij'. Per-query scales cancel in p̂, so it is computed from the shifted
   features PRFFeatures.queries/keys return.
 - "direct" (baseline): next-token cross-entropy of the whole student, end to end.
-The loss arithmetic runs in float64 (a key far from every z has features below fp32's range, which would
-make log p̂ −inf). Only the student's row sum is clamped, against a row whose every value underflowed; a
-non-finite loss stops training with an error. Memory: one layer and one chunk of queries at a time, each
-chunk back-propagated at once.
+The loss arithmetic runs in float64 (a key far from every z has features below fp32's range, which
+would make log p̂ −inf). Only the student's row sum is clamped, against a row whose every value
+underflowed; a non-finite loss stops training with an error. Memory: one layer and one chunk of
+queries at a time, each chunk back-propagated at once.
 """
 
 import hashlib
@@ -70,9 +70,12 @@ def chunk_terms(features, q, k, v, phi_k, lo: int, hi: int, want: set) -> dict:
 
 
 def layer_pass(features, q, k, v, want: set, chunk: int, train: bool = False) -> dict:
-    """Per-head means [H] of the terms in `want` over one layer's batch (l2 per causal pair, the rest
-    per query). train=True back-propagates each chunk's share of the head-mean of the one term in
-    `want`; the keys' features are then a detached leaf whose gradient is passed on once, at the end."""
+    """Per-head means [H] of the terms in `want` over one layer's batch.
+
+    l2 is a mean per causal pair, the rest per query. train=True back-propagates each chunk's share
+    of the head-mean of the one term in `want`; the keys' features are then a detached leaf whose
+    gradient is passed on once, at the end.
+    """
     q, k = q.double(), k.double()  # [B, H, T, d]
     B, H, T, _ = q.shape
     phi_k = features.keys(k)  # [B, H, T, M]
@@ -95,7 +98,8 @@ def as_token_ids(token_ids, need: int, what: str) -> torch.Tensor:
     token_ids = torch.as_tensor(token_ids)
     if token_ids.dim() != 1 or len(token_ids) < need:
         raise ValueError(
-            f"{what}: token_ids must be 1-D with >= {need} tokens; got shape {tuple(token_ids.shape)}"
+            f"{what}: token_ids must be 1-D with >= {need} tokens; "
+            f"got shape {tuple(token_ids.shape)}"
         )
     return token_ids.long().cpu().contiguous()
 
@@ -117,10 +121,12 @@ def _train(
     log_every,
     meta,
 ):
-    """The loop distill and train_direct share (their docstrings give the arguments). Adam over the
-    student's trainable tensors (names ending in `.a` at lr_a, the rest at lr) on `batch` windows of
-    ctx tokens per step, drawn by a generator seeded with data_seed; step_fn(ids) back-propagates and
-    returns per-layer losses."""
+    """The loop distill and train_direct share (their docstrings give the arguments).
+
+    Adam over the student's trainable tensors (names ending in `.a` at lr_a, the rest at lr) on
+    `batch` windows of ctx tokens per step, drawn by a generator seeded with data_seed; step_fn(ids)
+    back-propagates and returns per-layer losses.
+    """
     if not 2 <= ctx <= student.config.n_ctx or min(steps, batch, save_every) < 1:
         raise ValueError(
             f"{what}: need 2 <= ctx <= {student.config.n_ctx} and steps, batch, save_every >= 1; "
@@ -202,8 +208,11 @@ def _save_progress(path, settings, params, opt, gen, done, seconds, curve):
 
 
 def _resume(path: Path, settings, params, opt, gen, log):
-    """Features, Adam state and the data generator from a progress file of the same settings: returns
-    (step reached, seconds spent, loss curve). A progress file of other settings is set aside."""
+    """Features, Adam state and the data generator from a progress file of the same settings.
+
+    Returns (step reached, seconds spent, loss curve). A progress file of other settings is set
+    aside.
+    """
     stored, meta = read_tensors(path)
     saved = meta.get("settings", {})
     if saved != settings:
@@ -246,14 +255,16 @@ def distill(
     log_every=None,
     meta=None,
 ):
-    """A PRF student (dims[i] features in layer i, drawn with feature_seed + i) whose layers are each
-    trained with the "l2" or "softmax" loss on the teacher's q, k for windows of token_ids (1-D).
+    """A PRF student (dims[i] features in layer i, drawn with feature_seed + i), each layer trained
+    with the "l2" or "softmax" loss on the teacher's q, k for windows of token_ids (1-D).
 
-    Adam, lr for z and lr_a for a = log α (the paper's 0.02 and 0.2), `steps` steps of `batch` random
-    windows of ctx tokens drawn with data_seed; `chunk` queries per piece of the attention matrices.
-    With out_path, progress goes atomically to `<out_path>.progress` every save_every steps, a run with
-    the same settings resumes from it (train_seconds adds up), and the student is saved to out_path with
-    `meta`. A line per log_every steps (default a tenth). The teacher stays untouched."""
+    Adam, lr for z and lr_a for a = log α (the paper's 0.02 and 0.2), `steps` steps of `batch`
+    random windows of ctx tokens drawn with data_seed; `chunk` queries per piece of the attention
+    matrices. With out_path, progress goes atomically to `<out_path>.progress` every save_every
+    steps, a run with the same settings resumes from it (train_seconds adds up), and the student is
+    saved to out_path with `meta`. A line per log_every steps (default a tenth). The teacher stays
+    untouched.
+    """
     if loss not in ("l2", "softmax"):
         raise ValueError(f"distill: loss {loss!r}; expected 'l2' or 'softmax'")
     student = make_student(teacher, "prf", dims, feature_seed)
@@ -303,8 +314,11 @@ def train_direct(
     log_every=None,
     meta=None,
 ):
-    """The direct baseline, in place: next-token cross-entropy of the whole student (positions 1..ctx-1
-    of each window), end to end, training only its own tensors. Arguments as for distill."""
+    """The direct baseline, in place: next-token cross-entropy of the whole student, end to end.
+
+    Scored on positions 1..ctx-1 of each window, training only the student's own tensors.
+    Arguments as for distill.
+    """
 
     def step(ids):
         logits = student(ids[:, :-1])  # [B, T-1, V]

@@ -1,4 +1,4 @@
-"""Degrees of freedom of attention kernels and the per-layer feature budget (SPEC §3, Algorithm 1).
+"""Degrees of freedom of attention kernels and the per-layer feature budget (Algorithm 1).
 
 Vendorable: torch and the standard library only.
 """
@@ -8,15 +8,15 @@ from fractions import Fraction
 
 import torch
 
-GRAM_ENTRIES = (
-    2**24
-)  # float64 Gram entries held at once (128 MiB): heads are processed in chunks of this size
+# float64 Gram entries held at once (128 MiB): heads are processed in chunks of this size
+GRAM_ENTRIES = 2**24
 
 
 def degrees_of_freedom(x, lam, normalize=True):
-    """tr Σ̂(Σ̂+λI)⁻¹ for the kernel exp(xᵢᵀxⱼ/√d) on the rows of x [..., J, d]; returns [...] float64.
+    """tr Σ̂(Σ̂+λI)⁻¹ for the kernel exp(xᵢᵀxⱼ/√d) on rows of x [..., J, d]; returns [...] float64.
 
-    Σ̂ = G/J, the empirical kernel operator (SPEC §3 default); normalize=False uses the raw Gram G (the paper's text).
+    Σ̂ = G/J, the empirical kernel operator (the default); normalize=False uses the raw Gram G (the
+    paper's text).
     """
     if x.dim() < 2 or x.shape[-2] < 1 or x.shape[-1] < 1:
         raise ValueError(
@@ -34,39 +34,40 @@ def degrees_of_freedom(x, lam, normalize=True):
         xs = heads[i : i + step]  # [n, J, d]
         mat = xs @ xs.transpose(-1, -2) / math.sqrt(d)  # [n, J, J] log G
         sq = mat.diagonal(0, -2, -1).clone()  # [n, J] ‖x‖²/√d
-        # Symmetric diagonal rescaling G = D C D, D = diag(e^(sq/2)): C_ij = exp(-‖xᵢ-xⱼ‖²/2√d) lies in (0, 1] and
-        # DoF = tr C(C+R)⁻¹ with R = λ·J·D⁻² (λ·D⁻² for the raw Gram). Scaling by G's largest entry alone would
-        # drown every point whose norm is far below the largest in rounding (DoF 84 instead of 95.9 on a Pythia
-        # stand-in head, J = 96, against an 80-digit reference); this keeps each point at its own scale.
-        mat.mul_(-2).add_(sq[:, :, None]).add_(sq[:, None, :]).clamp_(min=0).mul_(
-            -0.5
-        ).exp_()  # [n, J, J] C
+        # Symmetric diagonal rescaling G = D C D, D = diag(e^(sq/2)): C_ij = exp(-‖xᵢ-xⱼ‖²/2√d) lies
+        # in (0, 1] and DoF = tr C(C+R)⁻¹ with R = λ·J·D⁻² (λ·D⁻² for the raw Gram). Scaling by G's
+        # largest entry alone would drown every point whose norm is far below the largest in
+        # rounding (DoF 84 instead of 95.9 on a Pythia stand-in head, J = 96, against an 80-digit
+        # reference); this keeps each point at its own scale.
+        mat.mul_(-2).add_(sq[:, :, None]).add_(sq[:, None, :])  # [n, J, J] ‖xᵢ-xⱼ‖²/√d
+        mat.clamp_(min=0).mul_(-0.5).exp_()  # [n, J, J] C
         ridge = torch.exp(math.log(lam) + (math.log(J) if normalize else 0.0) - sq)  # [n, J]
-        # C carries rounding of about d·eps·max sq per entry, so its eigenvalues below J·eps·(d·max sq) are noise;
-        # flooring the ridge at J·eps·(J + 1 + d·max sq) loses nothing resolvable and meets Demmel's condition for
-        # Cholesky to complete (λ_min > J(J+1)·eps/2; Higham, Accuracy and Stability of Numerical Algorithms, 10.7).
-        floor = (
-            J * torch.finfo(torch.float64).eps * (J + 1 + d * sq.amax(-1, keepdim=True))
-        )  # [n, 1]
+        # C carries rounding of about d·eps·max sq per entry, so its eigenvalues below
+        # J·eps·(d·max sq) are noise; flooring the ridge at J·eps·(J + 1 + d·max sq) loses nothing
+        # resolvable and meets Demmel's condition for Cholesky to complete (λ_min > J(J+1)·eps/2;
+        # Higham, Accuracy and Stability of Numerical Algorithms, 10.7).
+        eps = torch.finfo(torch.float64).eps
+        floor = J * eps * (J + 1 + d * sq.amax(-1, keepdim=True))  # [n, 1]
         ridge = torch.maximum(ridge, floor)  # [n, J]
         mat.diagonal(0, -2, -1).add_(ridge)  # [n, J, J] C+R
         chol, info = torch.linalg.cholesky_ex(mat)  # [n, J, J]
         if info.any():
-            raise ValueError(
-                f"degrees_of_freedom: Cholesky failed for heads {(i + info.nonzero().flatten()).tolist()}"
-            )
+            failed = (i + info.nonzero().flatten()).tolist()
+            raise ValueError(f"degrees_of_freedom: Cholesky failed for heads {failed}")
         # tr C(C+R)⁻¹ = J - tr R(C+R)⁻¹ = J - ‖L⁻¹R^½‖²_F
         root = torch.linalg.solve_triangular(
             chol, torch.diag_embed(ridge.sqrt()), upper=False
         )  # [n, J, J]
-        out[i : i + step] = (J - root.square().sum((-2, -1))).clamp(
-            min=0
-        )  # rounding can dip a hair below 0
+        # rounding can dip a hair below 0
+        out[i : i + step] = (J - root.square().sum((-2, -1))).clamp(min=0)  # [n]
     return out.reshape(batch)
 
 
 def estimate_dof(model, token_ids, lam, J=1024, seed=0, normalize=True, ctx=None, batch=8):
-    """Per-head DoF [L, H] of a frozen teacher's attention kernels on its own queries and keys (Algorithm 1, 1-4)."""
+    """Per-head DoF [L, H] of a frozen teacher's attention kernels on its own queries and keys.
+
+    Algorithm 1, steps 1-4.
+    """
     return degrees_of_freedom(
         sample_queries_keys(model, token_ids, J, seed, ctx, batch), lam, normalize
     )
@@ -74,12 +75,13 @@ def estimate_dof(model, token_ids, lam, J=1024, seed=0, normalize=True, ctx=None
 
 @torch.no_grad()
 def sample_queries_keys(model, token_ids, J=1024, seed=0, ctx=None, batch=8):
-    """J vectors per head [L, H, J, d] float64, drawn uniformly without replacement from the pooled queries and keys.
+    """J of each head's pooled queries and keys [L, H, J, d] float64, uniform without replacement.
 
-    token_ids (1-D) is cut into windows of ctx tokens (default model.config.n_ctx; the last partial window is
-    dropped). One seeded draw of positions serves every head (each head still gets a uniform sample of its own
-    pool), so only J vectors per head are kept and windows with no drawn position are not run. Rows are in draw
-    order: [..., :j, :] is exactly the draw of j vectors with the same seed, so one pass serves a sweep over J.
+    token_ids (1-D) is cut into windows of ctx tokens (default model.config.n_ctx; the last partial
+    window is dropped). One seeded draw of positions serves every head (each head still gets a
+    uniform sample of its own pool), so only J vectors per head are kept and windows with no drawn
+    position are not run. Rows are in draw order: [..., :j, :] is exactly the draw of j vectors with
+    the same seed, so one pass serves a sweep over J.
     """
     cfg = model.config
     ctx = cfg.n_ctx if ctx is None else ctx
@@ -91,19 +93,16 @@ def sample_queries_keys(model, token_ids, J=1024, seed=0, ctx=None, batch=8):
         raise ValueError(
             f"sample_queries_keys: ctx={ctx} outside 1..{cfg.n_ctx} (model.config.n_ctx)"
         )
-    n_win, pool = (
-        token_ids.numel() // ctx,
-        2 * ctx,
-    )  # pool: per window and head, ctx queries then ctx keys
+    n_win = token_ids.numel() // ctx
+    pool = 2 * ctx  # per window and head, ctx queries then ctx keys
     if n_win * pool < J:
         raise ValueError(
-            f"sample_queries_keys: {n_win} windows of {ctx} tokens give {n_win * pool} queries+keys per "
-            f"head, fewer than J={J}; pass more text or a smaller J"
+            f"sample_queries_keys: {n_win} windows of {ctx} tokens give {n_win * pool} "
+            f"queries+keys per head, fewer than J={J}; pass more text or a smaller J"
         )
     windows = token_ids[: n_win * ctx].view(n_win, ctx)  # [W, ctx]
-    drawn = torch.randperm(n_win * pool, generator=torch.Generator().manual_seed(seed))[
-        :J
-    ]  # [J] window·2ctx + slot
+    rng = torch.Generator().manual_seed(seed)
+    drawn = torch.randperm(n_win * pool, generator=rng)[:J]  # [J] window·2ctx + slot
     rank = drawn.argsort()  # [J] draw position of each pooled index in increasing order
     picked = drawn[rank]  # [J] sorted, so each batch of windows owns a contiguous run
     device = next(model.parameters()).device
@@ -119,9 +118,11 @@ def sample_queries_keys(model, token_ids, J=1024, seed=0, ctx=None, batch=8):
         model(ids.to(device), capture=capture)
         if len(capture) != cfg.n_layer:
             raise ValueError(
-                f"sample_queries_keys: model captured {len(capture)} layers, config says {cfg.n_layer}"
+                f"sample_queries_keys: model captured {len(capture)} layers, "
+                f"config says {cfg.n_layer}"
             )
-        rows, slots = (mine // pool).to(device), (mine % pool).to(device)
+        rows = (mine // pool).to(device)  # [n]
+        slots = (mine % pool).to(device)  # [n]
         for layer, (q, k, _) in enumerate(capture):
             qk = torch.cat((q, k), dim=2)  # [B, H, 2ctx, d]
             x[layer, :, rank[lo:hi]] = (
@@ -132,25 +133,31 @@ def sample_queries_keys(model, token_ids, J=1024, seed=0, ctx=None, batch=8):
 
 
 def saturation_warning(dof, J):
-    """A message when any head's DoF [L, H] exceeds J/2 (there the sample size J, not the head, limits it), else None."""
+    """A message when any head's DoF [L, H] exceeds J/2, else None.
+
+    Above J/2 the sample size J, not the head, limits the estimate.
+    """
     over = int((dof > J / 2).sum())
     if not over:
         return None
     layer, head = divmod(int(dof.argmax()), dof.shape[-1])
     return (
-        f"warning: {over} of {dof.numel()} heads have DoF above J/2 = {J / 2:g} (largest {dof.max():.0f}, layer "
-        f"{layer} head {head}): J limits these estimates; use a larger J or a larger lam"
+        f"warning: {over} of {dof.numel()} heads have DoF above J/2 = {J / 2:g} "
+        f"(largest {dof.max():.0f}, layer {layer} head {head}): J limits these estimates; "
+        "use a larger J or a larger lam"
     )
 
 
 def allocate(layer_dof, budget, cap=None, redistribute=False):
-    """Per-layer feature dims M_s ∝ layer DoF (Algorithm 1, 5-7); a per-head [L, H] input is reduced by max.
+    """Per-layer dims M_s ∝ layer DoF (Algorithm 1, 5-7); per-head [L, H] DoF is max-reduced.
 
-    Integers >= 1 summing to exactly L·budget: exact shares (fractions), then largest remainder, ties going to
-    more DoF and then the earlier layer, so more DoF never gets fewer features and equal DoF gets equal shares
-    (equal dims unless a remainder tie straddles the cut; then they differ by 1).
-    cap: "DoF + clip", min(M_s, cap) with the freed budget dropped (the paper). redistribute=True instead hands the
-    excess to uncapped layers by the same proportional rule, keeping the sum (needs cap >= budget).
+    Integers >= 1 summing to exactly L·budget: exact shares (fractions), then largest remainder,
+    ties going to more DoF and then the earlier layer, so more DoF never gets fewer features and
+    equal DoF gets equal shares (equal dims unless a remainder tie straddles the cut; then they
+    differ by 1).
+    cap: "DoF + clip", min(M_s, cap) with the freed budget dropped (the paper). redistribute=True
+    instead hands the excess to uncapped layers by the same proportional rule, keeping the sum
+    (needs cap >= budget).
     """
     dof = torch.as_tensor(layer_dof, dtype=torch.float64)
     dof = dof.amax(-1) if dof.dim() == 2 else dof
@@ -164,15 +171,15 @@ def allocate(layer_dof, budget, cap=None, redistribute=False):
         raise ValueError(f"allocate: cap must be an integer >= 1, got {cap}")
     if redistribute and (cap is None or cap < budget):
         raise ValueError(
-            f"allocate: redistribute needs cap >= budget to keep the sum, got cap={cap}, budget={budget}"
+            f"allocate: redistribute needs cap >= budget to keep the sum, "
+            f"got cap={cap}, budget={budget}"
         )
     weights = [Fraction(w) for w in dof.tolist()]
     total = len(weights) * int(budget)
     shares = _shares(weights, total, cap if redistribute else math.inf)
     dims = [math.floor(s) for s in shares]
-    order = sorted(
-        range(len(dims)), key=lambda i: (dims[i] - shares[i], -weights[i], i)
-    )  # largest remainder first
+    # largest remainder first
+    order = sorted(range(len(dims)), key=lambda i: (dims[i] - shares[i], -weights[i], i))
     for i in order[: total - sum(dims)]:
         dims[i] += 1
     return [min(m, cap) for m in dims] if cap is not None and not redistribute else dims
@@ -181,8 +188,8 @@ def allocate(layer_dof, budget, cap=None, redistribute=False):
 def _shares(weights, total, hi):
     """Exact shares clip(c·w, 1, hi) that sum to total.
 
-    The sum is piecewise linear and nondecreasing in c with kinks where some c·w reaches 1 or hi; find the segment
-    holding total and interpolate inside it.
+    The sum is piecewise linear and nondecreasing in c with kinks where some c·w reaches 1 or hi;
+    find the segment holding total and interpolate inside it.
     """
 
     def filled(c):

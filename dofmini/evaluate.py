@@ -1,10 +1,10 @@
-"""Evaluation (SPEC §6): perplexity by the stand-ins' reference protocol, and zero-shot task accuracy.
+"""Evaluation: perplexity by the stand-ins' reference protocol, and zero-shot task accuracy.
 
 Task scoring follows lm-evaluation-harness: a choice's score is the summed log-likelihood of its
-continuation tokens given its context; acc takes the best score, acc_norm the best score per character
-of the continuation (without its separating space). Context and continuation are encoded separately
-and concatenated, so the scored tokens are exactly the continuation's own encoding; over-long inputs
-lose tokens from the left.
+continuation tokens given its context; acc takes the best score, acc_norm the best score per
+character of the continuation (without its separating space). Context and continuation are encoded
+separately and concatenated, so the scored tokens are exactly the continuation's own encoding;
+over-long inputs lose tokens from the left.
 """
 
 import argparse
@@ -46,16 +46,19 @@ class _Progress:
 
 
 def encode_file(path, tokenizer) -> torch.Tensor:
-    """The whole file read as UTF-8 and encoded in one call (the SPEC §6 protocol)."""
+    """The whole file read as UTF-8 and encoded in one call (the reference protocol)."""
     return torch.tensor(tokenizer.encode(Path(path).read_text(encoding="utf-8")).ids)
 
 
 @torch.no_grad()
 def perplexity(model, token_ids, ctx: int, stride=None, batch: int = 8):
-    """(ppl, total NLL, scored tokens). Without `stride`: non-overlapping windows of `ctx` tokens from the
-    start, the last partial one dropped, positions 1..ctx-1 of each scored from their in-window prefix.
-    With `stride` s < ctx: windows start every s tokens; the first scores positions 1..ctx-1 and each
-    later one only its last s, so every token is scored once with at least ctx - s tokens of prefix."""
+    """(ppl, total NLL, scored tokens).
+
+    Without `stride`: non-overlapping windows of `ctx` tokens from the start, the last partial one
+    dropped, positions 1..ctx-1 of each scored from their in-window prefix. With `stride` s < ctx:
+    windows start every s tokens; the first scores positions 1..ctx-1 and each later one only its
+    last s, so every token is scored once with at least ctx - s tokens of prefix.
+    """
     n_pos = model.config.n_ctx
     if not 2 <= ctx <= n_pos:
         raise ValueError(f"ctx={ctx}: expected 2..{n_pos} (the positions of {model.config.name})")
@@ -91,9 +94,12 @@ def perplexity(model, token_ids, ctx: int, stride=None, batch: int = 8):
 
 @torch.no_grad()
 def score_requests(model, requests, ctx=None, batch_tokens: int = 4096, what: str = "scoring"):
-    """(summed log-likelihood, greedy) of each (context ids, continuation ids) request; greedy: every
-    continuation token is the argmax. Requests with equal model inputs share one forward pass (MMLU's
-    four letters); inputs are sorted by length and right-padded, which a causal model never sees."""
+    """(summed log-likelihood, greedy) of each (context ids, continuation ids) request.
+
+    greedy: every continuation token is the argmax. Requests with equal model inputs share one
+    forward pass (MMLU's four letters); inputs are sorted by length and right-padded, which a causal
+    model never sees.
+    """
     max_len = min(model.config.n_ctx, ctx or model.config.n_ctx)
     rows = {}  # model input -> indices of the requests it serves
     for i, (context, continuation) in enumerate(requests):
@@ -108,22 +114,19 @@ def score_requests(model, requests, ctx=None, batch_tokens: int = 4096, what: st
     device = next(model.parameters()).device
     while start < len(inputs):
         batch = inputs[start : start + max(1, batch_tokens // len(inputs[start]))]
-        depth = [
-            max(len(requests[i][1]) for i in rows[row]) for row in batch
-        ]  # scored positions per row
-        ids = torch.zeros(
-            len(batch), len(batch[0]), dtype=torch.long
-        )  # [b, T] right-padded with token 0
+        # scored positions per row
+        depth = [max(len(requests[i][1]) for i in rows[row]) for row in batch]
+        # right-padded with token 0
+        ids = torch.zeros(len(batch), len(batch[0]), dtype=torch.long)  # [b, T]
         keep = torch.zeros(len(batch), len(batch[0]), dtype=torch.bool)  # [b, T]
         for b, (row, n) in enumerate(zip(batch, depth)):
             ids[b, : len(row)] = torch.tensor(row)
             keep[b, len(row) - n : len(row)] = True
         ids, keep = ids.to(device), keep.to(device)
         logprobs = model(ids, keep=keep).float().log_softmax(-1)  # [N, V], rows in `keep` order
-        best, end = (
-            logprobs.argmax(-1),
-            0,
-        )  # [N]; one call: thousands of small ones cost as much as the forward
+        # one call: thousands of small ones cost as much as the forward
+        best = logprobs.argmax(-1)  # [N]
+        end = 0
         for row, n in zip(batch, depth):
             end += n
             for i in rows[row]:
@@ -141,9 +144,12 @@ def score_requests(model, requests, ctx=None, batch_tokens: int = 4096, what: st
 def score_examples(
     model, tokenizer, examples, ctx=None, batch_tokens: int = 4096, what: str = "scoring"
 ) -> dict:
-    """{"acc", "acc_norm", "n"} over multiple-choice `Example`s, plus "acc_macro", "acc_norm_macro" over
-    groups when they have groups (MMLU; "acc" is then the micro average). Single-choice examples are
-    cloze items (LAMBADA): "acc" is greedy match of the whole continuation, "ppl" exp(-mean log-likelihood)."""
+    """{"acc", "acc_norm", "n"} over multiple-choice `Example`s.
+
+    Plus "acc_macro", "acc_norm_macro" over groups when they have groups (MMLU; "acc" is then the
+    micro average). Single-choice examples are cloze items (LAMBADA): "acc" is greedy match of the
+    whole continuation, "ppl" exp(-mean log-likelihood).
+    """
     pairs = [(c, x) for e in examples for c, x in zip(e.contexts, e.continuations)]
     texts = sorted({s for pair in pairs for s in pair})
     ids = dict(zip(texts, (e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False))))
@@ -175,7 +181,7 @@ def score_examples(
 def evaluate_tasks(
     model, tokenizer, names, limit=None, batch_tokens: int = 4096, ctx=None, data_dir=None
 ) -> dict:
-    """{task: score_examples(...)} for task names of `tasks.TASKS`, each on its first `limit` examples."""
+    """{task: score_examples(...)} for names in `tasks.TASKS`, each on its first `limit` items."""
     results = {}
     for name in names:
         t0 = time.time()
@@ -187,15 +193,24 @@ def evaluate_tasks(
 
 
 @torch.no_grad()
-def layer_errors(teacher, student, token_ids, ctx: int, windows: int, offset: int = 0,
-                 batch: int = 4, chunk: int = 256) -> dict:  # fmt: skip
+def layer_errors(
+    teacher,
+    student,
+    token_ids,
+    ctx: int,
+    windows: int,
+    offset: int = 0,
+    batch: int = 4,
+    chunk: int = 256,
+) -> dict:
     """Per-layer approximation error of a student's attention, with the teacher's own inputs.
 
-    On `windows` disjoint windows of ctx tokens of token_ids, starting at window `offset`, fed `batch`
-    at a time: lists over layers of the mean over heads of "kernel_l2" (the l2 loss), "kl" (KL(p‖p̂)
-    per query) and "output_rel" (‖ŷ − y‖/‖y‖ of the per-head attention outputs before the output
-    projection). None for a layer without PRF `features` (DiJiang: its gate reads the block input, so
-    it has no per-head output to compare either)."""
+    On `windows` disjoint windows of ctx tokens of token_ids, starting at window `offset`, fed
+    `batch` at a time: lists over layers of the mean over heads of "kernel_l2" (the l2 loss), "kl"
+    (KL(p‖p̂) per query) and "output_rel" (‖ŷ − y‖/‖y‖ of the per-head attention outputs before the
+    output projection). None for a layer without PRF `features` (DiJiang: its gate reads the block
+    input, so it has no per-head output to compare either).
+    """
     need = (offset + windows) * ctx
     token_ids = as_token_ids(token_ids, need, "layer_errors")
     device = next(teacher.parameters()).device
@@ -228,9 +243,12 @@ def evaluate_model(
     tasks=tuple(TASKS),
     data_dir=None,
 ) -> dict:
-    """Perplexity on the first `windows` windows of ctx tokens (all when None) of each {name: token ids} text,
-    then the tasks on their first `limit` examples: {"<name>_ppl", "<name>_tokens" per text, "tasks",
-    "ppl_seconds", "eval_seconds"}."""
+    """Perplexity of each {name: token ids} text, then the tasks.
+
+    Perplexity on the first `windows` windows of ctx tokens (all when None), the tasks on their
+    first `limit` examples: {"<name>_ppl", "<name>_tokens" per text, "tasks", "ppl_seconds",
+    "eval_seconds"}.
+    """
     t0, result = time.time(), {}
     for name, ids in texts.items():
         ppl, _, n = perplexity(model, ids[: windows and windows * ctx], ctx)
@@ -246,7 +264,7 @@ def evaluate_model(
 
 
 def main(argv=None):
-    """A full evaluation pass of one checkpoint: WikiText-2 and held-out perplexity, then every task."""
+    """A full evaluation of one checkpoint: WikiText-2 and held-out perplexity, then every task."""
     p = argparse.ArgumentParser(prog="python -m dofmini.evaluate", description=main.__doc__)
     p.add_argument("model", help="a known name or a checkpoint folder")
     p.add_argument("--ctx", type=int, default=256, help="perplexity window (default 256)")
@@ -265,16 +283,19 @@ def main(argv=None):
     except (CheckpointError, data.DataError, ValueError) as err:
         raise SystemExit(f"python -m dofmini.evaluate: error: {err}") from None
     texts = {name: encode_file(data_dir / path, tokenizer) for name, path in PPL_TEXTS.items()}
-    result = evaluate_model(model, tokenizer, texts, args.ctx, args.windows, args.limit, tasks,
-                            data_dir)  # fmt: skip
+    result = evaluate_model(
+        model, tokenizer, texts, args.ctx, args.windows, args.limit, tasks, data_dir
+    )
     result.update(model=model.config.name, ctx=args.ctx, threads=torch.get_num_threads())
     if args.out:
         write_text(args.out, json.dumps(result, indent=1, sort_keys=True))
     for task, scores in result["tasks"].items():
         print(f"{task}: " + ", ".join(f"{k} {v:.4g}" for k, v in scores.items()))
-    print(f"WikiText-2 ppl {result['wikitext2_ppl']:.4f}, held-out ppl "
-          f"{result['heldout_ppl']:.4f}; {result['eval_seconds']:.0f} s on {result['threads']} "
-          "threads")  # fmt: skip
+    print(
+        f"WikiText-2 ppl {result['wikitext2_ppl']:.4f}, "
+        f"held-out ppl {result['heldout_ppl']:.4f}; "
+        f"{result['eval_seconds']:.0f} s on {result['threads']} threads"
+    )
 
 
 def _check(args, tasks):

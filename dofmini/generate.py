@@ -1,6 +1,8 @@
-"""Autoregressive generation with per-layer caches: a KV cache for softmax layers, a fixed-size LinearState for
-linear-attention layers (whatever each layer's `new_cache` returns). The prompt is read in one call (chunked form
-for linear layers), then each new token costs one call; a linear layer's step is O(M·d) whatever the context.
+"""Autoregressive generation with per-layer caches.
+
+A KV cache for softmax layers, a fixed-size LinearState for linear-attention layers (whatever each
+layer's `new_cache` returns). The prompt is read in one call (chunked form for linear layers), then
+each new token costs one call; a linear layer's step is O(M·d) whatever the context.
 """
 
 import torch
@@ -15,12 +17,14 @@ def generate(
     top_k: int | None = None,
     seed: int | None = None,
 ):
-    """The prompt followed by n new tokens, in the prompt's form and device: LongTensor [B, T] -> [B, T + n],
-    [T] -> [T + n]; a list of ints (or of B equal-length lists) -> a list of the same nesting.
+    """The prompt followed by n new tokens, in the prompt's form and device.
+
+    LongTensor [B, T] -> [B, T + n], [T] -> [T + n]; a list of ints (or of B equal-length lists) ->
+    a list of the same nesting.
 
     temperature == 0 is greedy (argmax; seed and top_k unused). temperature > 0 samples from
-    softmax(logits / temperature), restricted to the top_k most likely tokens when top_k is given; it needs an
-    explicit seed, so that every run can be repeated exactly.
+    softmax(logits / temperature), restricted to the top_k most likely tokens when top_k is given;
+    it needs an explicit seed, so that every run can be repeated exactly.
     """
     as_list = isinstance(prompt_ids, (list, tuple))
     ids = torch.as_tensor(prompt_ids, dtype=torch.long)

@@ -1,10 +1,10 @@
 """Students: a teacher whose attention layers are swapped for linear attention, and their files.
 
-A student shares every frozen tensor of its teacher (none is copied) and owns only its new trainable
-tensors: PRF features z and a = log α per layer ("prf"), or DiJiang's decay, norm and gate ("dijiang").
-A student file is a small safetensors file holding just those tensors, with JSON metadata (kind, dims,
-seeds, the settings that trained it, the teacher's identity) written in sorted key order, so the same
-student always gives the same bytes.
+A student shares every frozen tensor of its teacher (none is copied) and owns only its new
+trainable tensors: PRF features z and a = log α per layer ("prf"), or DiJiang's decay, norm and gate
+("dijiang"). A student file is a small safetensors file holding just those tensors, with JSON
+metadata (kind, dims, seeds, the settings that trained it, the teacher's identity) written in sorted
+key order, so the same student always gives the same bytes.
 """
 
 import copy
@@ -23,16 +23,21 @@ KINDS = ("prf", "dijiang")
 
 
 def sharing_copy(teacher):
-    """A copy of the teacher's modules sharing every tensor: swapping its attention leaves the teacher
-    intact."""
+    """A copy of the teacher's modules sharing every tensor.
+
+    Swapping the copy's attention leaves the teacher intact.
+    """
     shared = {id(t): t for t in (*teacher.parameters(), *teacher.buffers())}
     return copy.deepcopy(teacher, shared)
 
 
 def make_student(teacher, kind: str, dims, feature_seed: int, orthogonal: bool = True):
-    """An untrained student of `kind`: "prf" has dims[i] PRF features in layer i, drawn with seed
-    feature_seed + i (FAVOR+ orthogonal blocks unless orthogonal=False); "dijiang" uses the head size
-    everywhere. Untrained "prf" is the Performer baseline."""
+    """An untrained student of `kind`.
+
+    "prf" has dims[i] PRF features in layer i, drawn with seed feature_seed + i (FAVOR+ orthogonal
+    blocks unless orthogonal=False); "dijiang" uses the head size everywhere. Untrained "prf" is the
+    Performer baseline.
+    """
     dims = [int(m) for m in dims]
     if len(dims) != teacher.config.n_layer:
         raise ValueError(f"make_student: {len(dims)} dims for {teacher.config.n_layer} layers")
@@ -80,8 +85,8 @@ def read_tensors(path):
 
 
 def save_student(student, path, meta=None):
-    """The student's trainable tensors, its kind, dims and seeds, `meta` (loss, settings, ...) and the
-    teacher's identity."""
+    """The student's trainable tensors, its kind, dims and seeds, `meta` (loss, settings, ...) and
+    the teacher's identity."""
     save_tensors(
         trainable(student), path, {**student.meta, **(meta or {}), "teacher": student.identity}
     )

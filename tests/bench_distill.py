@@ -1,6 +1,9 @@
-"""Time per training sample of the l2, softmax and direct losses on the GPT-2 stand-in at context 1024 (the
-paper, on GPUs: 60.6, 90.4 and 109.4 ms, L2 < softmax < direct), and the softmax loss's training rate at
-context 256, batch 8 (what sizes reproduce.py's default profile). Run: python tests/bench_distill.py [--help]"""
+"""Time per training sample of the l2, softmax and direct losses on the GPT-2 stand-in.
+
+At context 1024 (the paper, on GPUs: 60.6, 90.4 and 109.4 ms, L2 < softmax < direct), and the
+softmax loss's training rate at context 256, batch 8 (what sizes reproduce.py's default profile).
+Run: python tests/bench_distill.py [--help]
+"""
 
 import argparse
 import os
@@ -12,23 +15,26 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dofmini import load, load_tokenizer  # noqa: E402
-from dofmini.distill import distill, make_student, train_direct  # noqa: E402
+from dofmini.distill import distill, train_direct  # noqa: E402
+from dofmini.students import make_student  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 PAPER_MS = {"l2": 60.6, "softmax": 90.4, "direct": 109.4}
 
 
 def seconds_per_step(teacher, ids, loss, ctx, batch, steps):
-    """(wall, CPU) seconds per optimiser step, after one warm-up step. On a shared machine the CPU time of a
-    one-thread run is the steadier figure."""
+    """(wall, CPU) seconds per optimiser step, after one warm-up step.
+
+    On a shared machine the CPU time of a one-thread run is the steadier figure.
+    """
+    dims = [64] * teacher.config.n_layer
 
     def run(n):
-        kwargs = dict(steps=n, batch=batch, ctx=ctx, seed=0, log=lambda line: None)
+        kwargs = dict(steps=n, batch=batch, ctx=ctx, data_seed=0, log=lambda line: None)
         if loss == "direct":
-            return train_direct(
-                make_student(teacher, [64] * teacher.config.n_layer, seed=0), ids, **kwargs
-            )
-        return distill(teacher, [64] * teacher.config.n_layer, ids, loss, **kwargs)
+            student = make_student(teacher, "prf", dims, feature_seed=0)
+            return train_direct(student, ids, **kwargs)
+        return distill(teacher, dims, ids, loss=loss, feature_seed=0, **kwargs)
 
     run(1)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -64,7 +70,8 @@ def main():
         f"{args.steps} timed steps\n"
     )
     print(
-        "| loss | wall ms / sample | ratio to l2 | CPU ms / sample | ratio to l2 | paper ms (GPU) | paper ratio |\n"
+        "| loss | wall ms / sample | ratio to l2 | CPU ms / sample | ratio to l2 "
+        "| paper ms (GPU) | paper ratio |\n"
         "|---|---|---|---|---|---|---|"
     )
     ms = {}
@@ -73,8 +80,8 @@ def main():
         ms[loss] = [1000 * t / args.batch for t in seconds]
         (wall, cpu), (wall_l2, cpu_l2) = ms[loss], ms["l2"]
         print(
-            f"| {loss} | {wall:.0f} | {wall / wall_l2:.2f} | {cpu:.0f} | {cpu / cpu_l2:.2f} | {PAPER_MS[loss]} | "
-            f"{PAPER_MS[loss] / PAPER_MS['l2']:.2f} |",
+            f"| {loss} | {wall:.0f} | {wall / wall_l2:.2f} | {cpu:.0f} | {cpu / cpu_l2:.2f} "
+            f"| {PAPER_MS[loss]} | {PAPER_MS[loss] / PAPER_MS['l2']:.2f} |",
             flush=True,
         )
     wall, cpu = seconds_per_step(teacher, ids, "softmax", 256, 8, args.steps)

@@ -1,22 +1,28 @@
-"""Inference benchmark: softmax teacher (SDPA, KV cache) against its linear-attention student (chunked prefill,
-fixed recurrent state), printed as tables. Not a test: nothing here passes or fails.
+"""Inference benchmark: softmax teacher (SDPA, KV cache) against its linear-attention student
+(chunked prefill, fixed recurrent state), printed as tables. Not a test: nothing here passes or
+fails.
 
-    python tests/bench_inference.py [--quick] [--device cuda] [--models standin,gpt2-small] [--threads N]
-                                    [--contexts 1024,8192] [--batch B] [--tables prefill,decode,sequence]
+    python tests/bench_inference.py [--quick] [--device cuda] [--models standin,gpt2-small]
+                                    [--threads N] [--contexts 1024,8192] [--batch B]
+                                    [--tables prefill,decode,sequence]
 
-Models: the GPT-2 stand-in (../shared/weights/standin-gpt2, positions tiled past its 1024 for timing only) and a
-random-weight model with GPT-2 small's shape (12 layers, 12 heads, 768 wide, vocab 50257, weights seeded
-N(0, 0.02), positions extended to 16K+). Every measurement runs in a fresh subprocess.
-- Prefill: one call on T tokens filling the caches, as generate() does. Peak memory is the process's own
-  accounting above its state once the model is built and warmed up: on CPU (Linux, glibc) the kernel's RSS
-  high-water mark VmHWM, restarted through /proc/self/clear_refs after malloc_trim; on GPU
-  torch.cuda.max_memory_allocated. It includes the [T, V] logits, which generate() also pays.
-- Decode: teacher and student in one process, reaching each context by chunked prefill, their single-token steps
-  interleaved so that a shared machine's changing load hits both alike; medians of single steps. Times include
-  the LM head ([D] x [D, V] per token, the same for both); it is timed alone too, with the speed-up without it.
-  KV cache bytes: 2·layers·heads·64·T·itemsize in use; student state bytes: the LinearState tensors, exactly.
-On a machine shared with other jobs, run with OMP_WAIT_POLICY=PASSIVE: OpenMP threads that spin between parallel
-regions then steal the core of their own main thread, and the many small ops of a decode step slow down ~70x.
+Models: the GPT-2 stand-in (../shared/weights/standin-gpt2, positions tiled past its 1024 for timing
+only) and a random-weight model with GPT-2 small's shape (12 layers, 12 heads, 768 wide, vocab
+50257, weights seeded N(0, 0.02), positions extended to 16K+). Every measurement runs in a fresh
+subprocess.
+- Prefill: one call on T tokens filling the caches, as generate() does. Peak memory is the
+  process's own accounting above its state once the model is built and warmed up: on CPU (Linux,
+  glibc) the kernel's RSS high-water mark VmHWM, restarted through /proc/self/clear_refs after
+  malloc_trim; on GPU torch.cuda.max_memory_allocated. It includes the [T, V] logits, which
+  generate() also pays.
+- Decode: teacher and student in one process, reaching each context by chunked prefill, their
+  single-token steps interleaved so that a shared machine's changing load hits both alike; medians
+  of single steps. Times include the LM head ([D] x [D, V] per token, the same for both); it is
+  timed alone too, with the speed-up without it. KV cache bytes: 2·layers·heads·64·T·itemsize in
+  use; student state bytes: the LinearState tensors, exactly.
+On a machine shared with other jobs, run with OMP_WAIT_POLICY=PASSIVE: OpenMP threads that spin
+between parallel regions then steal the core of their own main thread, and the many small ops of a
+decode step slow down ~70x.
 """
 
 import argparse
@@ -45,14 +51,13 @@ SHAPES = {"standin": (6, 4), "gpt2-small": (12, 12)}  # (layers, heads); head si
 
 
 def build(name: str, n_ctx: int, dims, device: str, dtype: torch.dtype):
-    """The teacher (dims None) or its student with dims[i] features in layer i, positions up to n_ctx."""
+    """The teacher (dims None) or its student with dims[i] features in layer i; n_ctx positions."""
     if name == "standin":
         base = load(STANDIN)
         model = Model(Config(**{**vars(base.config), "n_ctx": n_ctx}))
         state = base.state_dict()
-        state["wpe"] = state["wpe"].repeat(-(-n_ctx // len(state["wpe"])), 1)[
-            :n_ctx
-        ]  # timing only past 1024
+        tiles = -(-n_ctx // len(state["wpe"]))
+        state["wpe"] = state["wpe"].repeat(tiles, 1)[:n_ctx]  # [n_ctx, D] timing only past 1024
         model.load_state_dict(state)
     else:
         model = Model(Config("gpt2", 12, 12, 768, 3072, 50257, n_ctx, name="gpt2-small-random"))
@@ -62,9 +67,9 @@ def build(name: str, n_ctx: int, dims, device: str, dtype: torch.dtype):
                 if p.dim() == 2:
                     p.normal_(0.0, 0.02, generator=gen)
     model = model.to(device, dtype).eval()
-    return (
-        model if dims is None else replace_attention(model, dims, SEED).to(device)
-    )  # new features: fp32
+    if dims is None:
+        return model
+    return replace_attention(model, dims, SEED).to(device)  # new features: fp32
 
 
 def sync(device: str):
@@ -85,12 +90,10 @@ def reset_peak(device: str) -> int:
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
         return torch.cuda.memory_allocated()
-    ctypes.CDLL("libc.so.6").malloc_trim(
-        0
-    )  # glibc: hand freed heap pages back, so later use shows in the RSS
-    with open(
-        "/proc/self/clear_refs", "w"
-    ) as f:  # Linux: restart the RSS high-water mark (VmHWM) from now
+    # glibc: hand freed heap pages back, so later use shows in the RSS
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    # Linux: restart the RSS high-water mark (VmHWM) from now
+    with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     return peak_bytes(device)
 
@@ -98,7 +101,8 @@ def reset_peak(device: str) -> int:
 def peak_bytes(device: str) -> int:
     if device.startswith("cuda"):
         return torch.cuda.max_memory_allocated()
-    # VmHWM, not getrusage's ru_maxrss: the latter also holds the parent's peak, inherited at fork/exec
+    # VmHWM, not getrusage's ru_maxrss: the latter also holds the parent's peak,
+    # inherited at fork/exec
     status = Path("/proc/self/status").read_text()
     return int(status.split("VmHWM:")[1].split()[0]) * 1024  # reported in kB
 
@@ -110,7 +114,10 @@ def cache_bytes(caches) -> int:
 
 
 def decode_sweep(teacher, student, ids, contexts, steps: int, dev: str) -> list:
-    """Rows of decode time per token at each context, teacher and student steps interleaved (module docstring)."""
+    """Rows of decode time per token at each context, teacher and student steps interleaved.
+
+    See the module docstring.
+    """
     models = (teacher, student)
     caches = [[b.attn.new_cache(ids.shape[0], ids.shape[1]) for b in m.blocks] for m in models]
     x = torch.randn(
@@ -124,7 +131,7 @@ def decode_sweep(teacher, student, ids, contexts, steps: int, dev: str) -> list:
         times = [[], [], []]  # teacher, student, LM head alone
         for t in range(T, T + WARMUP + steps):
             for i, (m, c) in enumerate(zip(models, caches)):
-                times[i].append(timed(lambda: m(ids[:, t : t + 1], t, c), dev))
+                times[i].append(timed(lambda m=m, c=c, t=t: m(ids[:, t : t + 1], t, c), dev))
             times[2].append(timed(lambda: teacher.ln_f(x) @ teacher.head.T, dev))  # [B, 1, V]
         pos = T + WARMUP + steps
         # medians of single steps: robust to the bursts of a machine shared with other jobs
@@ -143,7 +150,10 @@ def decode_sweep(teacher, student, ids, contexts, steps: int, dev: str) -> list:
 
 @torch.no_grad()
 def worker(job: dict) -> dict:
-    """One measurement in this (fresh) process; see the module docstring for what the memory figures hold."""
+    """One measurement in this (fresh) process.
+
+    See the module docstring for what the memory figures hold.
+    """
     torch.set_num_threads(job["threads"])
     dev, dtype, B = job["device"], getattr(torch, job["dtype"]), job["batch"]
     model = build(
@@ -163,7 +173,9 @@ def worker(job: dict) -> dict:
     elif job["mode"] == "sweep":
         student = replace_attention(copy.deepcopy(model), job["dims"], SEED).to(dev)
         out = {"rows": decode_sweep(model, student, ids, job["contexts"], job["steps"], dev)}
-    else:  # one sequence (batch 1) of L tokens: a chunked/SDPA forward, and generating it from a 1-token prompt
+    else:
+        # one sequence (batch 1) of L tokens: a chunked/SDPA forward, and generating it from a
+        # 1-token prompt
         L = job["seq_len"]
         out = {
             "forward_s": min(timed(lambda: model(ids[:1, :L]), dev) for _ in range(job["reps"])),
@@ -181,14 +193,16 @@ def run(job: dict) -> dict:
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(f"worker {job} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-    print(
-        "measured", job, lines[-1][7:], file=sys.stderr, flush=True
-    )  # progress, and the raw numbers
+    # progress, and the raw numbers
+    print("measured", job, lines[-1][7:], file=sys.stderr, flush=True)
     return json.loads(lines[-1][7:])
 
 
 def standin_dof():
-    """Layer DoF of the stand-in (Algorithm 1: J=1024, λ=2⁻⁴, G/J) on WikiText-2 valid, 256-token windows."""
+    """Layer DoF of the stand-in (Algorithm 1: J=1024, λ=2⁻⁴, G/J).
+
+    On WikiText-2 valid, in 256-token windows.
+    """
     from dofmini.checkpoint import load_tokenizer
     from dofmini.dof import estimate_dof
 
@@ -205,9 +219,8 @@ def variant_dims(layer_dof, n_layer):
     """Fix / DoF / DoF+clip dims at mean BUDGET features per layer (Algorithm 1, steps 6-7)."""
     from dofmini.dof import allocate
 
-    dof = [
-        layer_dof[i * len(layer_dof) // n_layer] for i in range(n_layer)
-    ]  # stretch a 6-layer profile to 12
+    # stretch a 6-layer profile to 12
+    dof = [layer_dof[i * len(layer_dof) // n_layer] for i in range(n_layer)]
     return {
         "fix": [BUDGET] * n_layer,
         "dof": allocate(dof, BUDGET),
@@ -236,13 +249,15 @@ def prefill_table(name, Ts, common):
         for kind, dims in (("teacher", None), ("student", [BUDGET] * n_layer))
     }
     print(
-        f"\n## {name}: prefill of T tokens in one call, caches filled (student: M={BUDGET} per layer, chunk 64)"
+        f"\n## {name}: prefill of T tokens in one call, caches filled "
+        f"(student: M={BUDGET} per layer, chunk 64)"
     )
     print("      T | teacher s | student s | teacher/student | peak MiB teacher | peak MiB student")
     for T in Ts:
         t, s = rows[T, "teacher"], rows[T, "student"]
         print(
-            f"{T:7d} | {t['prefill_s']:9.3f} | {s['prefill_s']:9.3f} | {t['prefill_s'] / s['prefill_s']:15.2f} "
+            f"{T:7d} | {t['prefill_s']:9.3f} | {s['prefill_s']:9.3f} | "
+            f"{t['prefill_s'] / s['prefill_s']:15.2f} "
             f"|        {mib(t['peak_bytes'])} |        {mib(s['peak_bytes'])}"
         )
     faster = [T for T in Ts if rows[T, "student"]["prefill_s"] < rows[T, "teacher"]["prefill_s"]]
@@ -270,23 +285,26 @@ def decode_table(name, Ts, common, steps):
         2 * n_layer * common["batch"] * n_head * 64 * getattr(torch, common["dtype"]).itemsize
     )
     print(
-        f"\n## {name}: decode time per token at context T (one process, teacher and student steps interleaved; "
+        f"\n## {name}: decode time per token at context T "
+        "(one process, teacher and student steps interleaved; "
         f"median of {steps} steps after {WARMUP} warm-up)"
     )
     print(
-        "      T | teacher ms | student ms | speed-up | LM head ms | speed-up w/o head | KV cache MiB "
-        "| student state MiB"
+        "      T | teacher ms | student ms | speed-up | LM head ms | speed-up w/o head "
+        "| KV cache MiB | student state MiB"
     )
     for row in r["rows"]:
         t, s, head = row["teacher_ms"], row["student_ms"], row["head_ms"]
         print(
-            f"{row['T']:7d} | {t:10.2f} | {s:10.2f} | {t / s:8.2f} | {head:10.2f} | {(t - head) / (s - head):17.2f} "
+            f"{row['T']:7d} | {t:10.2f} | {s:10.2f} | {t / s:8.2f} | {head:10.2f} | "
+            f"{(t - head) / (s - head):17.2f} "
             f"|    {mib(kv_per_token * row['T'])} |         {mib(row['state_bytes'])}"
         )
     rows = [row for row in r["rows"] if row["T"] >= 1024] or r["rows"]
     flat = [row["student_ms"] for row in rows]
     print(
-        f"from T = {rows[0]['T']} to {rows[-1]['T']}: student decode max/min = {max(flat) / min(flat):.2f}; "
+        f"from T = {rows[0]['T']} to {rows[-1]['T']}: "
+        f"student decode max/min = {max(flat) / min(flat):.2f}; "
         f"teacher {rows[-1]['teacher_ms'] / rows[0]['teacher_ms']:.2f}x slower at the end"
     )
 
@@ -294,7 +312,8 @@ def decode_table(name, Ts, common, steps):
 def sequence_table(name, layer_dof, common, seq_len):
     n_layer, n_head = SHAPES[name]
     print(
-        f"\n## {name}: one {seq_len}-token sequence, batch 1, equal budget (mean {BUDGET} features per layer)"
+        f"\n## {name}: one {seq_len}-token sequence, batch 1, "
+        f"equal budget (mean {BUDGET} features per layer)"
         + (
             ""
             if name == "standin"
@@ -313,15 +332,16 @@ def sequence_table(name, layer_dof, common, seq_len):
                 "reps": 3,
             }
         )
-        # fp32 LinearState [H, M, d + 1] per layer, or the KV cache of seq_len positions (model dtype)
+        # fp32 LinearState [H, M, d + 1] per layer,
+        # or the KV cache of seq_len positions (model dtype)
         cache = (
             4 * n_head * 65 * sum(dims)
             if dims
             else 2 * n_layer * n_head * 64 * seq_len * r["itemsize"]
         )
         print(
-            f"{label:18s} | {sum(dims) if dims else '-':>7} | {r['forward_s']:9.3f} | {r['generate_s']:10.3f} "
-            f"| {cache / 1024:20.1f} | {dims or 'softmax'}"
+            f"{label:18s} | {sum(dims) if dims else '-':>7} | {r['forward_s']:9.3f} | "
+            f"{r['generate_s']:10.3f} | {cache / 1024:20.1f} | {dims or 'softmax'}"
         )
 
 
@@ -360,7 +380,8 @@ def main():
     }
     print(
         f"torch {torch.__version__}, device {args.device}, {args.dtype}, {args.threads} threads, "
-        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, load average {os.getloadavg()[0]:.2f}; "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
+        f"load average {os.getloadavg()[0]:.2f}; "
         f"seed {SEED}; batch {args.batch}"
     )
     layer_dof = None

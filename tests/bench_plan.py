@@ -3,10 +3,10 @@
     python tests/bench_plan.py [--profiles default,paper] [--threads N]
 
 Builds a checkpoint of GPT-2 small's shape (12 layers, 12 heads of 64, width 768, 1024 positions,
-vocabulary 50,257) with random N(0, 0.02) weights in a temporary folder, with the real GPT-2 tokenizer
-from ../shared, and prints `reproduce.py --plan-only` for each profile: the timing probe (seconds per
-window for a forward pass and a training step of each loss) and the estimated time of every stage.
-Random weights cost what real ones do.
+vocabulary 50,257) with random N(0, 0.02) weights in a temporary folder, with the real GPT-2
+tokenizer from ../shared, and prints `reproduce.py --plan-only` for each profile: the timing probe
+(seconds per window for a forward pass and a training step of each loss) and the estimated time of
+every stage. Random weights cost what real ones do.
 """
 
 import argparse
@@ -30,13 +30,22 @@ def gpt2_small(folder: Path):
               "n_positions": P, "activation_function": "gelu_new"}  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     shapes = {"wte.weight": (V, D), "wpe.weight": (P, D), "ln_f.weight": (D,), "ln_f.bias": (D,)}
+    block = {
+        "ln_1.weight": (D,),
+        "ln_1.bias": (D,),
+        "ln_2.weight": (D,),
+        "ln_2.bias": (D,),
+        "attn.c_attn.weight": (D, 3 * D),
+        "attn.c_attn.bias": (3 * D,),
+        "attn.c_proj.weight": (D, D),
+        "attn.c_proj.bias": (D,),
+        "mlp.c_fc.weight": (D, 4 * D),
+        "mlp.c_fc.bias": (4 * D,),
+        "mlp.c_proj.weight": (4 * D, D),
+        "mlp.c_proj.bias": (D,),
+    }
     for i in range(L):
-        shapes.update({f"h.{i}.ln_1.weight": (D,), f"h.{i}.ln_1.bias": (D,),
-                       f"h.{i}.ln_2.weight": (D,), f"h.{i}.ln_2.bias": (D,),
-                       f"h.{i}.attn.c_attn.weight": (D, 3 * D), f"h.{i}.attn.c_attn.bias": (3 * D,),
-                       f"h.{i}.attn.c_proj.weight": (D, D), f"h.{i}.attn.c_proj.bias": (D,),
-                       f"h.{i}.mlp.c_fc.weight": (D, 4 * D), f"h.{i}.mlp.c_fc.bias": (4 * D,),
-                       f"h.{i}.mlp.c_proj.weight": (4 * D, D), f"h.{i}.mlp.c_proj.bias": (D,)})  # fmt: skip
+        shapes.update({f"h.{i}.{name}": shape for name, shape in block.items()})
     tensors = {}
     for name, shape in shapes.items():
         ones = name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight"))

@@ -1,9 +1,10 @@
-"""Developer-only tool: rebuild tests/fixtures/ with Hugging Face transformers, the reference implementation.
+"""Developer-only tool: rebuild tests/fixtures/ with Hugging Face transformers, the reference.
 
     pip install transformers && python tests/make_fixtures.py
 
-Nothing else in dofmini imports transformers. Each fixture is a tiny random model saved with `save_pretrained`
-plus `reference.json`: the ids fed in, the logits transformers computes for them, and its greedy continuation.
+Nothing else in dofmini imports transformers. Each fixture is a tiny random model saved with
+`save_pretrained` plus `reference.json`: the ids fed in, the logits transformers computes for them,
+and its greedy continuation.
 """
 
 import json
@@ -14,7 +15,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 
 OUT = Path(__file__).resolve().parent / "fixtures"
-# A wide init keeps greedy argmaxes far from ties; no eos token, so greedy decoding never stops early.
+# A wide init keeps greedy argmaxes far from ties;
+# no eos token, so greedy decoding never stops early.
 SMALL = dict(vocab_size=96, initializer_range=0.2, bos_token_id=None, eos_token_id=None)
 GPT2 = dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, **SMALL)
 NEOX = dict(

@@ -1,6 +1,7 @@
-"""DiJiang baseline (dofmini/dijiang.py): the DCT-II matrix and seeded projection, softmax features, the module's
-chunked forward against a quadratic reference written out here, token-by-token decoding of a whole swapped model,
-causality, which tensors train, the student file round trip, and a short end-to-end training run."""
+"""DiJiang baseline (dofmini/dijiang.py): the DCT-II matrix and seeded projection, softmax features,
+the module's chunked forward against a quadratic reference written out here, token-by-token decoding
+of a whole swapped model, causality, which tensors train, the student file round trip, and a short
+end-to-end training run."""
 
 import math
 
@@ -37,7 +38,8 @@ def perturbed(student, seed=0):
 def test_dct_matrix_is_the_orthonormal_dct_ii(d):
     C = dct_matrix(d)
     assert torch.allclose(C @ C.T, torch.eye(d, dtype=torch.float64), atol=1e-12)
-    # Independent route (Makhoul): the DCT-II of x from one FFT of its even samples then its odd ones reversed.
+    # Independent route (Makhoul): the DCT-II of x from one FFT of its even samples then its odd
+    # ones reversed.
     x = torch.randn(d, generator=torch.Generator().manual_seed(d), dtype=torch.float64)
     k = torch.arange(d, dtype=torch.float64)
     X = (
@@ -77,7 +79,10 @@ def test_features_are_a_softmax_and_decay_starts_at_the_papers_values():
 
 
 def quadratic_reference(attn: DiJiangAttention, x):
-    """The module's output from its definition: T×T decayed scores, per-head GroupNorm, SiLU gate, projection."""
+    """The module's output from its definition.
+
+    T×T decayed scores, per-head GroupNorm, SiLU gate, projection.
+    """
     q, k, v = attn.base.project(x)  # [B, H, T, d] each
     B, H, T, d = q.shape
     lag = torch.arange(T)[:, None] - torch.arange(T)[None]  # [T, T]
@@ -163,8 +168,9 @@ def test_student_file_round_trip(tmp_path):
 
 
 def test_short_direct_training_lowers_the_lm_loss():
-    """20 steps of distill.train_direct on a sequence the tiny model can learn to continue only through its
-    attention (a random 13-token pattern, repeated), loss measured on windows it did not train on."""
+    """20 steps of distill.train_direct on a sequence the tiny model can learn to continue only
+    through its attention (a random 13-token pattern, repeated), loss measured on windows it did not
+    train on."""
     student = make_dijiang(load(FIXTURES / "gpt2-tiny"), 0)
     seq = torch.randint(0, 96, (13,), generator=torch.Generator().manual_seed(0)).repeat(
         200

@@ -1,6 +1,6 @@
-"""Layerwise distillation and the direct baseline: training lowers held-out error on the GPT-2 stand-in, the
-metrics match a dense float64 reference, student files round-trip bit for bit, runs are reproducible and
-resumable, and only z and α ever change."""
+"""Layerwise distillation and the direct baseline: training lowers held-out error on the GPT-2
+stand-in, the metrics match a dense float64 reference, student files round-trip bit for bit, runs
+are reproducible and resumable, and only z and α ever change."""
 
 import hashlib
 import math
@@ -12,8 +12,8 @@ from conftest import FIXTURES, shared_path
 from dofmini import CheckpointError, load, load_tokenizer
 from dofmini.distill import distill, layer_pass, train_direct
 from dofmini.evaluate import layer_errors, perplexity
-from dofmini.students import load_student, make_student, read_tensors, save_student
 from dofmini.linear_attention import causal_linear_attention
+from dofmini.students import load_student, make_student, read_tensors, save_student
 
 
 def quiet(line):
@@ -71,7 +71,8 @@ def test_each_loss_beats_the_performer_draw_on_heldout_text(standin_gpt2, wiki, 
         log=quiet,
     )
     after = layer_errors(standin_gpt2, student, held, 64, windows=8, batch=4)
-    # kl is the softmax loss minus the teacher's own entropy, so lower kl is lower held-out softmax loss
+    # kl is the softmax loss minus the teacher's own entropy,
+    # so lower kl is lower held-out softmax loss
     assert all(a < b for a, b in zip(after[metric], before[metric])), (
         before[metric],
         after[metric],
@@ -89,7 +90,10 @@ def test_direct_training_lowers_heldout_lm_loss(standin_gpt2, wiki):
 
 
 def dense_losses(features, q, k):
-    """(l2 loss, softmax loss, KL) per head [H] and the student's attention rows, from the full T×T matrices."""
+    """(l2 loss, softmax loss, KL) per head [H] and the student's attention rows.
+
+    From the full T×T matrices.
+    """
     B, H, T, d = q.shape
     q, k = q.double(), k.double()
     phi_q, log_scale = features.queries(q)  # [B, H, T, M], [B, H, T, 1]

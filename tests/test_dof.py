@@ -1,5 +1,5 @@
-"""Degrees of freedom (against independent numpy formulas) and the budget allocator (Hypothesis), the estimate on
-the stand-in teachers, and the SVG charts."""
+"""Degrees of freedom (against independent numpy formulas) and the budget allocator (Hypothesis),
+the estimate on the stand-in teachers, and the SVG charts."""
 
 import math
 import xml.etree.ElementTree as ET
@@ -35,7 +35,10 @@ def points(seed, J, d, scale, dups):
 
 
 def naive(x, lam, normalize):
-    """DoF by the book: the Gram in plain float64, numpy's eigvalsh, Σ σ/(σ+λ) (inf where the Gram overflows)."""
+    """DoF by the book: the Gram in plain float64, numpy's eigvalsh, Σ σ/(σ+λ).
+
+    inf where the Gram overflows.
+    """
     x = np.asarray(x, dtype=np.float64)
     J, d = x.shape
     with np.errstate(over="ignore"):
@@ -90,8 +93,9 @@ def test_dof_decreases_as_lam_grows(case, factor):
 @given(cases, st.floats(0, 700))
 @example((0, 16, 4, 1.0, 0, -4, False), 705.0)  # the shifted raw Gram overflows float64
 def test_dof_is_finite_and_exact_where_the_naive_gram_overflows(case, shift):
-    # Appending one coordinate a to every point adds a² to every x_iᵀx_j, so G' = e^c·G with c = a²/√d, and the raw
-    # Gram's DoF at λ·e^c equals the unshifted one at λ. Large c overflows the naive float64 Gram.
+    # Appending one coordinate a to every point adds a² to every x_iᵀx_j, so G' = e^c·G with
+    # c = a²/√d, and the raw Gram's DoF at λ·e^c equals the unshifted one at λ. Large c overflows
+    # the naive float64 Gram.
     seed, J, d, scale, dups, log2_lam, _ = case
     x, lam = points(seed, J, d, scale, min(dups, J // 2)), 2.0**log2_lam
     shifted = torch.cat(
@@ -106,8 +110,9 @@ def test_dof_is_finite_and_exact_where_the_naive_gram_overflows(case, shift):
 
 
 def test_dof_keeps_small_norm_points_beside_huge_ones():
-    # Orthogonal points: G = 11ᵀ − I + diag(e^sᵢ) ⪰ diag(e^sᵢ) − I, so with every sᵢ >= 40 each eigenvalue dwarfs λ
-    # and DoF = J to 1e-10. Scaling G by its largest entry (e^600) alone would leave about 1.
+    # Orthogonal points: G = 11ᵀ − I + diag(e^sᵢ) ⪰ diag(e^sᵢ) − I, so with every sᵢ >= 40 each
+    # eigenvalue dwarfs λ and DoF = J to 1e-10.
+    # Scaling G by its largest entry (e^600) alone would leave about 1.
     J = 12
     s = torch.linspace(40, 600, J, dtype=torch.float64)
     x = torch.diag((s * math.sqrt(J)).sqrt())  # [J, J], ‖xᵢ‖²/√d = sᵢ
@@ -241,27 +246,18 @@ def test_estimate_dof_is_seeded_and_in_range(standin_gpt2):
         estimate_dof(standin_gpt2, ids[:40], 2**-4, J=65, seed=0, ctx=32)  # one window: 64
 
 
-def test_charts_are_svg_with_one_mark_per_value(tmp_path):
-    allocation_chart(
-        [30, 98], [[10.0, 44.0], [1.0, 160.0]], tmp_path / "a.svg", "M & DoF <stand-in>"
-    )
-    root = ET.parse(tmp_path / "a.svg").getroot()
+def test_charts_are_svg_with_one_mark_per_value():
+    svg = allocation_chart([30, 98], [[10.0, 44.0], [1.0, 160.0]], "M & DoF <stand-in>")
+    root = ET.fromstring(svg)
     assert root.tag == SVG + "svg"
-    assert (
-        len(root.findall(SVG + "circle")) == 4 and len(root.findall(SVG + "rect")) == 2 + 1
-    )  # + background
-    line_chart(
-        {"Fix": [0.2, 1.5, 0.7], "DoF": [0.1, 0.9, 0.3]},
-        tmp_path / "l.svg",
-        "error",
-        "KL",
-        log_y=True,
-    )
-    assert len(ET.parse(tmp_path / "l.svg").getroot().findall(SVG + "polyline")) == 2
+    assert len(root.findall(SVG + "circle")) == 4
+    assert len(root.findall(SVG + "rect")) == 2 + 1  # + background
+    lines = line_chart({"Fix": [0.2, 1.5, 0.7], "DoF": [0.1, 0.9, 0.3]}, "error", "KL", log_y=True)
+    assert len(ET.fromstring(lines).findall(SVG + "polyline")) == 2
     with pytest.raises(ValueError):
-        line_chart({"Fix": [0.0, 1.0]}, tmp_path / "bad.svg", "error", "KL", log_y=True)
+        line_chart({"Fix": [0.0, 1.0]}, "error", "KL", log_y=True)
     with pytest.raises(ValueError):
-        allocation_chart([1, 2], [[1.0]], tmp_path / "bad.svg", "t")
+        allocation_chart([1, 2], [[1.0]], "t")
 
 
 def test_samples_are_nested_in_draw_order(standin_gpt2):

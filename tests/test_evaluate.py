@@ -3,8 +3,8 @@ are known in closed form, the tiny transformers-made fixture, and the stand-in t
 reference.json."""
 
 import json
-import re
 import math
+import re
 from types import SimpleNamespace
 
 import pytest

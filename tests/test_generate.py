@@ -1,5 +1,5 @@
-"""generate(): the cached path (KV cache for teachers, recurrent LinearState for students) against the uncached
-forward pass, seeded sampling, and its errors."""
+"""generate(): the cached path (KV cache for teachers, recurrent LinearState for students) against
+the uncached forward pass, seeded sampling, and its errors."""
 
 import copy
 import json
@@ -14,7 +14,10 @@ from dofmini.linear_attention import LinearAttention, LinearState, replace_atten
 
 
 def uncached_greedy(model, ids, n):
-    """The full forward pass on the growing sequence, argmax of the last position: [B, T] -> [B, T + n]."""
+    """The full forward pass on the growing sequence, argmax of the last position.
+
+    [B, T] -> [B, T + n].
+    """
     with torch.no_grad():
         for _ in range(n):
             ids = torch.cat([ids, model(ids)[:, -1:].argmax(-1)], dim=1)  # [B, T + 1]
@@ -22,7 +25,10 @@ def uncached_greedy(model, ids, n):
 
 
 def cached_logits(model, ids, split):
-    """Logits [B, T, V] from a prefill of ids[:, :split] and then one call per token, through the layers' caches."""
+    """Logits [B, T, V] from a prefill of ids[:, :split], then one call per token.
+
+    Through the layers' caches.
+    """
     caches = [block.attn.new_cache(ids.shape[0], ids.shape[1]) for block in model.blocks]
     with torch.no_grad():
         parts = [model(ids[:, :split], 0, caches)]

@@ -1,7 +1,7 @@
-"""`reproduce.py` end to end on the GPT-2 stand-in (quick profile, as a subprocess): every student of a
-seeds × budgets grid, reruns that recompute nothing, a changed flag that recomputes what it touches,
-one-line errors for bad values before any model work, and the vendorability of the modules the
-README says can be copied alone."""
+"""`reproduce.py` end to end on the GPT-2 stand-in (quick profile, as a subprocess): every student
+of a seeds × budgets grid, reruns that recompute nothing, a changed flag that recomputes what it
+touches, one-line errors for bad values before any model work, and the vendorability of the modules
+the README says can be copied alone."""
 
 import ast
 import json
@@ -36,8 +36,9 @@ def grid_run(tmp_path_factory):
     model = shared_path("weights", "standin-gpt2")
     store = shared_path("data")
     out = tmp_path_factory.mktemp("grid")
-    args = [model, "--profile", "quick", "--out", out, "--data", store, "--seeds", "0,1",
-            "--budgets", "8,16", "--variants", "performer,fix,dof,oracle", "--limit", "0"]  # fmt: skip
+    args = [model, "--profile", "quick", "--out", out, "--data", store]
+    args += ["--seeds", "0,1", "--budgets", "8,16", "--variants", "performer,fix,dof,oracle"]
+    args += ["--limit", "0"]
     first = reproduce(*args)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     return args, out, first

@@ -85,7 +85,8 @@ def test_harness_framings(data_dir):
     logiqa = load_task("logiqa", data_dir, 1)[0]
     assert logiqa.contexts[0].startswith("Passage: In the planning of a new district in a township")
     assert (
-        "\nQuestion: Based on the above statement, which of the following can be derived?\nChoices:\nA. "
+        "\nQuestion: Based on the above statement, which of the following can be derived?"
+        "\nChoices:\nA. "
         in logiqa.contexts[0]
         and logiqa.contexts[0].endswith("\nAnswer:")
     )
