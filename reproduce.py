@@ -1,6 +1,6 @@
-"""The paper's comparison for one teacher, in one command: estimate DoF, allocate feature dims, train
-every variant at every budget and seed, evaluate everything, and write results.json, report.md and
-SVG charts.
+"""The paper's comparison for one teacher, in one command: estimate DoF, allocate feature dims,
+train every variant at every budget and seed, evaluate everything, and write results.json,
+report.md and SVG charts.
 
     python reproduce.py gpt2                        # a named model, downloaded once into weights/
     python reproduce.py path/to/checkpoint --profile quick
@@ -38,17 +38,59 @@ SEED_LIMIT = 2**31 - 1  # seeds are offset by the layer index and must stay with
 # steps None: one pass over the training corpus (the paper's one pass over its Wikipedia slice);
 # eval_windows None: all of each perplexity text; limit 0: no tasks.
 PROFILES = {
-    "quick": dict(ctx=64, J=128, calib_windows=8, steps=4, batch=2, eval_windows=4, limit=4,
-                  error_windows=4, curve_windows=4, train_chars=200_000),
-    "default": dict(ctx=256, J=1024, calib_windows=64, steps=400, batch=8, eval_windows=128,
-                    limit=100, error_windows=32, curve_windows=16, train_chars=None),
-    "study": dict(ctx=256, J=1024, calib_windows=64, steps=200, batch=8, eval_windows=64, limit=0,
-                  error_windows=32, curve_windows=16, train_chars=None, seeds=(0, 1, 2),
-                  budgets=(16, 32, 64), variants=("fix", "dof", "oracle"),
-                  losses=(("softmax", None), ("l2", (64,)))),
-    "paper": dict(ctx=None, J=1024, calib_windows=64, steps=None, batch=8, eval_windows=None,
-                  limit=None, error_windows=32, curve_windows=16, train_chars=None),
-}  # fmt: skip
+    "quick": dict(
+        ctx=64,
+        J=128,
+        calib_windows=8,
+        steps=4,
+        batch=2,
+        eval_windows=4,
+        limit=4,
+        error_windows=4,
+        curve_windows=4,
+        train_chars=200_000,
+    ),
+    "default": dict(
+        ctx=256,
+        J=1024,
+        calib_windows=64,
+        steps=400,
+        batch=8,
+        eval_windows=128,
+        limit=100,
+        error_windows=32,
+        curve_windows=16,
+        train_chars=None,
+    ),
+    "study": dict(
+        ctx=256,
+        J=1024,
+        calib_windows=64,
+        steps=200,
+        batch=8,
+        eval_windows=64,
+        limit=0,
+        error_windows=32,
+        curve_windows=16,
+        train_chars=None,
+        seeds=(0, 1, 2),
+        budgets=(16, 32, 64),
+        variants=("fix", "dof", "oracle"),
+        losses=(("softmax", None), ("l2", (64,))),
+    ),
+    "paper": dict(
+        ctx=None,
+        J=1024,
+        calib_windows=64,
+        steps=None,
+        batch=8,
+        eval_windows=None,
+        limit=None,
+        error_windows=32,
+        curve_windows=16,
+        train_chars=None,
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -96,12 +138,19 @@ def parse_args(argv) -> RunConfig:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
-    p.add_argument("model", help="a known name (gpt2, pythia-70m, -160m, -410m, -1b) or a folder\n"
-                                 "holding config.json, model.safetensors, tokenizer.json")  # fmt: skip
-    p.add_argument("--profile", choices=PROFILES, default="default",
-                   help="quick: a smoke run; default: one seed, one budget; study: seeds 0-2,\n"
-                        "budgets 16/32/64, Fix/DoF/oracle, softmax and l2@64; paper: the paper's\n"
-                        "sizes, meant for a GPU")  # fmt: skip
+    p.add_argument(
+        "model",
+        help="a known name (gpt2, pythia-70m, -160m, -410m, -1b) or a folder\n"
+        "holding config.json, model.safetensors, tokenizer.json",
+    )
+    p.add_argument(
+        "--profile",
+        choices=PROFILES,
+        default="default",
+        help="quick: a smoke run; default: one seed, one budget; study: seeds 0-2,\n"
+        "budgets 16/32/64, Fix/DoF/oracle, softmax and l2@64; paper: the paper's\n"
+        "sizes, meant for a GPU",
+    )
     p.add_argument("--out", type=Path, help="output folder (default runs/<model>-<profile>)")
     p.add_argument("--data", type=Path, help="data store (default $DOFMINI_DATA, else the cache)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -118,13 +167,23 @@ def parse_args(argv) -> RunConfig:
     p.add_argument("--lam", type=float, help="DoF λ (default 2^-4 for GPT-2, 2^-8 for Pythia)")
     p.add_argument("--raw-gram", action="store_true", help="DoF from the raw Gram G, not G/J")
     p.add_argument("--sweep", action="store_true", help="also sweep λ and J (sweep.md)")
-    p.add_argument("--plan-only", action="store_true",
-                   help="print the plan (downloads, stages, estimated times) and stop")  # fmt: skip
+    p.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="print the plan (downloads, stages, estimated times) and stop",
+    )
     args = p.parse_args(argv)
     fields = dict(PROFILES[args.profile])
-    fields.update(model=args.model, profile=args.profile, out=args.out, data=args.data,
-                  device=args.device, raw_gram=args.raw_gram, sweep=args.sweep,
-                  plan_only=args.plan_only)  # fmt: skip
+    fields.update(
+        model=args.model,
+        profile=args.profile,
+        out=args.out,
+        data=args.data,
+        device=args.device,
+        raw_gram=args.raw_gram,
+        sweep=args.sweep,
+        plan_only=args.plan_only,
+    )
     if args.variants:
         fields["variants"] = tuple(args.variants.split(","))
     if args.loss:
@@ -237,9 +296,16 @@ def token_ids(path: Path, key: dict, texts, tokenizer, max_chars) -> torch.Tenso
 
 # Examples per task and tokens one example puts through the model (its choices summed; MMLU's four
 # letters share one input), with the GPT-2 tokenizer: the run plan's time estimate uses them.
-TASK_SIZES = {"piqa": (1838, 74), "arc_easy": (2376, 131), "arc_challenge": (1172, 145),
-              "winogrande": (1267, 44), "wsc273": (273, 43), "mmlu": (14042, 112),
-              "logiqa": (651, 814), "lambada": (5153, 85)}  # fmt: skip
+TASK_SIZES = {
+    "piqa": (1838, 74),
+    "arc_easy": (2376, 131),
+    "arc_challenge": (1172, 145),
+    "winogrande": (1267, 44),
+    "wsc273": (273, 43),
+    "mmlu": (14042, 112),
+    "logiqa": (651, 814),
+    "lambada": (5153, 85),
+}
 
 
 @dataclass(frozen=True)
@@ -284,8 +350,10 @@ class Run:
         elapsed = time.time() - self.t0
         pace = elapsed / self.done_estimate if self.done_estimate > 30 else 1.0
         left = pace * sum(s for _, s in self.plan[index:])
-        log(f"[{index + 1}/{len(names)}] {name} (~{_duration(estimates[name] * pace)}; "
-            f"run ~{_duration(left)} left)")  # fmt: skip
+        log(
+            f"[{index + 1}/{len(names)}] {name} (~{_duration(estimates[name] * pace)}; "
+            f"run ~{_duration(left)} left)"
+        )
 
 
 def _duration(seconds: float) -> str:
@@ -319,7 +387,8 @@ def main(argv=None):
 
 
 def fetch_data(cfg: RunConfig) -> dict:
-    """Every data file the run reads, present and verified (downloaded if missing): {path: sha256}."""
+    """Every data file the run reads, present and verified (downloaded if missing):
+    {path: sha256}."""
     return data.ensure(data_groups(cfg), cfg.data, log=log)
 
 
@@ -335,11 +404,16 @@ def load_teacher(cfg: RunConfig, hashes: dict) -> Run:
     ctx = min(cfg.ctx or model_cfg.n_ctx, model_cfg.n_ctx, cfg.max_ctx)
     lam = cfg.lam if cfg.lam is not None else (2.0**-4 if model_cfg.family == "gpt2" else 2.0**-8)
     budgets = cfg.budgets or (model_cfg.head_dim,)
-    inputs = {"teacher": teacher.identity,
-              "tokenizer": sha256_file(resolve(cfg.model) / "tokenizer.json")[:16], **hashes}  # fmt: skip
-    log(f"dofmini: {model_cfg.name} ({model_cfg.family}, {model_cfg.n_layer} layers x "
+    inputs = {
+        "teacher": teacher.identity,
+        "tokenizer": sha256_file(resolve(cfg.model) / "tokenizer.json")[:16],
+        **hashes,
+    }
+    log(
+        f"dofmini: {model_cfg.name} ({model_cfg.family}, {model_cfg.n_layer} layers x "
         f"{model_cfg.n_head} heads of {model_cfg.head_dim}), profile {cfg.profile}, ctx {ctx}, "
-        f"seeds {list(cfg.seeds)}, budgets {list(budgets)}, out {cfg.out}")  # fmt: skip
+        f"seeds {list(cfg.seeds)}, budgets {list(budgets)}, out {cfg.out}"
+    )
     return Run(cfg, teacher, tokenizer, ctx, lam, tuple(budgets), inputs)
 
 
@@ -360,8 +434,9 @@ def student_keys(run: Run) -> list:
 
 
 def probe(run: Run) -> dict:
-    """Seconds per window of ctx tokens for the operations the stages repeat, timed once here (after a
-    warm-up) on random tokens: a forward pass with logits, a distillation step of each loss, a direct
+    """Seconds per window of ctx tokens for the operations the stages repeat, timed once here
+    (after a warm-up) on random tokens: a forward pass with logits, a distillation step of each
+    loss, a direct
     step; and one J×J Cholesky factorisation."""
     cfg, teacher = run.cfg, run.teacher
     ids = torch.randint(0, teacher.config.vocab_size, (2, run.ctx), generator=torch.Generator())
@@ -396,15 +471,17 @@ def _tokens_in(paths) -> int:
 
 
 def plan_run(run: Run):
-    """Print the run's stages with their sizes and estimated times; keep them for the progress lines."""
+    """Print the run's stages with their sizes and estimated times; keep them for the progress
+    lines."""
     cfg, model_cfg, ctx = run.cfg, run.teacher.config, run.ctx
     costs = probe(run)
     text_windows = [_tokens_in([path]) // ctx for path in evaluate.PPL_TEXTS.values()]
     if cfg.eval_windows:
         text_windows = [min(w, cfg.eval_windows) for w in text_windows]
     tasks = [] if cfg.limit == 0 else list(TASK_SIZES)
-    task_tokens = sum(min(cfg.limit or n, n) * tokens for n, tokens in
-                      (TASK_SIZES[t] for t in tasks))  # fmt: skip
+    task_tokens = sum(
+        min(cfg.limit or n, n) * tokens for n, tokens in (TASK_SIZES[t] for t in tasks)
+    )
     evaluation = (sum(text_windows) + task_tokens / ctx) * costs["forward"]
     errors = cfg.error_windows * costs["softmax"] / 2
     train_windows = (
@@ -426,7 +503,8 @@ def plan_run(run: Run):
     )
     log(
         f"  each student: {train_windows // cfg.batch} steps of {cfg.batch} windows = "
-        f"{train_windows * ctx:,} tokens; evaluation on {' and '.join(map(str, text_windows))} windows, "
+        f"{train_windows * ctx:,} tokens; evaluation on "
+        f"{' and '.join(map(str, text_windows))} windows, "
         f"{'no tasks' if not tasks else f'{len(tasks)} tasks'}"
     )
     for name, seconds in run.plan:
@@ -437,33 +515,46 @@ def plan_run(run: Run):
 def encode_texts(run: Run):
     """calib (WikiText-2 valid, for DoF), wikitext2 (test), heldout and train token ids."""
     cfg = run.cfg
-    sources = {"calib": [CALIBRATION], "wikitext2": [evaluate.PPL_TEXTS["wikitext2"]],
-               "heldout": [evaluate.PPL_TEXTS["heldout"]],
-               "train": [f.path for f in data.files("corpus")]}  # fmt: skip
+    sources = {
+        "calib": [CALIBRATION],
+        "wikitext2": [evaluate.PPL_TEXTS["wikitext2"]],
+        "heldout": [evaluate.PPL_TEXTS["heldout"]],
+        "train": [f.path for f in data.files("corpus")],
+    }
     for name, relative in sources.items():
         max_chars = cfg.train_chars if name == "train" else None
-        key = {"tokenizer": run.inputs["tokenizer"], "max_chars": max_chars,
-               "files": {r: run.inputs[r] for r in relative}}  # fmt: skip
+        key = {
+            "tokenizer": run.inputs["tokenizer"],
+            "max_chars": max_chars,
+            "files": {r: run.inputs[r] for r in relative},
+        }
         files = [cfg.data / r for r in relative]
-        run.texts[name] = token_ids(cfg.out / f"tokens-{name}.npy", key, files, run.tokenizer,
-                                    max_chars)  # fmt: skip
+        run.texts[name] = token_ids(
+            cfg.out / f"tokens-{name}.npy", key, files, run.tokenizer, max_chars
+        )
     run.texts["calib"] = run.texts["calib"][: cfg.calib_windows * run.ctx]
 
 
 def eval_key(run: Run) -> dict:
     """What an evaluation's numbers depend on besides the model."""
     cfg = run.cfg
-    return {"ctx": run.ctx, "eval_windows": cfg.eval_windows, "limit": cfg.limit,
-            "error_windows": cfg.error_windows, "tokenizer": run.inputs["tokenizer"],
-            "data": {k: v for k, v in run.inputs.items() if "/" in k}}  # fmt: skip
+    return {
+        "ctx": run.ctx,
+        "eval_windows": cfg.eval_windows,
+        "limit": cfg.limit,
+        "error_windows": cfg.error_windows,
+        "tokenizer": run.inputs["tokenizer"],
+        "data": {k: v for k, v in run.inputs.items() if "/" in k},
+    }
 
 
 def evaluate_model(run: Run, model) -> dict:
     cfg = run.cfg
     texts = {"wikitext2": run.texts["wikitext2"], "heldout": run.texts["heldout"]}
     tasks = () if cfg.limit == 0 else tuple(evaluate.TASKS)
-    return evaluate.evaluate_model(model, run.tokenizer, texts, run.ctx, cfg.eval_windows,
-                                   cfg.limit, tasks, cfg.data)  # fmt: skip
+    return evaluate.evaluate_model(
+        model, run.tokenizer, texts, run.ctx, cfg.eval_windows, cfg.limit, tasks, cfg.data
+    )
 
 
 def evaluate_teacher(run: Run) -> dict:
@@ -478,23 +569,45 @@ def estimate_allocation(run: Run) -> dict:
     """Per-head DoF on calibration text, and each variant's dims at each budget (Algorithm 1)."""
     run.begin("DoF estimate")
     cfg, model_cfg = run.cfg, run.teacher.config
-    key = {"teacher": run.inputs["teacher"], "lam": run.lam, "J": cfg.J, "seed": cfg.seeds[0],
-           "normalize": not cfg.raw_gram, "ctx": run.ctx, "calib_windows": cfg.calib_windows,
-           "budgets": list(run.budgets), "calib": run.inputs[CALIBRATION]}  # fmt: skip
+    key = {
+        "teacher": run.inputs["teacher"],
+        "lam": run.lam,
+        "J": cfg.J,
+        "seed": cfg.seeds[0],
+        "normalize": not cfg.raw_gram,
+        "ctx": run.ctx,
+        "calib_windows": cfg.calib_windows,
+        "budgets": list(run.budgets),
+        "calib": run.inputs[CALIBRATION],
+    }
 
     def compute():
         t0 = time.time()
         calib = run.texts["calib"]
-        per_head = dof.estimate_dof(run.teacher, calib, run.lam, cfg.J, cfg.seeds[0],
-                                    not cfg.raw_gram, run.ctx)  # fmt: skip
+        per_head = dof.estimate_dof(
+            run.teacher, calib, run.lam, cfg.J, cfg.seeds[0], not cfg.raw_gram, run.ctx
+        )
         layer = per_head.amax(-1)
         cap = model_cfg.head_dim
-        dims = {str(b): {"fix": [b] * model_cfg.n_layer, "dof": dof.allocate(layer, b),
-                         "dof_clip": dof.allocate(layer, b, cap=cap)} for b in run.budgets}  # fmt: skip
-        return {"lam": run.lam, "J": cfg.J, "seed": cfg.seeds[0], "normalize": not cfg.raw_gram,
-                "calibration": f"{CALIBRATION}: first {len(calib)} tokens, ctx {run.ctx}",
-                "per_head": per_head.tolist(), "warning": dof.saturation_warning(per_head, cfg.J),
-                "dims": dims, "seconds": time.time() - t0}  # fmt: skip
+        dims = {
+            str(b): {
+                "fix": [b] * model_cfg.n_layer,
+                "dof": dof.allocate(layer, b),
+                "dof_clip": dof.allocate(layer, b, cap=cap),
+            }
+            for b in run.budgets
+        }
+        return {
+            "lam": run.lam,
+            "J": cfg.J,
+            "seed": cfg.seeds[0],
+            "normalize": not cfg.raw_gram,
+            "calibration": f"{CALIBRATION}: first {len(calib)} tokens, ctx {run.ctx}",
+            "per_head": per_head.tolist(),
+            "warning": dof.saturation_warning(per_head, cfg.J),
+            "dims": dims,
+            "seconds": time.time() - t0,
+        }
 
     result = stage(cfg.out / "allocation.json", key, compute)
     report.write_allocation(cfg.out, result, log)
@@ -505,12 +618,18 @@ def sweep(run: Run) -> list:
     """How the DoF allocation moves with λ and J, and with the raw Gram instead of G/J."""
     run.begin("DoF sweep")
     cfg, budget = run.cfg, run.teacher.config.head_dim
-    key = {"teacher": run.inputs["teacher"], "seed": cfg.seeds[0], "ctx": run.ctx,
-           "calib_windows": cfg.calib_windows, "lams": list(cfg.sweep_lams),
-           "Js": list(cfg.sweep_Js)}  # fmt: skip
+    key = {
+        "teacher": run.inputs["teacher"],
+        "seed": cfg.seeds[0],
+        "ctx": run.ctx,
+        "calib_windows": cfg.calib_windows,
+        "lams": list(cfg.sweep_lams),
+        "Js": list(cfg.sweep_Js),
+    }
 
     def compute():
-        # rows come in draw order, so x[..., :J, :] is the size-J draw: one teacher pass serves all J
+        # rows come in draw order, so x[..., :J, :] is the size-J draw: one teacher pass serves
+        # every J
         x = dof.sample_queries_keys(
             run.teacher, run.texts["calib"], max(cfg.sweep_Js), cfg.seeds[0], run.ctx
         )  # [L, H, J, d]
@@ -540,10 +659,21 @@ def train_key(run: Run, spec: Student) -> dict:
     cfg = run.cfg
     steps = cfg.steps or max(1, len(run.texts["train"]) // (cfg.batch * run.ctx))
     train = {k: v for k, v in run.inputs.items() if k.startswith("corpus/")}
-    return {"teacher": run.inputs["teacher"], "variant": spec.variant, "loss": spec.loss,
-            "dims": list(spec.dims), "seed": spec.seed, "steps": steps, "batch": cfg.batch,
-            "ctx": run.ctx, "lr": cfg.lr, "lr_a": cfg.lr_a, "train_chars": cfg.train_chars,
-            "tokenizer": run.inputs["tokenizer"], "train": train}  # fmt: skip
+    return {
+        "teacher": run.inputs["teacher"],
+        "variant": spec.variant,
+        "loss": spec.loss,
+        "dims": list(spec.dims),
+        "seed": spec.seed,
+        "steps": steps,
+        "batch": cfg.batch,
+        "ctx": run.ctx,
+        "lr": cfg.lr,
+        "lr_a": cfg.lr_a,
+        "train_chars": cfg.train_chars,
+        "tokenizer": run.inputs["tokenizer"],
+        "train": train,
+    }
 
 
 def train_student(run: Run, spec: Student):
@@ -554,8 +684,17 @@ def train_student(run: Run, spec: Student):
     record = path.with_suffix(".json")
     if record.is_file() and not path.is_file():
         record.unlink()  # the tensors are gone: train again
-    common = dict(data_seed=spec.seed, steps=key["steps"], batch=cfg.batch, ctx=run.ctx, lr=cfg.lr,
-                  lr_a=cfg.lr_a, out_path=path, log=log, meta={"variant": spec.variant})  # fmt: skip
+    common = dict(
+        data_seed=spec.seed,
+        steps=key["steps"],
+        batch=cfg.batch,
+        ctx=run.ctx,
+        lr=cfg.lr,
+        lr_a=cfg.lr_a,
+        out_path=path,
+        log=log,
+        meta={"variant": spec.variant},
+    )
 
     def compute():
         if spec.variant == "performer":
@@ -569,8 +708,14 @@ def train_student(run: Run, spec: Student):
             student = make_student(run.teacher, "prf", spec.dims, spec.seed)
             student = train_direct(student, run.texts["train"], **common)
         else:
-            student = distill(run.teacher, spec.dims, run.texts["train"], loss=spec.loss,
-                              feature_seed=spec.seed, **common)  # fmt: skip
+            student = distill(
+                run.teacher,
+                spec.dims,
+                run.texts["train"],
+                loss=spec.loss,
+                feature_seed=spec.seed,
+                **common,
+            )
         return {"train_seconds": student.train_seconds, "loss_curve": student.loss_curve}
 
     log(f"{spec.name}: dims {list(spec.dims)}")
@@ -579,9 +724,9 @@ def train_student(run: Run, spec: Student):
 
 
 def error_curves(run: Run) -> dict:
-    """Every layer's held-out KL at each of curve_dims features (Fix students: one distillation per M
-    trains all layers at once), on the held-out windows after those the reported errors use; and the
-    oracle allocation they imply at each budget."""
+    """Every layer's held-out KL at each of curve_dims features (Fix students: one distillation
+    per M trains all layers at once), on the held-out windows after those the reported errors use;
+    and the oracle allocation they imply at each budget."""
     cfg, n_layer = run.cfg, run.teacher.config.n_layer
     kl = {}
     for seed in cfg.seeds:
@@ -599,8 +744,12 @@ def curve_errors(run: Run, spec: Student) -> dict:
     """A curve student's layer errors on the curve windows."""
     cfg = run.cfg
     student, _ = train_student(run, spec)
-    key = {"student": train_key(run, spec), "windows": cfg.curve_windows,
-           "offset": cfg.error_windows, **eval_key(run)}  # fmt: skip
+    key = {
+        "student": train_key(run, spec),
+        "windows": cfg.curve_windows,
+        "offset": cfg.error_windows,
+        **eval_key(run),
+    }
     path = cfg.out / "eval" / f"{spec.stem}-curve.json"
     heldout = run.texts["heldout"]
     return stage(
@@ -639,17 +788,27 @@ def train_and_evaluate(run: Run, spec: Student) -> dict:
         key,
         lambda: {"layer_error": layer_errors(run, student), **evaluate_model(run, student)},
     )
-    result = {**result, **info, "variant": spec.variant, "loss": spec.loss, "budget": spec.budget,
-              "seed": spec.seed, "dims": list(spec.dims)}  # fmt: skip
+    result = {
+        **result,
+        **info,
+        "variant": spec.variant,
+        "loss": spec.loss,
+        "budget": spec.budget,
+        "seed": spec.seed,
+        "dims": list(spec.dims),
+    }
     if spec.variant in TRAINED_PRF:  # the draw training started from (a Performer of these dims)
         untrained = {k: v for k, v in key["student"].items() if k in ("teacher", "dims", "seed")}
         dims_tag = "-".join(map(str, spec.dims))
         path = cfg.out / "eval" / f"untrained-{dims_tag}-s{spec.seed}.json"
         draw = make_student(run.teacher, "prf", spec.dims, spec.seed)
-        result["layer_error_before"] = stage(path, {**untrained, **eval_key(run)},
-                                             lambda: layer_errors(run, draw))  # fmt: skip
-    log(f"{spec.name}: WikiText-2 perplexity {result['wikitext2_ppl']:.2f}, mean KL "
-        f"{_mean(result['layer_error']['kl'])}")  # fmt: skip
+        result["layer_error_before"] = stage(
+            path, {**untrained, **eval_key(run)}, lambda: layer_errors(run, draw)
+        )
+    log(
+        f"{spec.name}: WikiText-2 perplexity {result['wikitext2_ppl']:.2f}, mean KL "
+        f"{_mean(result['layer_error']['kl'])}"
+    )
     return result
 
 
@@ -658,24 +817,41 @@ def _mean(values) -> str:
 
 
 def layer_errors(run: Run, student) -> dict:
-    return evaluate.layer_errors(run.teacher, student, run.texts["heldout"], run.ctx,
-                                 run.cfg.error_windows)  # fmt: skip
+    return evaluate.layer_errors(
+        run.teacher, student, run.texts["heldout"], run.ctx, run.cfg.error_windows
+    )
 
 
 def provenance() -> dict:
     """What made the results: package and library versions, and the git commit of a checkout."""
     here = Path(__file__).resolve().parent
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None  # fmt: skip
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "dofmini", "reproduce.py"],
-                                    cwd=here, capture_output=True, text=True,
-                                    timeout=10).stdout.strip())  # fmt: skip
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or None
+        )
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "dofmini", "reproduce.py"],
+                cwd=here,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+        )
     except (OSError, subprocess.SubprocessError):
         commit, dirty = None, False
-    return {"dofmini": dofmini.__version__, "git_commit": commit, "git_dirty": dirty,
-            "python": platform.python_version(), "torch": torch.__version__,
-            "numpy": np.__version__, "threads": torch.get_num_threads()}  # fmt: skip
+    return {
+        "dofmini": dofmini.__version__,
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def collect(run: Run, teacher_result, allocation, sweep_rows, curves, students) -> dict:
@@ -685,14 +861,24 @@ def collect(run: Run, teacher_result, allocation, sweep_rows, curves, students) 
     stages = teacher_result["eval_seconds"] + allocation["seconds"]
     stages += sum(s["train_seconds"] + s["eval_seconds"] for s in students.values())
     model_cfg = run.teacher.config
-    return {"teacher": {"name": model_cfg.name, "identity": run.teacher.identity,
-                        "head_dim": model_cfg.head_dim, "n_layer": model_cfg.n_layer,
-                        **teacher_result},
-            "dof": allocation, "sweep": sweep_rows, "curves": curves, "students": students,
-            "config": settings, "inputs": run.inputs, "provenance": provenance(),
-            # a resumed run skips finished stages, so its own wall time says little
-            "timings": {"stages_seconds": stages,
-                        "this_invocation_seconds": time.time() - run.t0}}  # fmt: skip
+    return {
+        "teacher": {
+            "name": model_cfg.name,
+            "identity": run.teacher.identity,
+            "head_dim": model_cfg.head_dim,
+            "n_layer": model_cfg.n_layer,
+            **teacher_result,
+        },
+        "dof": allocation,
+        "sweep": sweep_rows,
+        "curves": curves,
+        "students": students,
+        "config": settings,
+        "inputs": run.inputs,
+        "provenance": provenance(),
+        # a resumed run skips finished stages, so its own wall time says little
+        "timings": {"stages_seconds": stages, "this_invocation_seconds": time.time() - run.t0},
+    }
 
 
 def show_generation(run: Run, students: dict):

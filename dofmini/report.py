@@ -1,8 +1,8 @@
 """Every table and chart of a run: the allocation, the λ/J sweep, and report.md with its SVG charts.
 
-Students are grouped by (variant, loss, budget); each metric is given as the mean over seeds with a 95%
-t-interval, and DoF (and the oracle) are compared with Fix seed by seed (a paired design: the same seed
-draws the same data order for every variant).
+Students are grouped by (variant, loss, budget); each metric is given as the mean over seeds with a
+95% t-interval, and DoF (and the oracle) are compared with Fix seed by seed (a paired design: the
+same seed draws the same data order for every variant).
 """
 
 import numpy as np
@@ -82,23 +82,31 @@ def _ci(values) -> str:
 
 def summary_table(grouped: dict, teacher: dict) -> str:
     names = ["mean KL", "mean output error", "mean kernel L2", "WikiText-2 ppl", "held-out ppl"]
-    lines = ["| variant | loss | budget | seeds | " + " | ".join(names) + " | train s |",
-             "|---" * (len(names) + 5) + "|"]  # fmt: skip
-    lines.append("| teacher | — | — | — | — | — | — | "
-                 f"{teacher['wikitext2_ppl']:.2f} | {teacher['heldout_ppl']:.2f} | — |")  # fmt: skip
+    lines = [
+        "| variant | loss | budget | seeds | " + " | ".join(names) + " | train s |",
+        "|---" * (len(names) + 5) + "|",
+    ]
+    lines.append(
+        "| teacher | — | — | — | — | — | — | "
+        f"{teacher['wikitext2_ppl']:.2f} | {teacher['heldout_ppl']:.2f} | — |"
+    )
     for (variant, loss, budget), by_seed in grouped.items():
         runs = list(by_seed.values())
         cells = [_ci([metric(s, m) for s in runs]) for m in ERROR_METRICS]
         cells += [_ci([s[m] for s in runs]) for m, _ in PPL_METRICS]
         train = np.mean([s["train_seconds"] for s in runs])
-        lines.append(f"| {variant} | {loss} | {budget} | {len(runs)} | " + " | ".join(cells)
-                     + f" | {train:.0f} |")  # fmt: skip
+        lines.append(
+            f"| {variant} | {loss} | {budget} | {len(runs)} | "
+            + " | ".join(cells)
+            + f" | {train:.0f} |"
+        )
     return "\n".join(lines)
 
 
 def comparisons(grouped: dict, teacher: dict) -> list:
     """DoF − Fix and oracle − Fix per seed, per loss and budget, for every metric; and the share of
-    Fix's perplexity degradation removed, where Fix is worse than the teacher beyond its interval."""
+    Fix's perplexity degradation removed, where Fix is worse than the teacher beyond its
+    interval."""
     lines = []
     for (variant, loss, budget), by_seed in grouped.items():
         fix = grouped.get(("fix", loss, budget))
@@ -106,15 +114,19 @@ def comparisons(grouped: dict, teacher: dict) -> list:
             continue
         seeds = sorted(set(by_seed) & set(fix))
         lines.append(f"\n**{variant} − fix, {loss} loss, budget {budget} ({len(seeds)} seeds)**\n")
-        lines += ["| metric | fix | " + variant + " | difference (95% CI) | relative |",
-                  "|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            "| metric | fix | " + variant + " | difference (95% CI) | relative |",
+            "|---|---|---|---|---|",
+        ]
         for name in (*ERROR_METRICS, *(m for m, _ in PPL_METRICS)):
             f = [metric(fix[s], name) for s in seeds]
             d = [metric(by_seed[s], name) for s in seeds]
             if None in f or None in d:
                 continue
-            lines.append(f"| {name} | {_ci(f)} | {_ci(d)} | {_paired(d, f)} | "
-                         f"{100 * (np.mean(d) / np.mean(f) - 1):+.1f}% |")  # fmt: skip
+            lines.append(
+                f"| {name} | {_ci(f)} | {_ci(d)} | {_paired(d, f)} | "
+                f"{100 * (np.mean(d) / np.mean(f) - 1):+.1f}% |"
+            )
         for name, label in PPL_METRICS:
             f = [fix[s][name] for s in seeds]
             d = [by_seed[s][name] for s in seeds]
@@ -139,7 +151,7 @@ def _share_text(share) -> str:
 
 
 def layer_tables(grouped: dict, out) -> tuple:
-    """Per-layer error tables (mean over seeds, before and after training) and a chart per metric."""
+    """Per-layer error tables (mean over seeds, before and after training), a chart per metric."""
     lines, charts = [], []
     for name in ERROR_METRICS:
         series, rows = {}, []
@@ -157,9 +169,11 @@ def layer_tables(grouped: dict, out) -> tuple:
         if not rows:
             continue
         n_layer = len(rows[0][1])
-        lines += [f"\n**{name}**\n",
-                  "| student | " + " | ".join(f"L{i}" for i in range(n_layer)) + " | mean |",
-                  "|---" * (n_layer + 2) + "|"]  # fmt: skip
+        lines += [
+            f"\n**{name}**\n",
+            "| student | " + " | ".join(f"L{i}" for i in range(n_layer)) + " | mean |",
+            "|---" * (n_layer + 2) + "|",
+        ]
         for label, values in rows:
             cells = " | ".join(f"{x:.4g}" for x in values)
             lines.append(f"| {label} | {cells} | {np.mean(values):.4g} |")
@@ -186,8 +200,14 @@ def budget_chart(grouped: dict, out, name: str = "kl") -> str:
     for label, points in lines.items():
         points.sort()
         series[label] = tuple(list(column) for column in zip(*points))
-    svg = plots.xy_chart(series, f"mean-layer {name} against budget",
-                         "features per layer (budget)", name, log_x=True, log_y=True)  # fmt: skip
+    svg = plots.xy_chart(
+        series,
+        f"mean-layer {name} against budget",
+        "features per layer (budget)",
+        name,
+        log_x=True,
+        log_y=True,
+    )
     write_text(out / f"budget_{name}.svg", svg)
     return f"![{name} against budget](budget_{name}.svg)"
 
@@ -199,27 +219,51 @@ def curves_section(results: dict, out) -> list:
         return []
     ms, mean = curves["dims"], curves["mean_kl"]  # mean[layer][k]
     layer_dof = [max(h) for h in results["dof"]["per_head"]]
-    series = {f"layer {i} (DoF {d:.0f})": (ms, errs, None)
-              for i, (d, errs) in enumerate(zip(layer_dof, mean))}  # fmt: skip
-    svg = plots.xy_chart(series, "held-out KL per layer against its features", "features M",
-                         "KL", log_x=True, log_y=True)  # fmt: skip
+    series = {
+        f"layer {i} (DoF {d:.0f})": (ms, errs, None)
+        for i, (d, errs) in enumerate(zip(layer_dof, mean))
+    }
+    svg = plots.xy_chart(
+        series,
+        "held-out KL per layer against its features",
+        "features M",
+        "KL",
+        log_x=True,
+        log_y=True,
+    )
     write_text(out / "curves_kl.svg", svg)
     target = float(np.median([errs[len(ms) // 2] for errs in mean]))
     needed = [stats.features_needed(ms, errs, target) for errs in mean]
     rho = stats.spearman(layer_dof, needed)
-    lines = ["", "## Per-layer error against features, and the oracle allocation", "",
-             f"Fix students at M = {', '.join(map(str, ms))} features in every layer, seeds "
-             f"{', '.join(curves['kl'])}; held-out KL on windows disjoint from those of the tables "
-             "above, mean over seeds.", "", "![curves](curves_kl.svg)", "",
-             "| layer | layer DoF | " + " | ".join(f"M={m}" for m in ms)
-             + f" | M to reach KL {target:.3g} |", "|---" * (len(ms) + 3) + "|"]  # fmt: skip
+    lines = [
+        "",
+        "## Per-layer error against features, and the oracle allocation",
+        "",
+        f"Fix students at M = {', '.join(map(str, ms))} features in every layer, seeds "
+        f"{', '.join(curves['kl'])}; held-out KL on windows disjoint from those of the tables "
+        "above, mean over seeds.",
+        "",
+        "![curves](curves_kl.svg)",
+        "",
+        "| layer | layer DoF | "
+        + " | ".join(f"M={m}" for m in ms)
+        + f" | M to reach KL {target:.3g} |",
+        "|---" * (len(ms) + 3) + "|",
+    ]
     for i, (d, errs, n) in enumerate(zip(layer_dof, mean, needed)):
         cells = " | ".join(f"{x:.4g}" for x in errs)
         lines.append(f"| {i} | {d:.1f} | {cells} | {n:.1f} |")
-    lines += ["", f"Spearman rank correlation between layer DoF and the M a layer needs to reach "
-                  f"KL {target:.3g}: {rho:+.2f}.", "",
-              "The oracle allocation minimises the summed interpolated KL of these curves at each "
-              "budget:", "", "| budget | DoF dims | oracle dims |", "|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        f"Spearman rank correlation between layer DoF and the M a layer needs to reach "
+        f"KL {target:.3g}: {rho:+.2f}.",
+        "",
+        "The oracle allocation minimises the summed interpolated KL of these curves at each "
+        "budget:",
+        "",
+        "| budget | DoF dims | oracle dims |",
+        "|---|---|---|",
+    ]
     for budget, dims in curves["oracle"].items():
         dof_dims = results["dof"]["dims"][budget]["dof"]
         lines.append(f"| {budget} | {' '.join(map(str, dof_dims))} | {' '.join(map(str, dims))} |")
@@ -236,8 +280,9 @@ def loss_chart(grouped: dict, out) -> str:
             series[f"{variant}/{loss}/b{budget}"] = (list(steps), list(values), None)
     if not series:
         return ""
-    svg = plots.xy_chart(series, "training loss (mean over layers), first seed", "step", "loss",
-                         log_y=True)  # fmt: skip
+    svg = plots.xy_chart(
+        series, "training loss (mean over layers), first seed", "step", "loss", log_y=True
+    )
     write_text(out / "training_loss.svg", svg)
     return "![training loss](training_loss.svg)"
 
@@ -251,8 +296,10 @@ def tasks_table(students: dict, teacher: dict) -> str:
             "the per-layer errors are what separate the variants."
         )
     counts = [teacher["tasks"][t]["n"] for t in tasks]
-    lines = ["| model | " + " | ".join(f"{t} (n={n})" for t, n in zip(tasks, counts))
-             + " | average |", "|---" * (len(tasks) + 2) + "|"]  # fmt: skip
+    lines = [
+        "| model | " + " | ".join(f"{t} (n={n})" for t, n in zip(tasks, counts)) + " | average |",
+        "|---" * (len(tasks) + 2) + "|",
+    ]
     for name, result in rows.items():
         values = [result[t].get("acc_norm", result[t]["acc"]) for t in tasks]
         cells = " | ".join(f"{v:.4f}" for v in values)
@@ -267,25 +314,59 @@ def write(out, results: dict) -> str:
     summary = summary_table(grouped, teacher)
     errors, charts = layer_tables(grouped, out)
     charts += [c for c in (budget_chart(grouped, out), loss_chart(grouped, out)) if c]
-    times = ["| student | train s | evaluation s |", "|---|---|---|",
-             f"| teacher | — | {teacher['eval_seconds']:.1f} |"]  # fmt: skip
-    times += [f"| {k} | {s['train_seconds']:.1f} | {s['eval_seconds']:.1f} |"
-              for k, s in students.items()]  # fmt: skip
+    times = [
+        "| student | train s | evaluation s |",
+        "|---|---|---|",
+        f"| teacher | — | {teacher['eval_seconds']:.1f} |",
+    ]
+    times += [
+        f"| {k} | {s['train_seconds']:.1f} | {s['eval_seconds']:.1f} |" for k, s in students.items()
+    ]
     gram = "G/J" if dof_result["normalize"] else "raw G"
-    text = "\n".join([
-        f"# dofmini report: {teacher['name']} ({cfg['profile']} profile)", "",
-        f"ctx {cfg['ctx']}, seeds {cfg['seeds']}, budgets {cfg['budgets']}, {cfg['steps']} steps "
-        f"of {cfg['batch']} windows, DoF λ={dof_result['lam']:g}, J={dof_result['J']}, {gram}; "
-        f"the stages took {results['timings']['stages_seconds']:.0f} s in all.", "",
-        "Means over seeds with 95% Student-t intervals (± half width).", "",
-        "## Feature dimensions per layer", "", allocation_table(dof_result), "",
-        "![allocation](allocation.svg)", "", "## Students", "", summary, "",
-        "## DoF and the oracle against Fix, seed by seed", *comparisons(grouped, teacher), "",
-        "## Per-layer approximation error (teacher inputs, held-out text, mean over heads)", "",
-        "kernel_l2 compares unnormalised kernel values. The softmax and direct losses leave each "
-        "row's scale free,", "so for students trained with them kl and output_rel are the errors "
-        "that count.", *errors, "", " ".join(charts), *curves_section(results, out), "",
-        "## Zero-shot tasks", "", tasks_table(students, teacher), "", "## Times", "",
-        "\n".join(times), ""])  # fmt: skip
+    text = "\n".join(
+        [
+            f"# dofmini report: {teacher['name']} ({cfg['profile']} profile)",
+            "",
+            f"ctx {cfg['ctx']}, seeds {cfg['seeds']}, budgets {cfg['budgets']}, "
+            f"{cfg['steps']} steps "
+            f"of {cfg['batch']} windows, DoF λ={dof_result['lam']:g}, J={dof_result['J']}, {gram}; "
+            f"the stages took {results['timings']['stages_seconds']:.0f} s in all.",
+            "",
+            "Means over seeds with 95% Student-t intervals (± half width).",
+            "",
+            "## Feature dimensions per layer",
+            "",
+            allocation_table(dof_result),
+            "",
+            "![allocation](allocation.svg)",
+            "",
+            "## Students",
+            "",
+            summary,
+            "",
+            "## DoF and the oracle against Fix, seed by seed",
+            *comparisons(grouped, teacher),
+            "",
+            "## Per-layer approximation error (teacher inputs, held-out text, mean over heads)",
+            "",
+            "kernel_l2 compares unnormalised kernel values. The softmax and direct losses leave "
+            "each "
+            "row's scale free,",
+            "so for students trained with them kl and output_rel are the errors that count.",
+            *errors,
+            "",
+            " ".join(charts),
+            *curves_section(results, out),
+            "",
+            "## Zero-shot tasks",
+            "",
+            tasks_table(students, teacher),
+            "",
+            "## Times",
+            "",
+            "\n".join(times),
+            "",
+        ]
+    )
     write_text(out / "report.md", text)
     return summary

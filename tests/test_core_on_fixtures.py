@@ -1,5 +1,5 @@
-"""The core claims on the checkpoints and task files in tests/fixtures, so they hold in a user's fresh
-clone without ../shared: every task's framing, DoF and allocation on a real forward pass, and
+"""The core claims on the checkpoints and task files in tests/fixtures, so they hold in a user's
+fresh clone without ../shared: every task's framing, DoF and allocation on a real forward pass, and
 distillation that lowers the held-out error of the draw it starts from. The stand-in versions in the
 other test files stay the stronger checks where ../shared exists."""
 
@@ -30,8 +30,10 @@ def test_every_task_frames_its_examples_as_the_harness_does():
     wino = framed["winogrande"][
         0
     ]  # partial scoring: the option fills the blank, the suffix is scored
-    assert wino.contexts == ["The cup did not fit in the box because the cup",
-                             "The cup did not fit in the box because the box"]  # fmt: skip
+    assert wino.contexts == [
+        "The cup did not fit in the box because the cup",
+        "The cup did not fit in the box because the box",
+    ]
     assert wino.continuations == [" was too big."] * 2 and wino.label == 0
     trophy, thanks = framed["wsc273"]
     assert trophy.contexts == [
@@ -42,14 +44,18 @@ def test_every_task_frames_its_examples_as_the_harness_does():
     assert thanks.contexts[1] == "Anna thanked Beth because Beth's" and thanks.label == 1
     mmlu = framed["mmlu"]
     assert [e.group for e in mmlu] == ["abstract_algebra"] * 2 + ["astronomy"]
-    assert mmlu[0].contexts[0] == ("The following are multiple choice questions (with answers) about"
-                                   " abstract algebra.\n\nWhat is 2 + 2?\nA. 3\nB. 4\nC. 5\nD. 6\n"
-                                   "Answer:")  # fmt: skip
+    assert mmlu[0].contexts[0] == (
+        "The following are multiple choice questions (with answers) about"
+        " abstract algebra.\n\nWhat is 2 + 2?\nA. 3\nB. 4\nC. 5\nD. 6\n"
+        "Answer:"
+    )
     assert mmlu[0].continuations == [" A", " B", " C", " D"] and mmlu[2].label == 2
     logiqa = framed["logiqa"][0]
-    assert logiqa.contexts[0] == ("Passage: All cats are animals. Tom is a cat.\nQuestion: Which "
-                                  "follows?\nChoices:\nA. Tom is a dog.\nB. Tom is a plant.\nC. Tom "
-                                  "is an animal.\nD. Tom is a fish.\nAnswer:")  # fmt: skip
+    assert logiqa.contexts[0] == (
+        "Passage: All cats are animals. Tom is a cat.\nQuestion: Which "
+        "follows?\nChoices:\nA. Tom is a dog.\nB. Tom is a plant.\nC. Tom "
+        "is an animal.\nD. Tom is a fish.\nAnswer:"
+    )
     assert logiqa.continuations[2] == " Tom is an animal." and logiqa.label == 2
     lambada = framed["lambada"][0]
     assert lambada.continuations == [" Rex"] and lambada.label == 0
