@@ -13,8 +13,6 @@ import argparse
 import dataclasses
 import json
 import math
-import platform
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +24,8 @@ import dofmini
 from dofmini import data, dof, evaluate, report
 from dofmini.checkpoint import CheckpointError, load_tokenizer, locate, resolve
 from dofmini.distill import distill, train_direct
-from dofmini.files import atomic_write, sha256_file, write_text
+from dofmini.files import sha256_file, write_text
+from dofmini.runs import Clock, duration, log, probe, provenance, stage, token_ids
 from dofmini.students import load_student, make_student, save_student
 
 VARIANTS = ("performer", "dijiang", "fix", "dof", "dof_clip", "oracle")
@@ -256,44 +255,6 @@ def check(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, out=out, data=data.store_dir(cfg.data))
 
 
-def log(message: str):
-    print(message, flush=True)
-
-
-def stage(path: Path, key: dict, compute):
-    """compute() unless `path` holds a result made with the same `key` (settings and inputs)."""
-    key = json.loads(json.dumps(key))
-    if path.is_file():
-        saved = json.loads(path.read_text())
-        if saved.get("key") == key:
-            log(f"skip: {path} done")
-            return saved["result"]
-        old = saved.get("key", {})
-        changed = sorted(k for k in old.keys() | key.keys() if old.get(k) != key.get(k))
-        log(f"redo: {path}: {', '.join(changed)} changed")
-    result = compute()
-    write_text(path, json.dumps({"key": key, "result": result}, indent=1, sort_keys=True))
-    return result
-
-
-def _save_npy(path: Path, array: np.ndarray):
-    with open(path, "wb") as f:  # a file object: given a name, np.save would append ".npy"
-        np.save(f, array)
-
-
-def token_ids(path: Path, key: dict, texts, tokenizer, max_chars) -> torch.Tensor:
-    """Token ids of text files, encoded once and cached as .npy (no pickle) beside a key file."""
-    key_path = path.with_suffix(".json")
-    key = json.loads(json.dumps(key))
-    if path.is_file() and key_path.is_file() and json.loads(key_path.read_text()) == key:
-        return torch.from_numpy(np.load(path))
-    text = "".join(Path(f).read_text(encoding="utf-8") for f in texts)[:max_chars]
-    ids = np.array(tokenizer.encode(text).ids, dtype=np.int64)
-    atomic_write(path, lambda tmp: _save_npy(tmp, ids))
-    write_text(key_path, json.dumps(key, sort_keys=True))
-    return torch.from_numpy(ids)
-
-
 # Examples per task and tokens one example puts through the model (its choices summed; MMLU's four
 # letters share one input), with the GPT-2 tokenizer: the run plan's time estimate uses them.
 TASK_SIZES = {
@@ -327,7 +288,7 @@ class Student:
 
 @dataclass
 class Run:
-    """What the stages share: the settings, the teacher, the texts, the plan and the clock."""
+    """What the stages share: the settings, the teacher, the texts and the progress clock."""
 
     cfg: RunConfig
     teacher: object
@@ -337,27 +298,10 @@ class Run:
     budgets: tuple
     inputs: dict  # what made the texts: {"teacher", "tokenizer", data file hashes}
     texts: dict = field(default_factory=dict)  # name -> token ids
-    plan: list = field(default_factory=list)  # [(stage name, estimated seconds)]
-    done_estimate: float = 0.0
-    t0: float = field(default_factory=time.time)
+    clock: Clock = field(default_factory=lambda: Clock([]))
 
     def begin(self, name: str):
-        """A progress line: which stage of how many, and the whole run's estimated time left."""
-        names = [n for n, _ in self.plan]
-        index = names.index(name)
-        estimates = dict(self.plan)
-        self.done_estimate = sum(s for _, s in self.plan[:index])
-        elapsed = time.time() - self.t0
-        pace = elapsed / self.done_estimate if self.done_estimate > 30 else 1.0
-        left = pace * sum(s for _, s in self.plan[index:])
-        log(
-            f"[{index + 1}/{len(names)}] {name} (~{_duration(estimates[name] * pace)}; "
-            f"run ~{_duration(left)} left)"
-        )
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min"
+        self.clock.begin(name)
 
 
 def main(argv=None):
@@ -433,38 +377,6 @@ def student_keys(run: Run) -> list:
     return list(dict.fromkeys(keys))
 
 
-def probe(run: Run) -> dict:
-    """Seconds per window of ctx tokens for the operations the stages repeat, timed once here
-    (after a warm-up) on random tokens: a forward pass with logits, a distillation step of each
-    loss, a direct
-    step; and one J×J Cholesky factorisation."""
-    cfg, teacher = run.cfg, run.teacher
-    ids = torch.randint(0, teacher.config.vocab_size, (2, run.ctx), generator=torch.Generator())
-    ids = ids.to(cfg.device)
-    dims = [teacher.config.head_dim] * teacher.config.n_layer
-    costs = {}
-
-    def timed(name, work):
-        work()  # warm-up
-        t0 = time.perf_counter()
-        work()
-        costs[name] = (time.perf_counter() - t0) / len(ids)
-
-    with torch.no_grad():
-        timed("forward", lambda: teacher(ids))
-    flat = ids.flatten().cpu()
-    quiet = dict(steps=1, batch=2, ctx=run.ctx, log=lambda _: None)
-    timed("softmax", lambda: distill(teacher, dims, flat, loss="softmax", **quiet))
-    timed("l2", lambda: distill(teacher, dims, flat, loss="l2", **quiet))
-    student = make_student(teacher, "prf", dims, 0)
-    timed("direct", lambda: train_direct(student, flat, **quiet))
-    gram = torch.eye(cfg.J, dtype=torch.float64)
-    t0 = time.perf_counter()
-    torch.linalg.cholesky(gram)
-    costs["cholesky"] = time.perf_counter() - t0
-    return costs
-
-
 def _tokens_in(paths) -> int:
     """About how many tokens data files hold (GPT-2's BPE: 4.5 bytes of English a token)."""
     return int(sum(f.size for f in data.FILES if f.path in paths) / 4.5)
@@ -474,7 +386,7 @@ def plan_run(run: Run):
     """Print the run's stages with their sizes and estimated times; keep them for the progress
     lines."""
     cfg, model_cfg, ctx = run.cfg, run.teacher.config, run.ctx
-    costs = probe(run)
+    costs = probe(run.teacher, ctx, cfg.J)
     text_windows = [_tokens_in([path]) // ctx for path in evaluate.PPL_TEXTS.values()]
     if cfg.eval_windows:
         text_windows = [min(w, cfg.eval_windows) for w in text_windows]
@@ -489,14 +401,15 @@ def plan_run(run: Run):
     ) * cfg.batch
     heads = model_cfg.n_layer * model_cfg.n_head
     dof_seconds = cfg.calib_windows * costs["forward"] + heads * costs["cholesky"] * 3
-    run.plan = [("teacher evaluation", evaluation), ("DoF estimate", dof_seconds)]
+    plan = [("teacher evaluation", evaluation), ("DoF estimate", dof_seconds)]
     if cfg.sweep:
-        run.plan.append(("DoF sweep", dof_seconds * 2 * len(cfg.sweep_lams) * len(cfg.sweep_Js)))
+        plan.append(("DoF sweep", dof_seconds * 2 * len(cfg.sweep_lams) * len(cfg.sweep_Js)))
     for variant, loss, budget, seed in student_keys(run):
         step = 0 if variant == "performer" else costs["direct" if loss == "direct" else loss]
         name = Student(variant, loss, budget, seed, ()).name
-        run.plan.append((name, train_windows * step + 2 * errors + evaluation))
-    total = sum(s for _, s in run.plan)
+        plan.append((name, train_windows * step + 2 * errors + evaluation))
+    run.clock.plan = plan
+    total = sum(s for _, s in plan)
     log(
         f"plan ({'probe on ' + cfg.device}: forward {costs['forward']:.3f} s, softmax step "
         f"{costs['softmax']:.3f} s, direct step {costs['direct']:.3f} s per window of {ctx}):"
@@ -507,9 +420,9 @@ def plan_run(run: Run):
         f"{' and '.join(map(str, text_windows))} windows, "
         f"{'no tasks' if not tasks else f'{len(tasks)} tasks'}"
     )
-    for name, seconds in run.plan:
-        log(f"  {name}: ~{_duration(seconds)}")
-    log(f"  total: ~{_duration(total)} (estimated from the probe; finished stages are skipped)")
+    for name, seconds in plan:
+        log(f"  {name}: ~{duration(seconds)}")
+    log(f"  total: ~{duration(total)} (estimated from the probe; finished stages are skipped)")
 
 
 def encode_texts(run: Run):
@@ -822,38 +735,6 @@ def layer_errors(run: Run, student) -> dict:
     )
 
 
-def provenance() -> dict:
-    """What made the results: package and library versions, and the git commit of a checkout."""
-    here = Path(__file__).resolve().parent
-    try:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-            or None
-        )
-        dirty = bool(
-            subprocess.run(
-                ["git", "status", "--porcelain", "dofmini", "reproduce.py"],
-                cwd=here,
-                capture_output=True,
-                text=True,
-                timeout=10,
-            ).stdout.strip()
-        )
-    except (OSError, subprocess.SubprocessError):
-        commit, dirty = None, False
-    return {
-        "dofmini": dofmini.__version__,
-        "git_commit": commit,
-        "git_dirty": dirty,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "threads": torch.get_num_threads(),
-    }
-
-
 def collect(run: Run, teacher_result, allocation, sweep_rows, curves, students) -> dict:
     cfg = run.cfg
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("out", "data")}
@@ -877,7 +758,10 @@ def collect(run: Run, teacher_result, allocation, sweep_rows, curves, students) 
         "inputs": run.inputs,
         "provenance": provenance(),
         # a resumed run skips finished stages, so its own wall time says little
-        "timings": {"stages_seconds": stages, "this_invocation_seconds": time.time() - run.t0},
+        "timings": {
+            "stages_seconds": stages,
+            "this_invocation_seconds": time.time() - run.clock.t0,
+        },
     }
 
 

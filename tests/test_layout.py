@@ -9,8 +9,24 @@ from conftest import REPO
 
 # infrastructure, then the paper's steps: model -> dof -> linear attention -> students -> distill ->
 # evaluate -> report; generate serves any model and imports nothing of the package
-ORDER = ("files", "checkpoint", "data", "tasks", "model", "dof", "linear_attention", "dijiang",
-         "students", "distill", "evaluate", "stats", "plots", "report", "generate")  # fmt: skip
+ORDER = (
+    "files",
+    "checkpoint",
+    "data",
+    "tasks",
+    "model",
+    "dof",
+    "linear_attention",
+    "dijiang",
+    "students",
+    "distill",
+    "evaluate",
+    "runs",
+    "stats",
+    "plots",
+    "report",
+    "generate",
+)
 
 
 def package_imports(path) -> set:
