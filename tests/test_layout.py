@@ -37,8 +37,10 @@ def package_imports(path) -> set:
         if isinstance(node, ast.ImportFrom) and (node.level or node.module == "dofmini"):
             if node.module and node.module != "dofmini":
                 found.add(node.module.split(".")[-1])
-            else:
-                found |= {alias.name for alias in node.names}
+            else:  # from . import data: only names that are modules (not __version__)
+                found |= {
+                    a.name for a in node.names if (REPO / "dofmini" / f"{a.name}.py").exists()
+                }
         if isinstance(node, ast.Import):
             found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("dofmini.")}
         if isinstance(node, ast.Name) and node.id in ("importlib", "__import__"):
