@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear_attention import LinearState, causal_linear_attention, recurrent_step
+from .linear_attention import CausalMixer
 
 
 def dct_matrix(d: int) -> torch.Tensor:
@@ -32,7 +32,7 @@ def dijiang_projection(d: int, gen: torch.Generator) -> torch.Tensor:
     return dct_matrix(d) * torch.special.ndtri(u)  # [d, d]: column j scaled by F⁻¹(u_j)
 
 
-class DiJiangAttention(nn.Module):
+class DiJiangAttention(CausalMixer):
     """Drop-in for a teacher attention layer (same interface as LinearAttention): teacher q, k, v and output
     projection frozen; trainable decay_logit [H] (γ = sigmoid, so γ stays in (0, 1)), norm (GroupNorm, one group
     per head) and gate [D, D] (W_G = gate / √D)."""
@@ -64,19 +64,12 @@ class DiJiangAttention(nn.Module):
         f = torch.promote_types(x.dtype, torch.float32)
         return torch.softmax(x.to(f) @ self.proj.to(f), -1)  # [B, H, T, d]
 
-    def forward(self, x, start: int = 0, cache: LinearState | None = None, capture=None):
-        q, k, v = self.base.project(x, start)  # [B, H, T, d] each
-        if capture is not None:
-            capture.append((q, k, v))
-        if cache is not None and cache.n != start:
-            raise ValueError(f"DiJiangAttention: cache holds {cache.n} tokens but start={start}")
-        phi_q, phi_k, gamma = self.phi(q), self.phi(k), self.decay()  # [B, H, T, d] x2, [H]
-        if cache is not None and q.shape[2] == 1:
-            o = recurrent_step(cache, phi_q, phi_k, v, decay=gamma, normalize=False)  # [B, H, 1, d]
-        else:
-            o = causal_linear_attention(
-                phi_q, phi_k, v, self.chunk, decay=gamma, normalize=False, state=cache
-            )
+    def feature_maps(self, q, k):
+        """Softmax features (bounded: no shift needed), decayed by γ, no normaliser."""
+        return self.phi(q), self.phi(k), {"decay": self.decay(), "normalize": False}
+
+    def finish(self, x, o):
+        """Each head's mixed values o [B, H, T, d] GroupNorm-ed and gated by SiLU(x W_G)."""
         (B, H, T, d), f = o.shape, torch.promote_types(x.dtype, torch.float32)
         o = F.group_norm(
             o.to(f).transpose(1, 2).reshape(B * T, H * d),
@@ -86,11 +79,7 @@ class DiJiangAttention(nn.Module):
             self.norm.eps,
         )  # [B*T, D] each head normalised on its own
         o = F.silu(x.to(f) @ self.gate.to(f) / math.sqrt(H * d)) * o.view(B, T, H * d)  # [B, T, D]
-        return self.base.output(o.view(B, T, H, d).transpose(1, 2).to(x.dtype))  # [B, T, D]
-
-    def new_cache(self, batch: int, capacity: int) -> LinearState:
-        """An empty state; `capacity` is accepted for the teacher's interface, but the state never grows."""
-        return LinearState()
+        return o.view(B, T, H, d).transpose(1, 2).to(x.dtype)  # [B, H, T, d]
 
 
 def to_dijiang(model: nn.Module, seed: int) -> nn.Module:

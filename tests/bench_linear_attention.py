@@ -1,24 +1,35 @@
-"""Speed and memory of causal PRF linear attention (issue 3), printed as tables, not pass/fail.
+"""Speed and memory of causal PRF linear attention (issues 3, 13, 14): tables, not pass/fail.
 
-    python tests/bench_linear_attention.py [--quick] [--chunks 64,128,256] [--device cpu|cuda] [--threads N]
-                                           [--cpu-time]
+    python tests/bench_linear_attention.py [--quick] [--training] [--lengths 1024,4096]
+        [--chunks 64,128,256] [--device cpu|cuda] [--threads N] [--cpu-time]
 
-B = 1, 12 heads, d = 64, M = 64, T from 256 to 32768 (to 4096 with --quick), fp32. Compared:
-- chunked: dofmini's causal_linear_attention (the normaliser included);
+B = 1, 12 heads, d = 64, M = 64, fp32, T from 256 to 32768 (to 4096 with --quick; --lengths picks
+others). Compared:
+- chunked: dofmini's causal_linear_attention on features Φ (the normaliser included), forward alone
+           and forward+backward (gradients for Φ_q, Φ_k and v against a fixed random cotangent);
+- log:     the same on log-features N(0, 1) (log_space=True: PRF attention as LinearAttention runs
+           it, shifted by running maxima so that no feature underflows), forward and
+           forward+backward; every row takes the fast path of `_log_chunks`;
+- log-wide: log-features 30·N(0, 1), whose keys rise far above their chunk's reference: the worst
+           case, every chunk also takes the exact path;
 - sdpa:    torch's scaled_dot_product_attention(is_causal=True) on q, k, v of the same sizes;
-- naive:   a per-token cumsum that builds every token's M×d state, in 128 pieces along T with the last state
-           carried, the way performer-pytorch's CPU fallback does (its memory then grows as T/128 per piece);
-- matmul:  one square fp32 matmul doing as many FLOPs as the chunked form: the roofline it is measured against.
-Each (method, T) is measured in fresh subprocesses, one for time and one for memory. Time: best of several calls
-after a warm-up (other processes on a shared machine only ever add time); with --cpu-time, the process's CPU time
-instead of wall time, which on a busy shared machine leaves out the time other processes hold the cores (fair
-with --threads 1; with more threads it adds up the threads, spin-waits included). Peak memory: extra memory at
-peak during one call after the warm-up, over what the inputs already hold. On CPU the kernel's peak-RSS counter
-is reset just before that call (/proc/self/clear_refs, 5) and read after it (VmHWM − VmRSS before); the warm-up
-has already paged in the library code the call runs, and glibc is told to map every allocation over 64 KiB on
-its own (MALLOC_MMAP_THRESHOLD_), so freed tensors go back to the system at once and a reused heap cannot hide a
-peak (that setting makes every allocation fault in fresh pages, which is why timing runs without it). On CUDA:
-torch.cuda.max_memory_allocated.
+- naive:   a per-token cumsum that builds every token's M×d state, in 128 pieces along T with the
+           last state carried, the way performer-pytorch's CPU fallback does (its memory then grows
+           as T/128 per piece);
+- matmul:  one square fp32 matmul doing as many FLOPs as the chunked form: the roofline.
+--training prints only the forward and forward+backward times of chunked, log and log-wide.
+
+Each (method, T) is measured in fresh subprocesses, one for time and one for memory. Time: best of
+several calls after a warm-up (other processes on a shared machine only ever add time); with
+--cpu-time, the process's CPU time instead of wall time, which on a busy shared machine leaves out
+the time other processes hold the cores (fair with --threads 1; with more threads it adds up the
+threads, spin-waits included). Peak memory: extra memory at peak during one forward call after the
+warm-up, over what the inputs already hold. On CPU the kernel's peak-RSS counter is reset just
+before that call (/proc/self/clear_refs, 5) and read after it (VmHWM − VmRSS before); the warm-up
+has already paged in the library code the call runs, and glibc is told to map every allocation over
+64 KiB on its own (MALLOC_MMAP_THRESHOLD_), so freed tensors go back to the system at once and a
+reused heap cannot hide a peak (that setting makes every allocation fault in fresh pages, which is
+why timing runs without it). On CUDA: torch.cuda.max_memory_allocated.
 """
 
 import argparse
@@ -52,7 +63,8 @@ def naive_cumsum(phi_q, phi_k, v, pieces=128):
 
 
 def chunked_flops(T, chunk):
-    """Multiply-adds ×2 of the chunked form: per chunk of L tokens QKᵀ, AV, KᵀV and Q·state, E = d + 1."""
+    """Multiply-adds ×2 of the chunked form: per chunk of L tokens QKᵀ, AV, KᵀV and Q·state,
+    E = d + 1."""
     E = D + 1
     sizes = [chunk] * (T // chunk) + ([T % chunk] if T % chunk else [])
     return sum(2 * H * L * (L * M + L * E + 2 * M * E) for L in sizes)
@@ -69,47 +81,59 @@ def rss_kb(field):
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def worker(what, method, T, chunk, device, clock):
-    """One (method, T) in this process; prints its best call's ms (what = "ms") or one call's extra peak MB."""
-    gen = torch.Generator().manual_seed(0)
+def inputs(method, T, chunk, device, gen):
+    """The function timed and its arguments: positive features Φ for chunked and naive,
+    log-features for log and log-wide."""
     if method == "matmul":
         n = matmul_side(T, chunk)
-        args = [torch.randn(n, n, generator=gen).to(device) for _ in range(2)]
-        fn = torch.mm
-    else:
-        a, b, v = (torch.randn(1, H, T, D, generator=gen).to(device) for _ in range(3))
-        args = (
-            [a.exp_(), b.exp_(), v] if method != "sdpa" else [a, b, v]
-        )  # positive features, like Φ
-        fn = {
-            "chunked": lambda q, k, v: causal_linear_attention(q, k, v, chunk),
-            "naive": naive_cumsum,
-            "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-        }[method]
+        return torch.mm, [torch.randn(n, n, generator=gen).to(device) for _ in range(2)]
+    a, b, v = (torch.randn(1, H, T, D, generator=gen).to(device) for _ in range(3))
+    fn = {
+        "chunked": lambda q, k, v: causal_linear_attention(q, k, v, chunk),
+        "log": lambda q, k, v: causal_linear_attention(q, k, v, chunk, log_space=True),
+        "log-wide": lambda q, k, v: causal_linear_attention(q, k, v, chunk, log_space=True),
+        "naive": naive_cumsum,
+        "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    }[method]
+    if method == "log-wide":
+        return fn, [30 * a, 30 * b, v]
+    return fn, [a.exp(), b.exp(), v] if method in ("chunked", "naive") else [a, b, v]
+
+
+def worker(what, method, T, chunk, device, clock):
+    """One (method, T) in this process; prints its best call's ms (what = "ms" forward, "fb"
+    forward+backward) or one forward call's extra peak MB (what = "mb")."""
+    gen = torch.Generator().manual_seed(0)
+    fn, args = inputs(method, T, chunk, device, gen)
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    with torch.no_grad():
-        fn(*args)  # warm-up
+    if what == "fb":
+        args = [x.requires_grad_() for x in args]
+        cotangent = torch.randn(1, H, T, D, generator=gen).to(device)
+        call = lambda: fn(*args).backward(cotangent)
+    else:
+        call = torch.no_grad()(lambda: fn(*args))
+    call()  # warm-up
+    sync()
+    if what == "mb":
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS to the current RSS
+            before = rss_kb("VmRSS") * 1024
+        call()
         sync()
-        if what == "mb":
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-                before = torch.cuda.memory_allocated()
-            else:
-                Path("/proc/self/clear_refs").write_text(
-                    "5"
-                )  # reset the peak RSS to the current RSS
-                before = rss_kb("VmRSS") * 1024
-            fn(*args)
-            sync()
-            peak = torch.cuda.max_memory_allocated() if cuda else rss_kb("VmHWM") * 1024
-            return print((peak - before) / 2**20)
-        times = []
-        while not times or (len(times) < 20 and sum(times) < 2.0):  # slow calls: one only
-            t = clock()
-            fn(*args)
-            sync()
-            times.append(clock() - t)
+        peak = torch.cuda.max_memory_allocated() if cuda else rss_kb("VmHWM") * 1024
+        return print((peak - before) / 2**20)
+    times = []
+    while not times or (len(times) < 20 and sum(times) < 2.0):  # slow calls: one only
+        for x in args if what == "fb" else ():
+            x.grad = None  # every call writes fresh gradients, none accumulates
+        t = clock()
+        call()
+        sync()
+        times.append(clock() - t)
     print(1e3 * min(times))
 
 
@@ -136,9 +160,35 @@ def measure(what, method, T, chunk, a):
     return float(out.stdout), None
 
 
+def training_table(lengths, chunk, a):
+    """Forward and forward+backward ms of the chunked form on Φ and on log-features."""
+    methods = ("chunked", "log", "log-wide")
+    head = ["T"] + [f"{m} {w}" for m in methods for w in ("ms", "fwd+bwd ms", "fwd+bwd/fwd")]
+    head += [f"{m}/chunked {w}" for m in methods[1:] for w in ("fwd", "fwd+bwd")]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head), flush=True)
+    notes = []
+    for T in lengths:
+        ms = {}
+        for method in methods:
+            for what in ("ms", "fb"):
+                ms[method, what], note = measure(what, method, T, chunk, a)
+                notes += [note] if note else []
+        cells = [
+            f"{ms[m, 'ms']:.1f} | {ms[m, 'fb']:.1f} | {ms[m, 'fb'] / ms[m, 'ms']:.2f}x"
+            for m in methods
+        ]
+        cells += [f"{ms[m, w] / ms['chunked', w]:.2f}x" for m in methods[1:] for w in ("ms", "fb")]
+        print(f"| {T} | " + " | ".join(cells) + " |", flush=True)
+    return notes
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="T up to 4096, one chunk size")
+    p.add_argument(
+        "--training", action="store_true", help="only forward and forward+backward times"
+    )
+    p.add_argument("--lengths", help="comma-separated T to measure instead of the default range")
     p.add_argument(
         "--chunks",
         default="64,128,256",
@@ -162,13 +212,21 @@ def main():
             time.process_time if a.cpu_time else time.perf_counter,
         )
 
-    lengths = [256 * 2**i for i in range(5 if a.quick else 8)]
+    lengths = (
+        [int(T) for T in a.lengths.split(",")]
+        if a.lengths
+        else [256 * 2**i for i in range(5 if a.quick else 8)]
+    )
     chunk = chunks[0]
     print(
         f"# torch {torch.__version__}, device {a.device}, {a.threads} threads, "
         f"{'CPU' if a.cpu_time else 'wall'} time, load average at start {os.getloadavg()[0]:.1f}; "
         f"B=1 H={H} d={D} M={M} fp32, chunk={chunk}"
     )
+    if a.training:
+        for note in training_table(lengths, chunk, a):
+            print("note:", note)
+        return
     head = (
         "T",
         "chunked ms",
@@ -202,8 +260,9 @@ def main():
             crossover = None  # the chunked form must stay ahead from the crossover on
         print(
             f"| {T} | {ms['chunked']:.1f} | {ms['sdpa']:.1f} | {ms['naive']:.1f} | "
-            f"{ms['sdpa'] / ms['chunked']:.2f}x | {ms['naive'] / ms['chunked']:.2f}x | {mb['chunked']:.0f} | "
-            f"{mb['sdpa']:.0f} | {mb['naive']:.0f} | {gf:.1f} | {gf_mm:.1f} | {100 * gf / gf_mm:.0f}% |",
+            f"{ms['sdpa'] / ms['chunked']:.2f}x | {ms['naive'] / ms['chunked']:.2f}x | "
+            f"{mb['chunked']:.0f} | {mb['sdpa']:.0f} | {mb['naive']:.0f} | {gf:.1f} | "
+            f"{gf_mm:.1f} | {100 * gf / gf_mm:.0f}% |",
             flush=True,
         )
     print(
@@ -211,6 +270,8 @@ def main():
         if crossover
         else "\ncrossover: the chunked form does not stay ahead of SDPA in this range"
     )
+    print("\n## training: forward and forward+backward, on Φ and on log-features", flush=True)
+    notes += training_table(lengths, chunk, a)
     for note in notes:
         print("note:", note)
     if len(chunks) > 1 and not a.quick:

@@ -13,8 +13,8 @@ from conftest import FIXTURES
 from safetensors.torch import load_file, save_file
 
 from dofmini import CheckpointError, checkpoint, load, load_tokenizer
-from dofmini.distill import load_student, make_student, save_student
 from dofmini.files import sha256_file
+from dofmini.students import load_student, make_student, save_student
 
 
 @pytest.fixture(autouse=True)
@@ -69,7 +69,7 @@ def test_identity_follows_the_weights_content(tmp_path):
     assert load(halved).identity != original.identity
     # the point of the identity: a student of one teacher is refused by the other
     student_file = tmp_path / "student.safetensors"
-    save_student(make_student(original, [4, 4], seed=0), student_file)
+    save_student(make_student(original, "prf", [4, 4], 0), student_file)
     with pytest.raises(CheckpointError, match="holds a student of teacher 'gpt2-tiny:"):
         load_student(load(halved), student_file)
 

@@ -1,6 +1,7 @@
-"""PRF linear attention (dofmini/linear_attention.py): the chunked, recurrent and quadratic forms agree (values and
-gradients), are exactly causal, stay finite at large norms, decode token by token like the chunked pass, and the
-features estimate the softmax kernel without bias at the 1/√M rate."""
+"""PRF linear attention (dofmini/linear_attention.py): the chunked, recurrent and quadratic forms
+agree (values and gradients, on features and on log-features), are exactly causal, stay finite at
+large norms (in log space: no row lost at any norm), decode token by token like the chunked pass,
+train in segments, and the features estimate the softmax kernel without bias at the 1/√M rate."""
 
 import copy
 import math
@@ -23,9 +24,10 @@ from dofmini.linear_attention import (
     replace_attention,
 )
 
-# Relative-RMS bounds, relative to the size of what is summed (`magnitudes`). All forms compute in fp32 from the
-# same inputs, so in fp32 they differ by summation order only: 1e-5 is ~100 fp32 epsilons. In bf16/fp16 the fp32
-# results are rounded to the output dtype: at most one unit in the last place, 2^-7 (bf16), 2^-10 (fp16).
+# Relative-RMS bounds, relative to the size of what is summed (`magnitudes`). All forms compute in
+# fp32 from the same inputs, so in fp32 they differ by summation order only: 1e-5 is ~100 fp32
+# epsilons. In bf16/fp16 the fp32 results are rounded to the output dtype: at most one unit in the
+# last place, 2^-7 (bf16), 2^-10 (fp16).
 BOUND = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}
 FAST = settings(max_examples=30, deadline=None)
 PRIMES = [2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47]
@@ -35,19 +37,29 @@ def rel(x, ref):
     return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300)).item()
 
 
-def chunked(chunk):
+def chunked(chunk, log_space=False):
     return lambda q, k, v, decay, normalize: causal_linear_attention(
-        q, k, v, chunk, decay, normalize
+        q, k, v, chunk, decay, normalize, log_space=log_space
     )
 
 
-def recurrent(q, k, v, decay, normalize):
-    return recurrent_step(LinearState(), q, k, v, decay, normalize)
+def recurrent(log_space=False):
+    return lambda q, k, v, decay, normalize: recurrent_step(
+        LinearState(), q, k, v, decay, normalize, log_space
+    )
+
+
+def quadratic(log_space=False):
+    return lambda q, k, v, decay, normalize: quadratic_causal_attention(
+        q, k, v, decay, normalize, log_space
+    )
 
 
 @st.composite
-def problems(draw, max_norm=3.0):
-    """Random sizes (T near chunk edges and primes included), features, inputs, decay and normalisation."""
+def problems(draw, max_norm=3.0, log_space=None):
+    """Random sizes (T near chunk edges and primes included), features, inputs, decay and
+    normalisation; features or log-features (log_space, drawn unless given: then no decay and
+    normalize=True)."""
     chunk = draw(st.sampled_from([1, 2, 3, 8, 16]))
     T = draw(
         st.one_of(
@@ -72,36 +84,54 @@ def problems(draw, max_norm=3.0):
     norms = max_norm * math.sqrt(d) * torch.rand(2, B, H, T, 1, generator=gen)  # up to max_norm·√d
     q, k = torch.nn.functional.normalize(torch.randn(2, B, H, T, d, generator=gen), dim=-1) * norms
     v = torch.randn(B, H, T, dv, generator=gen)
+    log_space = draw(st.booleans()) if log_space is None else log_space
     decay = 0.5 + 0.5 * torch.rand(H, generator=gen) if draw(st.booleans()) else None
     return dict(
-        chunk=chunk, features=features, q=q, k=k, v=v, decay=decay, normalize=draw(st.booleans())
+        chunk=chunk,
+        features=features,
+        q=q,
+        k=k,
+        v=v,
+        decay=None if log_space else decay,
+        normalize=log_space or draw(st.booleans()),
+        log_space=log_space,
     )
 
 
 def forms(p):
+    log_space = p["log_space"]
     return {
-        "quadratic": quadratic_causal_attention,
-        "recurrent": recurrent,
-        "chunked": chunked(p["chunk"]),
+        "quadratic": quadratic(log_space),
+        "recurrent": recurrent(log_space),
+        "chunked": chunked(p["chunk"], log_space),
     }
 
 
-def fed(p, dtype, exact=False):
-    """What the forms are fed when q, k, v come in `dtype`: Φ (fp32 by design), v, and decay, as autograd leaves
-    or fp64 copies for the exact reference."""
+def feature_maps(p, q, k):
+    """What the forms are fed for q, k: Φ(q), Φ(k) as queries/keys shift them, or log Φ (fp32 or
+    wider)."""
     f = p["features"]
+    if p["log_space"]:
+        return f.log_features(q), f.log_features(k)
+    return f.queries(q)[0], f.keys(k)
+
+
+def fed(p, dtype, exact=False):
+    """What the forms are fed when q, k, v come in `dtype`: feature maps, v, and decay, as autograd
+    leaves or fp64 copies for the exact reference."""
     x = [
-        f.queries(p["q"].to(dtype))[0],
-        f.keys(p["k"].to(dtype)),
+        *feature_maps(p, p["q"].to(dtype), p["k"].to(dtype)),
         p["v"].to(dtype).detach().requires_grad_(),
     ]
     x = [t.double() for t in x] if exact else x
     decay = None if p["decay"] is None else p["decay"].clone().requires_grad_()
+    f = p["features"]
     return x, decay, x + [f.z, f.a] + ([] if decay is None else [decay])
 
 
 def cotangent(out, dtype):
-    """A fixed random cotangent, representable in the tested output dtype so that every form gets the same one."""
+    """A fixed random cotangent, representable in the tested output dtype so that every form gets
+    the same one."""
     return torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(dtype).double()
 
 
@@ -113,11 +143,15 @@ def run(form, p, dtype, exact=False):
 
 
 def magnitudes(p, dtype):
-    """The size of what each compared quantity adds up before cancellation, in fp64: the output with |v|, and each
-    gradient of num/den as its two terms (num's, den's) apart. Rounding errors scale with these, not with a result
-    that cancels to ~0 (e.g. a normalised output of one token is v whatever the features: zero gradient)."""
+    """The size of what each compared quantity adds up before cancellation, in fp64: the output with
+    |v|, and each gradient of num/den as its two terms (num's, den's) apart. Rounding errors scale
+    with these, not with a result that cancels to ~0 (e.g. a normalised output of one token is v
+    whatever the features: zero gradient). Log-features are exponentiated here (fp64 holds them at
+    these norms)."""
     (phi_q, phi_k, v), decay, wrt = fed(p, dtype, exact=True)
-    quad = lambda v, normalize: quadratic_causal_attention(phi_q, phi_k, v, decay, normalize)  # noqa: E731
+    if p["log_space"]:
+        phi_q, phi_k = phi_q.exp(), phi_k.exp()
+    quad = lambda v, normalize: quadratic_causal_attention(phi_q, phi_k, v, decay, normalize)
     out = quad(v.abs(), p["normalize"])
     num = quad(v, False)  # [B, H, T, dv]
     c = cotangent(num, dtype)
@@ -140,7 +174,7 @@ def err(x, ref):
 @given(problems(), st.sampled_from([torch.float32, torch.bfloat16]))
 def test_three_forms_agree_in_values_and_gradients(p, dtype):
     """Each form in fp32/bf16 against the quadratic form in fp64 on the same (rounded) inputs."""
-    out_ref, grads_ref = run(quadratic_causal_attention, p, dtype, exact=True)
+    out_ref, grads_ref = run(quadratic(p["log_space"]), p, dtype, exact=True)
     out_size, grad_sizes = magnitudes(p, dtype)
     for name, form in forms(p).items():
         out, grads = run(form, p, dtype)
@@ -155,32 +189,37 @@ def test_three_forms_agree_in_values_and_gradients(p, dtype):
 
 
 @FAST
-@given(problems(), st.data())
+@given(problems(max_norm=30.0), st.data())
 def test_chunked_form_is_exactly_causal(p, data):
-    """Changing every input after position t leaves outputs up to t bit-for-bit unchanged."""
+    """Changing every input after position t leaves outputs up to t bit-for-bit unchanged, at
+    norms up to 30√d, where in log space some rows take the exact path (earlier keys say which)."""
     T = p["q"].shape[2]
     t = data.draw(st.integers(0, T - 1))
-    f, gen = p["features"], torch.Generator().manual_seed(T)
+    gen = torch.Generator().manual_seed(T)
     changed = [x.clone() for x in (p["q"], p["k"], p["v"])]
     for x in changed:
         x[:, :, t + 1 :] = 10 * torch.randn(x[:, :, t + 1 :].shape, generator=gen)
     with torch.no_grad():
         outs = [
-            causal_linear_attention(
-                f.queries(q)[0], f.keys(k), v, p["chunk"], p["decay"], p["normalize"]
+            chunked(p["chunk"], p["log_space"])(
+                *feature_maps(p, q, k), v, p["decay"], p["normalize"]
             )
             for q, k, v in ((p["q"], p["k"], p["v"]), changed)
         ]
     assert torch.equal(outs[0][:, :, : t + 1], outs[1][:, :, : t + 1])
 
 
+HALF_AND_FULL = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
+
+
 @settings(max_examples=20, deadline=None)
-@given(problems(max_norm=30.0), st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
-def test_large_norms_stay_finite_and_forms_agree(p, dtype):
-    """‖q‖, ‖k‖ up to 30√d, inputs in fp32/bf16/fp16: finite features and outputs, and each form agrees with the
-    exact (fp64) quadratic form on the same Φ, element by element, to within its dtype's rounding plus what fp32
-    underflow can drop: a key far from every z_m (|k/d^¼ − z_m| ≳ 13) has features below fp32's range, and no
-    shift that cancels exactly can rescue one key alone. Rows whose exact denominator is 0 allow any finite value."""
+@given(problems(max_norm=30.0, log_space=False), HALF_AND_FULL)
+def test_large_norms_stay_finite_and_forms_agree_on_features(p, dtype):
+    """‖q‖, ‖k‖ up to 30√d, inputs in fp32/bf16/fp16, on Φ as queries/keys shift it: finite features
+    and outputs, and each form agrees with the exact (fp64) quadratic form on the same Φ, element by
+    element, to within its dtype's rounding plus what fp32 underflow can drop: a key far from every
+    z_m (|k/d^¼ − z_m| ≳ 13) has features below fp32's range, which a fixed shift cannot rescue (log
+    space can: next test). Rows whose exact denominator is 0 allow any finite value."""
     f = p["features"]
     q, k, v = p["q"].to(dtype), p["k"].to(dtype), p["v"].to(dtype)
     B, H, T, M = *q.shape[:3], f.z.shape[1]
@@ -215,46 +254,92 @@ def test_large_norms_stay_finite_and_forms_agree(p, dtype):
         assert ((out.double() - exact).abs() <= allowed).all(), name
 
 
+@settings(max_examples=25, deadline=None)
+@given(problems(max_norm=30.0, log_space=True), HALF_AND_FULL)
+def test_log_space_loses_no_row_at_any_norm(p, dtype):
+    """‖q‖, ‖k‖ up to 30√d, q, k, v in fp32/bf16/fp16, fed as log-features (as LinearAttention
+    does): every form's output is finite, has no all-zero row (the exact rows are never 0 here) and
+    agrees with a float64 log-space reference from the same z, a and the same rounded q, k, v; its
+    gradients for q, k, z, a, v are finite. Allowed error: the dtype's rounding, plus what fp32
+    log-features of size up to Λ carry: their own error δ (measured against the fp64 ones) and the
+    shifts' rounding, a few Λ·2^-24, each a relative error of every kernel value, so at most twice
+    that in a normalised row."""
+    f, f64 = p["features"], copy.deepcopy(p["features"]).double()
+    q, k, v = (p[x].to(dtype).requires_grad_() for x in "qkv")
+    with torch.no_grad():
+        log_q, log_k = f64.log_features(q.double()), f64.log_features(k.double())  # [B, H, T, M]
+        exact, size = (
+            quadratic_causal_attention(log_q, log_k, x, log_space=True)
+            for x in (v.double(), v.double().abs())
+        )
+        delta = max(
+            (a.double() - b).abs().max().item()
+            for a, b in zip(feature_maps(p, q, k), (log_q, log_k))
+        )
+        scale = max(log_q.abs().max().item(), log_k.abs().max().item())  # Λ
+    allowed = BOUND[dtype] * size + 2 * math.expm1(2 * delta + 8 * scale * 2**-24) * size
+    for name, form in forms(p).items():
+        out = form(*feature_maps(p, q, k), v, None, True)  # [B, H, T, dv]
+        assert out.dtype == dtype and out.isfinite().all(), name
+        assert not (out == 0).all(-1).any(), name
+        assert ((out.double() - exact).abs() <= allowed).all(), name
+        grads = torch.autograd.grad(
+            (out.double() * cotangent(out, dtype)).sum(), [q, k, f.z, f.a, v]
+        )
+        assert all(g.isfinite().all() for g in grads), name
+
+
 @FAST
 @given(problems(), st.data())
 def test_prefill_then_recurrent_decoding_equals_one_chunked_pass(p, data):
-    """A chunked prefill of any length leaves a state from which token-by-token steps continue the whole pass."""
-    q, k, v = p["features"].queries(p["q"])[0], p["features"].keys(p["k"]), p["v"]
+    """A chunked prefill of any length leaves a state from which token-by-token steps continue the
+    whole pass (in log space too, where the state carries each feature's running maximum)."""
+    (q, k), v = feature_maps(p, p["q"], p["k"]), p["v"]
     args = (p["decay"], p["normalize"])
+    log = {"log_space": p["log_space"]}
     with torch.no_grad():
-        whole = causal_linear_attention(q, k, v, p["chunk"], *args)
+        whole = causal_linear_attention(q, k, v, p["chunk"], *args, **log)
         state, cut = LinearState(), data.draw(st.integers(0, q.shape[2]))
         parts = (
             [
                 causal_linear_attention(
-                    q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], p["chunk"], *args, state
+                    q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], p["chunk"], *args, state, **log
                 )
             ]
             if cut
             else []
         )
         parts += [
-            recurrent_step(state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], *args)
+            recurrent_step(
+                state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], *args, **log
+            )
             for t in range(cut, q.shape[2])
         ]
     assert state.n == q.shape[2] and state.S.shape[-1] == v.shape[-1] + p["normalize"]
     assert rel(torch.cat(parts, 2), whole) <= BOUND[torch.float32]
 
 
-@pytest.mark.parametrize("decay", [None, [0.999, 0.9]])
-def test_long_sequences_run_in_segments_and_agree(decay):
-    """T past SEGMENT tokens: the chunked pass goes segment by segment, carrying the state, and still gives the
-    quadratic form's outputs and gradients."""
-    T, gen = 2 * SEGMENT + 37, torch.Generator().manual_seed(0)
+@pytest.mark.parametrize("kind", ["plain", "decay", "log"])
+def test_long_sequences_run_in_segments_and_agree(kind):
+    """T past SEGMENT tokens: the chunked pass goes part by part, carrying the state, and still
+    gives the quadratic form's outputs and gradients (fp64). In log space the log-features span
+    e^±90, so keys rise far above their chunk's start and rows take the exact path too."""
+    T, gen = SEGMENT + 37, torch.Generator().manual_seed(0)
+    log_space = kind == "log"
     inputs = [
-        torch.rand(1, 2, T, 8, generator=gen),
-        torch.rand(1, 2, T, 8, generator=gen),
-        torch.randn(1, 2, T, 4, generator=gen),
-    ] + ([] if decay is None else [torch.tensor(decay)])
+        30 * torch.randn(1, 2, T, 4, generator=gen)
+        if log_space
+        else torch.rand(1, 2, T, 4, generator=gen)
+        for _ in range(2)
+    ] + [torch.randn(1, 2, T, 3, generator=gen)]
+    inputs += [torch.tensor([0.999, 0.9])] if kind == "decay" else []
     results = []
-    for form, dtype in ((chunked(16), torch.float32), (quadratic_causal_attention, torch.float64)):
+    for form, dtype in (
+        (chunked(16, log_space), torch.float32),
+        (quadratic(log_space), torch.float64),
+    ):
         x = [t.to(dtype).requires_grad_() for t in inputs]
-        out = form(*x[:3], x[3] if decay else None, True)
+        out = form(*x[:3], x[3] if kind == "decay" else None, True)
         results.append([out, *torch.autograd.grad((out * cotangent(out, torch.float32)).sum(), x)])
     for got, exact in zip(*results):
         assert rel(got, exact) <= BOUND[torch.float32]
@@ -297,7 +382,8 @@ def kernel_draws(n, d, M, x, y, seed, orthogonal):
 
 @st.composite
 def pairs(draw, max_norm):
-    """x, y with |x|/d^¼, |y|/d^¼ <= max_norm, so that one feature's log-variance |x'+y'|² stays modest."""
+    """x, y with |x|/d^¼, |y|/d^¼ <= max_norm, so that one feature's log-variance |x'+y'|² stays
+    modest."""
     d, seed = draw(st.integers(1, 16)), draw(st.integers(0, 2**31 - 1))
     gen = torch.Generator().manual_seed(seed)
     x, y = torch.nn.functional.normalize(
@@ -309,7 +395,8 @@ def pairs(draw, max_norm):
 @settings(max_examples=10, deadline=None)
 @given(pairs(max_norm=0.7), st.integers(1, 8), st.booleans())
 def test_features_are_unbiased(pair, M, orthogonal):
-    """Mean of N = 4000 independent estimates within 5 standard errors (from their sample variance) of K(x, y)."""
+    """Mean of N = 4000 independent estimates within 5 standard errors (from their sample variance)
+    of K(x, y)."""
     d, seed, x, y, K = pair
     est = kernel_draws(4000, d, M, x, y, seed, orthogonal)
     assert abs(est.mean().item() - K) <= 5 * est.std().item() / math.sqrt(len(est))
@@ -318,8 +405,9 @@ def test_features_are_unbiased(pair, M, orthogonal):
 @settings(max_examples=10, deadline=None)
 @given(pairs(max_norm=0.5))
 def test_error_shrinks_at_the_one_over_sqrt_m_rate(pair):
-    """i.i.d. features: E(K̂ − K)² = K²(exp|x'+y'|² − 1)/M exactly (x' = x/d^¼). The measured mean squared error
-    at M = 4, 16, 64 matches it within 5 standard errors, so the RMS error falls as 1/√M."""
+    """i.i.d. features: E(K̂ − K)² = K²(exp|x'+y'|² − 1)/M exactly (x' = x/d^¼). The measured mean
+    squared error at M = 4, 16, 64 matches it within 5 standard errors, so the RMS error falls as
+    1/√M."""
     d, seed, x, y, K = pair
     one_feature_var = K**2 * math.expm1(float((x + y).double().norm() ** 2) / math.sqrt(d))
     for M in (4, 16, 64):
@@ -349,16 +437,21 @@ def test_bad_shapes_are_named():
         causal_linear_attention(phi, phi, torch.zeros(1, 2, 6, 3))
     with pytest.raises(ValueError, match=r"decay must be \[H=2\]"):
         causal_linear_attention(phi, phi, torch.zeros(1, 2, 5, 3), decay=torch.tensor([0.5, 1.5]))
+    with pytest.raises(ValueError, match="log_space=True needs decay=None and normalize=True"):
+        causal_linear_attention(phi, phi, torch.zeros(1, 2, 5, 3), normalize=False, log_space=True)
     state = LinearState()
     causal_linear_attention(phi, phi, torch.zeros(1, 2, 5, 3), state=state)
     with pytest.raises(ValueError, match="state S"):
         recurrent_step(
             state, phi[:, :, :1], phi[:, :, :1], torch.zeros(1, 2, 1, 3), normalize=False
         )
+    with pytest.raises(ValueError, match=r"state S \(1, 2, 4, 4\), c None .* \(log space\)"):
+        recurrent_step(state, phi[:, :, :1], phi[:, :, :1], torch.zeros(1, 2, 1, 3), log_space=True)
 
 
 def decode(model, ids, prefill, chunk):
-    """Logits from a prefill of `prefill` tokens (chunked, with state) then one token at a time (recurrent)."""
+    """Logits from a prefill of `prefill` tokens (chunked, with state) then one token at a time
+    (recurrent)."""
     for block in model.blocks:
         block.attn.chunk = chunk
     caches = [block.attn.new_cache(ids.shape[0], ids.shape[1]) for block in model.blocks]
@@ -369,8 +462,8 @@ def decode(model, ids, prefill, chunk):
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "neox-tiny"])
 def test_student_from_a_real_model(name):
-    """replace_attention on a real (tiny) checkpoint: only z and a train, logits are finite and causal, and
-    decoding with caches equals the full chunked forward."""
+    """replace_attention on a real (tiny) checkpoint: only z and a train, logits are finite and
+    causal, and decoding with caches equals the full chunked forward."""
     model = replace_attention(load(FIXTURES / name), [8, 3], seed=11)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable == {f"blocks.{i}.attn.features.{w}" for i in range(2) for w in "za"}
@@ -394,7 +487,8 @@ def test_student_from_a_real_model(name):
 
 
 def test_student_of_the_standin_teacher(standin_pythia):
-    """The real-size stand-in (rotary, 64-wide heads): finite logits, and cached decoding equals the chunked pass."""
+    """The real-size stand-in (rotary, 64-wide heads): finite logits, and cached decoding equals the
+    chunked pass."""
     model = replace_attention(copy.deepcopy(standin_pythia), [64, 96, 32, 64, 17, 111], seed=0)
     ids = torch.randint(
         0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0)
@@ -407,7 +501,8 @@ def test_student_of_the_standin_teacher(standin_pythia):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_student_runs_in_half_precision(dtype):
-    """A half-precision teacher: Φ and the states stay fp32 inside, the student's logits come out finite in dtype."""
+    """A half-precision teacher: Φ and the states stay fp32 inside, the student's logits come out
+    finite in dtype."""
     model = replace_attention(load(FIXTURES / "neox-tiny", dtype=dtype), [8, 8], seed=0)
     with torch.no_grad():
         logits = model(torch.randint(0, 96, (2, 50), generator=torch.Generator().manual_seed(0)))
