@@ -1,11 +1,13 @@
-"""DiJiang baseline (Chen et al. 2024, "DiJiang: Efficient Large Language Models through Compact Kernelization",
-arXiv 2403.19928), as its public Pythia code defines the attention it trains; SPEC §5.
+"""DiJiang baseline (Chen et al. 2024, "DiJiang: Efficient Large Language Models through Compact
+Kernelization", arXiv 2403.19928), as its public Pythia code defines the attention it trains.
 
-φ(x) = softmax(x P) over d features, P = C·diag(F⁻¹(u)) frozen (C orthonormal DCT-II, F⁻¹ the normal inverse CDF:
-weighted quasi-Monte-Carlo); scores decay as γ_h^(t−s) with no normaliser, computed in linear_attention's chunked
-and recurrent forms (the released code is quadratic); each head's output is GroupNorm-ed, gated by SiLU(x W_G) and
-sent through the teacher's output projection. No per-layer output error (SPEC §6): the gate needs the block input,
-not only q, k, v, so there is neither PRF `features` nor `mix` here and distill.layer_errors reports None.
+φ(x) = softmax(x P) over d features, P = C·diag(F⁻¹(u)) frozen (C orthonormal DCT-II, F⁻¹ the normal
+inverse CDF: weighted quasi-Monte-Carlo); scores decay as γ_h^(t−s) with no normaliser, computed
+in linear_attention's chunked and recurrent forms (the released code is quadratic); each head's
+output is GroupNorm-ed, gated by SiLU(x W_G) and sent through the teacher's output projection.
+Its new tensors (γ, GroupNorm, W_G) train end to end on the next-token loss (lr 0.02 in the DoF
+paper). It has no per-layer output error: the gate needs the block input, not only q, k, v, so
+there are no PRF `features` here and evaluate.layer_errors reports None.
 """
 
 import math
@@ -18,7 +20,7 @@ from .linear_attention import CausalMixer
 
 
 def dct_matrix(d: int) -> torch.Tensor:
-    """Orthonormal DCT-II [d, d] (fp64): C[k, n] = sqrt((2 − [k=0]) / d) · cos(π (2n + 1) k / (2d))."""
+    """Orthonormal DCT-II [d, d] (fp64): C[k, n] = sqrt((2 − [k=0]) / d) · cos(π (2n+1) k / 2d)."""
     k, n = torch.arange(d, dtype=torch.float64)[:, None], torch.arange(d, dtype=torch.float64)[None]
     return (
         torch.cos(math.pi * (2 * n + 1) * k / (2 * d)) * torch.where(k == 0, 1.0, 2.0).div(d).sqrt()
@@ -26,16 +28,17 @@ def dct_matrix(d: int) -> torch.Tensor:
 
 
 def dijiang_projection(d: int, gen: torch.Generator) -> torch.Tensor:
-    """P = C·diag(F⁻¹(u)) [d, d] fp64, u ~ U(0,1) per dimension, kept off 0 and 1 so F⁻¹ stays finite."""
+    """P = C·diag(F⁻¹(u)) [d, d] fp64, u ~ U(0,1) per dimension, kept off 0 and 1 so F⁻¹ stays
+    finite."""
     eps = torch.finfo(torch.float64).eps
     u = torch.rand(d, generator=gen, dtype=torch.float64).clamp(eps, 1 - eps)  # [d]
     return dct_matrix(d) * torch.special.ndtri(u)  # [d, d]: column j scaled by F⁻¹(u_j)
 
 
 class DiJiangAttention(CausalMixer):
-    """Drop-in for a teacher attention layer (same interface as LinearAttention): teacher q, k, v and output
-    projection frozen; trainable decay_logit [H] (γ = sigmoid, so γ stays in (0, 1)), norm (GroupNorm, one group
-    per head) and gate [D, D] (W_G = gate / √D)."""
+    """Drop-in for a teacher attention layer (same interface as LinearAttention): teacher q, k, v
+    and output projection frozen; trainable decay_logit [H] (γ = sigmoid, so γ stays in (0, 1)),
+    norm (GroupNorm, one group per head) and gate [D, D] (W_G = gate / √D)."""
 
     def __init__(self, base: nn.Module, seed: int, chunk: int = 64):
         super().__init__()
@@ -50,9 +53,10 @@ class DiJiangAttention(CausalMixer):
             (torch.log1p(-log_1mg.exp()) - log_1mg).float()
         )  # logit γ [H]
         self.norm = nn.GroupNorm(H, H * d)
-        # W_G = gate / √D: an Adam step at lr 0.02 moves each entry by ~lr, which would shift x W_G by ~lr·D on the
-        # raw matrix (held-out loss rose over 60 steps on the stand-in); ~lr·√D here. Init: the released code's small
-        # gate, Xavier-uniform with gain 2^−2.5 on W_G, i.e. bound 2^−2.5·√(6/2D)·√D on `gate`.
+        # W_G = gate / √D: an Adam step at lr 0.02 moves each entry by ~lr, which would shift x W_G
+        # by ~lr·D on the raw matrix (held-out loss rose in 60 steps on the stand-in); ~lr·√D here.
+        # Init: the released code's small gate, Xavier-uniform with gain 2^−2.5 on W_G, i.e. bound
+        # 2^−2.5·√(6/2D)·√D on `gate`.
         u = torch.rand(H * d, H * d, generator=gen, dtype=torch.float64)  # [D, D]
         self.gate = nn.Parameter(((2 * u - 1) * 2**-2.5 * math.sqrt(3)).float())  # [D, D]
 
@@ -60,7 +64,8 @@ class DiJiangAttention(CausalMixer):
         return torch.sigmoid(self.decay_logit)  # [H] in (0, 1)
 
     def phi(self, x: torch.Tensor) -> torch.Tensor:
-        """φ(x) = softmax over the feature axis of x P: [B, H, T, d] -> [B, H, T, d], fp32 or wider."""
+        """φ(x) = softmax over the feature axis of x P: [B, H, T, d] -> [B, H, T, d], fp32 or
+        wider."""
         f = torch.promote_types(x.dtype, torch.float32)
         return torch.softmax(x.to(f) @ self.proj.to(f), -1)  # [B, H, T, d]
 
