@@ -34,12 +34,15 @@ def stage(path: Path, key: dict, compute):
         if saved.get("key") == key:
             log(f"skip: {path} done")
             return saved["result"]
-        old = saved.get("key", {})
-        changed = sorted(k for k in old.keys() | key.keys() if old.get(k) != key.get(k))
-        log(f"redo: {path}: {', '.join(changed)} changed")
+        log(f"redo: {path}: {_changed(saved.get('key', {}), key)} changed")
     result = compute()
     write_text(path, json.dumps({"key": key, "result": result}, indent=1, sort_keys=True))
     return result
+
+
+def _changed(old: dict, new: dict) -> str:
+    """The names of the settings two keys disagree on."""
+    return ", ".join(sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k)))
 
 
 def _save_npy(path: Path, array: np.ndarray):
@@ -51,8 +54,11 @@ def token_ids(path: Path, key: dict, texts, tokenizer, max_chars) -> torch.Tenso
     """Token ids of text files, encoded once and cached as .npy (no pickle) beside a key file."""
     key_path = path.with_suffix(".json")
     key = json.loads(json.dumps(key))
-    if path.is_file() and key_path.is_file() and json.loads(key_path.read_text()) == key:
-        return torch.from_numpy(np.load(path))
+    if path.is_file() and key_path.is_file():
+        saved = json.loads(key_path.read_text())
+        if saved == key:
+            return torch.from_numpy(np.load(path))
+        log(f"redo: {path}: {_changed(saved, key)} changed")
     text = "".join(Path(f).read_text(encoding="utf-8") for f in texts)[:max_chars]
     ids = np.array(tokenizer.encode(text).ids, dtype=np.int64)
     atomic_write(path, lambda tmp: _save_npy(tmp, ids))
