@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from .files import sha256_file, write_text
+from .files import cache_dir, sha256_file, write_text
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json")
 HUB_REPOS = {
@@ -155,11 +155,6 @@ def weights_sha256(file: Path) -> str:
     except OSError:
         pass  # a read-only or full cache folder: the next process hashes again
     return digest
-
-
-def cache_dir() -> Path:
-    """dofmini's folder under the user cache ($XDG_CACHE_HOME, else ~/.cache)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dofmini"
 
 
 def _read_hash_cache(file: Path) -> dict:

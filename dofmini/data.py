@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from tqdm import tqdm
 
-from .files import atomic_write, sha256_file
+from .files import atomic_write, cache_dir, sha256_file
 
 # group: (dataset, licence); the task groups are the names of tasks.TASKS
 GROUPS = {
@@ -84,8 +84,7 @@ def store_dir(arg=None) -> Path:
     """`arg` (the --data flag), else $DOFMINI_DATA, else $XDG_CACHE_HOME/dofmini/data (~/.cache)."""
     if arg or os.environ.get("DOFMINI_DATA"):
         return Path(arg or os.environ["DOFMINI_DATA"]).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache).expanduser() / "dofmini" / "data"
+    return cache_dir() / "data"
 
 
 def files(groups) -> list:

@@ -5,6 +5,11 @@ import os
 from pathlib import Path
 
 
+def cache_dir() -> Path:
+    """dofmini's folder under the user cache ($XDG_CACHE_HOME, else ~/.cache)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "dofmini"
+
+
 def atomic_write(path, write) -> Path:
     """Create or replace `path` whole or not at all.
 

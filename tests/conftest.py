@@ -4,6 +4,7 @@ in CI; in a user's fresh clone it is absent and the tests that need it skip, say
 
 import functools
 import http.server
+import os
 import threading
 import urllib.parse
 from dataclasses import dataclass
@@ -25,6 +26,12 @@ def shared_path(*parts: str) -> Path:
             "checkout"
         )
     return path
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_cache(tmp_path_factory):
+    """The tests' own user cache (checkpoint hashes, a default data store), never the real one."""
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
 
 
 @pytest.fixture(scope="session")
