@@ -1,0 +1,42 @@
+"""A saved stage is reused only for the settings that made it: a changed setting recomputes it and
+says which; token caches follow the same rule."""
+
+import json
+
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from dofmini.runs import stage, token_ids
+
+
+def test_stage_reuses_only_an_identical_key(tmp_path, capsys):
+    path = tmp_path / "allocation.json"
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return {"dims": [len(calls)]}
+
+    key = {"teacher": "t:abc", "lam": 0.0625, "seed": 0}
+    assert stage(path, key, compute) == {"dims": [1]}
+    assert stage(path, dict(key), compute) == {"dims": [1]} and len(calls) == 1
+    assert stage(path, {**key, "lam": 0.5, "seed": 5}, compute) == {"dims": [2]}
+    assert f"redo: {path}: lam, seed changed" in capsys.readouterr().out
+    assert json.loads(path.read_text())["key"]["lam"] == 0.5  # the file holds what made it
+
+
+def test_token_cache_is_redone_for_another_tokenizer(tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text("the cat ran far")
+    words = {w: i for i, w in enumerate(["[UNK]", "the", "cat", "ran", "far"])}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    cache = tmp_path / "tokens-train.npy"
+    first = token_ids(cache, {"tokenizer": "a", "max_chars": None}, [text], tokenizer, None)
+    assert first.tolist() == [1, 2, 3, 4]
+    text.write_text("far far")  # a cache with the same key is trusted: the key holds file hashes
+    assert token_ids(cache, {"tokenizer": "a", "max_chars": None}, [text], tokenizer, None).equal(
+        first
+    )
+    again = token_ids(cache, {"tokenizer": "b", "max_chars": None}, [text], tokenizer, None)
+    assert again.tolist() == [4, 4]
+    assert f"redo: {cache}: tokenizer changed" in capsys.readouterr().out
