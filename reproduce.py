@@ -466,7 +466,7 @@ def evaluate_model(run: Run, model) -> dict:
     texts = {"wikitext2": run.texts["wikitext2"], "heldout": run.texts["heldout"]}
     tasks = () if cfg.limit == 0 else tuple(evaluate.TASKS)
     return evaluate.evaluate_model(
-        model, run.tokenizer, texts, run.ctx, cfg.eval_windows, cfg.limit, tasks, cfg.data
+        model, run.tokenizer, texts, run.ctx, cfg.data, cfg.eval_windows, cfg.limit, tasks
     )
 
 
@@ -611,14 +611,14 @@ def train_student(run: Run, spec: Student):
 
     def compute():
         if spec.variant == "performer":
-            student = make_student(run.teacher, "prf", spec.dims, spec.seed)
+            student = performer(run, spec)
             student.train_seconds, student.loss_curve = 0.0, []
             save_student(student, path, {"variant": "performer"})
         elif spec.variant == "dijiang":
             student = make_student(run.teacher, "dijiang", spec.dims, spec.seed)
             student = train_direct(student, run.texts["train"], **common)
         elif spec.loss == "direct":
-            student = make_student(run.teacher, "prf", spec.dims, spec.seed)
+            student = performer(run, spec)
             student = train_direct(student, run.texts["train"], **common)
         else:
             student = distill(
@@ -714,9 +714,8 @@ def train_and_evaluate(run: Run, spec: Student) -> dict:
         untrained = {k: v for k, v in key["student"].items() if k in ("teacher", "dims", "seed")}
         dims_tag = "-".join(map(str, spec.dims))
         path = cfg.out / "eval" / f"untrained-{dims_tag}-s{spec.seed}.json"
-        draw = make_student(run.teacher, "prf", spec.dims, spec.seed)
         result["layer_error_before"] = stage(
-            path, {**untrained, **eval_key(run)}, lambda: layer_errors(run, draw)
+            path, {**untrained, **eval_key(run)}, lambda: layer_errors(run, performer(run, spec))
         )
     log(
         f"{spec.name}: WikiText-2 perplexity {result['wikitext2_ppl']:.2f}, mean KL "
@@ -727,6 +726,11 @@ def train_and_evaluate(run: Run, spec: Student) -> dict:
 
 def _mean(values) -> str:
     return "—" if None in values else f"{np.mean(values):.4g}"
+
+
+def performer(run: Run, spec: Student):
+    """The untrained draw of a student's dims and seed: where its training started."""
+    return make_student(run.teacher, "prf", spec.dims, spec.seed)
 
 
 def layer_errors(run: Run, student) -> dict:

@@ -179,7 +179,7 @@ def score_examples(
 
 
 def evaluate_tasks(
-    model, tokenizer, names, limit=None, batch_tokens: int = 4096, ctx=None, data_dir=None
+    model, tokenizer, names, data_dir, limit=None, batch_tokens: int = 4096, ctx=None
 ) -> dict:
     """{task: score_examples(...)} for names in `tasks.TASKS`, each on its first `limit` items."""
     results = {}
@@ -238,10 +238,10 @@ def evaluate_model(
     tokenizer,
     texts: dict,
     ctx: int,
+    data_dir,
     windows=None,
     limit=None,
     tasks=tuple(TASKS),
-    data_dir=None,
 ) -> dict:
     """Perplexity of each {name: token ids} text, then the tasks.
 
@@ -251,14 +251,15 @@ def evaluate_model(
     """
     t0, result = time.time(), {}
     for name, ids in texts.items():
-        ppl, _, n = perplexity(model, ids[: windows and windows * ctx], ctx)
+        scored = ids if windows is None else ids[: windows * ctx]
+        ppl, _, n = perplexity(model, scored, ctx)
         result[f"{name}_ppl"], result[f"{name}_tokens"] = ppl, n
         print(
             f"{name} perplexity {ppl:.4f} over {n} tokens ({time.time() - t0:.0f}s)",
             flush=True,
         )
     result["ppl_seconds"] = time.time() - t0
-    result["tasks"] = evaluate_tasks(model, tokenizer, tasks, limit, data_dir=data_dir)
+    result["tasks"] = evaluate_tasks(model, tokenizer, tasks, data_dir, limit)
     result["eval_seconds"] = time.time() - t0
     return result
 
@@ -284,7 +285,7 @@ def main(argv=None):
         raise SystemExit(f"python -m dofmini.evaluate: error: {err}") from None
     texts = {name: encode_file(data_dir / path, tokenizer) for name, path in PPL_TEXTS.items()}
     result = evaluate_model(
-        model, tokenizer, texts, args.ctx, args.windows, args.limit, tasks, data_dir
+        model, tokenizer, texts, args.ctx, data_dir, args.windows, args.limit, tasks
     )
     result.update(model=model.config.name, ctx=args.ctx, threads=torch.get_num_threads())
     if args.out:
