@@ -303,6 +303,10 @@ class Run:
     def begin(self, name: str):
         self.clock.begin(name)
 
+    def stage(self, path: Path, key: dict, compute):
+        """runs.stage, with the time spent computing counted toward the progress clock's pace."""
+        return stage(path, key, self.clock.timed(compute))
+
 
 def main(argv=None):
     cfg = parse_args(argv)
@@ -473,7 +477,7 @@ def evaluate_model(run: Run, model) -> dict:
 def evaluate_teacher(run: Run) -> dict:
     run.begin("teacher evaluation")
     key = {"teacher": run.inputs["teacher"], **eval_key(run)}
-    result = stage(run.cfg.out / "teacher.json", key, lambda: evaluate_model(run, run.teacher))
+    result = run.stage(run.cfg.out / "teacher.json", key, lambda: evaluate_model(run, run.teacher))
     log(f"teacher: WikiText-2 perplexity {result['wikitext2_ppl']:.2f} (ctx {run.ctx})")
     return result
 
@@ -522,7 +526,7 @@ def estimate_allocation(run: Run) -> dict:
             "seconds": time.time() - t0,
         }
 
-    result = stage(cfg.out / "allocation.json", key, compute)
+    result = run.stage(cfg.out / "allocation.json", key, compute)
     report.write_allocation(cfg.out, result, log)
     return result
 
@@ -562,7 +566,7 @@ def sweep(run: Run) -> list:
                     )
         return rows
 
-    rows = stage(cfg.out / "sweep.json", key, compute)
+    rows = run.stage(cfg.out / "sweep.json", key, compute)
     report.write_sweep(cfg.out, rows, log)
     return rows
 
@@ -632,7 +636,7 @@ def train_student(run: Run, spec: Student):
         return {"train_seconds": student.train_seconds, "loss_curve": student.loss_curve}
 
     log(f"{spec.name}: dims {list(spec.dims)}")
-    info = stage(record, key, compute)
+    info = run.stage(record, key, compute)
     return load_student(run.teacher, path), info
 
 
@@ -665,7 +669,7 @@ def curve_errors(run: Run, spec: Student) -> dict:
     }
     path = cfg.out / "eval" / f"{spec.stem}-curve.json"
     heldout = run.texts["heldout"]
-    return stage(
+    return run.stage(
         path,
         key,
         lambda: evaluate.layer_errors(
@@ -696,7 +700,7 @@ def train_and_evaluate(run: Run, spec: Student) -> dict:
     run.begin(spec.name)
     student, info = train_student(run, spec)
     key = {"student": train_key(run, spec), **eval_key(run)}
-    result = stage(
+    result = run.stage(
         cfg.out / "eval" / f"{spec.stem}.json",
         key,
         lambda: {"layer_error": layer_errors(run, student), **evaluate_model(run, student)},
@@ -714,7 +718,7 @@ def train_and_evaluate(run: Run, spec: Student) -> dict:
         untrained = {k: v for k, v in key["student"].items() if k in ("teacher", "dims", "seed")}
         dims_tag = "-".join(map(str, spec.dims))
         path = cfg.out / "eval" / f"untrained-{dims_tag}-s{spec.seed}.json"
-        result["layer_error_before"] = stage(
+        result["layer_error_before"] = run.stage(
             path, {**untrained, **eval_key(run)}, lambda: layer_errors(run, performer(run, spec))
         )
     log(

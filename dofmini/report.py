@@ -15,8 +15,10 @@ PPL_METRICS = (("wikitext2_ppl", "WikiText-2 ppl"), ("heldout_ppl", "held-out pp
 
 
 def allocation_table(result: dict) -> str:
-    """Per layer: each head's DoF, the layer's DoF, and every variant's dims at every budget."""
-    columns = [(b, v) for b, dims in result["dims"].items() for v in dims]
+    """Per layer: each head's DoF, the layer's DoF, and every variant's dims at every budget, in
+    the same order whether the result was just computed or reloaded from sorted JSON."""
+    budgets = sorted(result["dims"], key=int)
+    columns = [(b, v) for b in budgets for v in sorted(result["dims"][b])]
     head = " | ".join(f"{v} b{b}" for b, v in columns)
     lines = [f"| layer | DoF per head | layer DoF | {head} |", "|---" * (3 + len(columns)) + "|"]
     for layer, heads in enumerate(result["per_head"]):
@@ -34,7 +36,7 @@ def write_allocation(out, result: dict, log):
     for layer, heads in enumerate(result["per_head"]):
         rows += [f"{layer},{head},{x:.4f}" for head, x in enumerate(heads)]
     write_text(out / "dof.csv", "\n".join(rows) + "\n")
-    budget = next(iter(result["dims"]))
+    budget = min(result["dims"], key=int)
     title = f"DoF allocation, budget {budget} (λ={result['lam']:g}, J={result['J']})"
     svg = plots.allocation_chart(result["dims"][budget]["dof"], result["per_head"], title)
     write_text(out / "allocation.svg", svg)

@@ -127,23 +127,41 @@ def duration(seconds: float) -> str:
 
 class Clock:
     """The run's plan, [(stage name, estimated seconds)], and a progress line per stage: which stage
-    of how many, and the whole run's estimated time left, rescaled by the pace so far."""
+    of how many, and the whole run's estimated time left. The estimates are rescaled by the pace
+    so far, measured only on stages that computed something: a stage reloaded as done takes no
+    time, and counting it would make a resumed run's pace look many times faster than it is."""
 
     def __init__(self, plan: list):
         self.plan = plan
         self.t0 = time.time()
+        self.current = None
         self.begun = set()
+        self.worked = {}  # stage name -> seconds spent computing its results
+
+    def timed(self, compute):
+        """`compute`, with its seconds counted toward the current stage's pace."""
+
+        def run():
+            t0 = time.time()
+            result = compute()
+            self.worked[self.current] = self.worked.get(self.current, 0.0) + time.time() - t0
+            return result
+
+        return run
 
     def begin(self, name: str):
         if name in self.begun:  # a curve student evaluated again later is part of its stage
             return
         self.begun.add(name)
-        names = [n for n, _ in self.plan]
+        self.current = name
+        estimates = dict(self.plan)
+        names = list(estimates)
         index = names.index(name)
-        done = sum(s for _, s in self.plan[:index])
-        pace = (time.time() - self.t0) / done if done > 30 else 1.0
+        measured = sum(estimates[n] for n in self.worked if n != name)
+        spent = sum(s for n, s in self.worked.items() if n != name)
+        pace = spent / measured if measured > 30 else 1.0
         left = pace * sum(s for _, s in self.plan[index:])
-        estimate = dict(self.plan)[name] * pace
         log(
-            f"[{index + 1}/{len(names)}] {name} (~{duration(estimate)}; run ~{duration(left)} left)"
+            f"[{index + 1}/{len(names)}] {name} (~{duration(estimates[name] * pace)}; "
+            f"run ~{duration(left)} left)"
         )

@@ -2,10 +2,11 @@
 says which; token caches follow the same rule."""
 
 import json
+import time
 
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from dofmini.runs import stage, token_ids
+from dofmini.runs import Clock, stage, token_ids
 
 
 def test_stage_reuses_only_an_identical_key(tmp_path, capsys):
@@ -40,3 +41,16 @@ def test_token_cache_is_redone_for_another_tokenizer(tmp_path, capsys):
     again = token_ids(cache, {"tokenizer": "b", "max_chars": None}, [text], tokenizer, None)
     assert again.tolist() == [4, 4]
     assert f"redo: {cache}: tokenizer changed" in capsys.readouterr().out
+
+
+def test_clock_paces_a_resumed_run_on_computed_stages_only(capsys):
+    """A stage reloaded as done takes no time; the pace comes from the stage that computed."""
+    clock = Clock([("reloaded", 1000.0), ("computed", 40.0), ("next", 12000.0)])
+    clock.begin("reloaded")
+    clock.begin("computed")
+    clock.timed(lambda: time.sleep(0.2))()
+    clock.begin("next")
+    lines = capsys.readouterr().out.splitlines()
+    # pace 0.2 s / 40 s = 0.005, so "next" takes ~60 s; pacing on the reloaded stage too
+    # would have said ~2 s
+    assert lines[-1].startswith("[3/3] next (~1 min;"), lines[-1]
