@@ -645,22 +645,30 @@ def error_curves(run: Run) -> dict:
     per M trains all layers at once), on the held-out windows after those the reported errors use;
     and the oracle allocation they imply at each budget."""
     cfg, n_layer = run.cfg, run.teacher.config.n_layer
-    kl = {}
+    kl, curve_only_seconds = {}, 0.0
     for seed in cfg.seeds:
         for m in cfg.curve_dims:
             spec = Student("fix", "softmax", m, seed, (m,) * n_layer)
             run.begin(spec.name)
-            errors = curve_errors(run, spec)
+            errors, train_seconds = curve_errors(run, spec)
             kl.setdefault(str(seed), []).append(errors["kl"])  # [M][layer]
+            if m not in run.budgets:  # the others are Fix students, timed with the students
+                curve_only_seconds += train_seconds
     mean = np.mean([kl[str(s)] for s in cfg.seeds], axis=0).T.tolist()  # [layer][M]
     oracle = {str(b): dof.oracle_allocate(mean, b, ms=list(cfg.curve_dims)) for b in run.budgets}
-    return {"dims": list(cfg.curve_dims), "kl": kl, "mean_kl": mean, "oracle": oracle}
+    return {
+        "dims": list(cfg.curve_dims),
+        "kl": kl,
+        "mean_kl": mean,
+        "oracle": oracle,
+        "curve_only_train_seconds": curve_only_seconds,
+    }
 
 
-def curve_errors(run: Run, spec: Student) -> dict:
-    """A curve student's layer errors on the curve windows."""
+def curve_errors(run: Run, spec: Student) -> tuple:
+    """A curve student's layer errors on the curve windows, and its training seconds."""
     cfg = run.cfg
-    student, _ = train_student(run, spec)
+    student, info = train_student(run, spec)
     key = {
         "student": train_key(run, spec),
         "windows": cfg.curve_windows,
@@ -669,13 +677,14 @@ def curve_errors(run: Run, spec: Student) -> dict:
     }
     path = cfg.out / "eval" / f"{spec.stem}-curve.json"
     heldout = run.texts["heldout"]
-    return run.stage(
+    errors = run.stage(
         path,
         key,
         lambda: evaluate.layer_errors(
             run.teacher, student, heldout, run.ctx, cfg.curve_windows, offset=cfg.error_windows
         ),
     )
+    return errors, info["train_seconds"]
 
 
 def student_specs(run: Run, allocation: dict, curves) -> list:
@@ -749,6 +758,7 @@ def collect(run: Run, teacher_result, allocation, sweep_rows, curves, students) 
     settings.update(ctx=run.ctx, lam=run.lam, budgets=list(run.budgets))
     stages = teacher_result["eval_seconds"] + allocation["seconds"]
     stages += sum(s["train_seconds"] + s["eval_seconds"] for s in students.values())
+    stages += curves["curve_only_train_seconds"] if curves else 0.0
     model_cfg = run.teacher.config
     return {
         "teacher": {

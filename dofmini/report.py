@@ -289,6 +289,28 @@ def loss_chart(grouped: dict, out) -> str:
     return "![training loss](training_loss.svg)"
 
 
+def flattening_table(grouped: dict) -> list:
+    """Whether training had flattened: each group's logged loss (mean over layers and seeds) at the
+    first log, half way and the end, and the share of the decrease between the first log and the
+    end that came in the second half (near 0%: flat)."""
+    lines = [
+        "| student | first log | half way | end | share of the decrease in the second half |",
+        "|---|---|---|---|---|",
+    ]
+    for (variant, loss, budget), by_seed in grouped.items():
+        curves = [s.get("loss_curve") or [] for s in by_seed.values()]
+        if any(len(c) < 3 for c in curves):
+            continue
+        points = [(c[0], c[len(c) // 2 - 1], c[-1]) for c in curves]  # [seed][3] of (step, loss)
+        first, half, end = np.mean([[value for _, value in p] for p in points], axis=0)
+        steps = "/".join(str(step) for step, _ in points[0])
+        lines.append(
+            f"| {variant}/{loss}/b{budget} (steps {steps}) | {first:.4f} | {half:.4f} | "
+            f"{end:.4f} | {100 * (half - end) / (first - end):.1f}% |"
+        )
+    return lines if len(lines) > 2 else []
+
+
 def tasks_table(students: dict, teacher: dict) -> str:
     rows = {"teacher": teacher["tasks"], **{k: s["tasks"] for k, s in students.items()}}
     tasks = list(teacher["tasks"])
@@ -358,6 +380,10 @@ def write(out, results: dict) -> str:
             *errors,
             "",
             " ".join(charts),
+            "",
+            "## Did training flatten?",
+            "",
+            *flattening_table(grouped),
             *curves_section(results, out),
             "",
             "## Zero-shot tasks",

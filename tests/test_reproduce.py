@@ -64,6 +64,8 @@ def test_grid_has_every_variant_budget_and_seed(grid_run):
     assert not any(str(out) in json.dumps(v) for v in results["inputs"].values())
     text = (out / "report.md").read_text()
     assert "dof − fix, softmax loss, budget 16 (2 seeds)" in text and "Spearman" in text
+    assert "| fix/softmax/b16 (steps 1/2/4) |" in text  # the flattening table
+    assert curves["curve_only_train_seconds"] > 0
     for svg in out.glob("*.svg"):
         assert ET.parse(svg).getroot().tag.endswith("svg")
     assert {"budget_kl.svg", "curves_kl.svg", "training_loss.svg"} <= {
