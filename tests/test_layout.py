@@ -8,7 +8,7 @@ import pytest
 from conftest import REPO
 
 # infrastructure, then the paper's steps: model -> dof -> linear attention -> students -> distill ->
-# evaluate -> report; generate serves any model and imports nothing of the package
+# evaluate -> compare -> report; generate serves any model and imports nothing of the package
 ORDER = (
     "files",
     "checkpoint",
@@ -24,6 +24,7 @@ ORDER = (
     "runs",
     "stats",
     "plots",
+    "compare",
     "report",
     "generate",
 )
