@@ -40,9 +40,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from dofmini.config import Config  # noqa: E402
 from dofmini.generate import generate  # noqa: E402
 from dofmini.linear_attention import replace_attention  # noqa: E402
-from dofmini.model import Config, Model, load  # noqa: E402
+from dofmini.model import Model, load  # noqa: E402
 
 STANDIN = REPO.parent / "shared" / "weights" / "standin-gpt2"
 WIKI = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.valid.raw"

@@ -14,6 +14,7 @@ ORDER = (
     "checkpoint",
     "data",
     "tasks",
+    "config",
     "model",
     "dof",
     "linear_attention",
