@@ -26,7 +26,7 @@ from dofmini.checkpoint import CheckpointError, load_tokenizer, locate, resolve
 from dofmini.distill import distill, train_direct
 from dofmini.files import sha256_file, write_text
 from dofmini.runs import Clock, duration, log, probe, provenance, stage, token_ids
-from dofmini.students import load_student, make_student, save_student
+from dofmini.students import load_student, make_student, read_tensors, save_student, save_tensors
 
 VARIANTS = ("performer", "dijiang", "fix", "dof", "dof_clip", "oracle")
 LOSSES = ("softmax", "l2", "direct")
@@ -614,6 +614,13 @@ def train_student(run: Run, spec: Student):
     )
 
     def compute():
+        twin = trained_twin(run, spec, key)
+        if twin is not None:  # the same training under another name: its tensors are ours
+            name, twin_path, twin_info = twin
+            tensors, meta = read_tensors(twin_path)
+            save_tensors(tensors, path, {**meta, "variant": spec.variant})
+            log(f"{spec.name}: the same training as {name} (same dims, loss and seed): copied")
+            return {**twin_info, "same_training_as": name}
         if spec.variant == "performer":
             student = performer(run, spec)
             student.train_seconds, student.loss_curve = 0.0, []
@@ -638,6 +645,25 @@ def train_student(run: Run, spec: Student):
     log(f"{spec.name}: dims {list(spec.dims)}")
     info = run.stage(record, key, compute)
     return load_student(run.teacher, path), info
+
+
+def trained_twin(run: Run, spec: Student, key: dict):
+    """(name, tensors, training record) of a finished student of another PRF variant trained with
+    exactly this one's settings (`key` but for the variant's name), else None. The oracle often
+    allocates Fix's uniform dims, and training depends on the dims, loss, seed and data only, not
+    on which variant chose the dims: it would make the same tensors again."""
+    if spec.variant not in TRAINED_PRF:
+        return None
+    for variant in TRAINED_PRF:
+        twin = dataclasses.replace(spec, variant=variant)
+        record = run.cfg.out / "students" / f"{twin.stem}.json"
+        tensors = record.with_suffix(".safetensors")
+        if variant == spec.variant or not (record.is_file() and tensors.is_file()):
+            continue
+        saved = json.loads(record.read_text())
+        if saved.get("key") == json.loads(json.dumps({**key, "variant": variant})):
+            return twin.name, tensors, saved["result"]
+    return None
 
 
 def error_curves(run: Run) -> dict:
@@ -757,7 +783,8 @@ def collect(run: Run, teacher_result, allocation, sweep_rows, curves, students) 
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("out", "data")}
     settings.update(ctx=run.ctx, lam=run.lam, budgets=list(run.budgets))
     stages = teacher_result["eval_seconds"] + allocation["seconds"]
-    stages += sum(s["train_seconds"] + s["eval_seconds"] for s in students.values())
+    stages += sum(s["eval_seconds"] for s in students.values())
+    stages += sum(s["train_seconds"] for s in students.values() if "same_training_as" not in s)
     stages += curves["curve_only_train_seconds"] if curves else 0.0
     model_cfg = run.teacher.config
     return {

@@ -70,6 +70,12 @@ def tasks_table(students: dict, teacher: dict) -> str:
     return "acc_norm where a task has it, else acc:\n\n" + "\n".join(lines)
 
 
+def _train_time(student: dict) -> str:
+    if "same_training_as" in student:  # its tensors were copied, not trained again
+        return f"— (same training as {student['same_training_as']})"
+    return f"{student['train_seconds']:.1f}"
+
+
 def write(out, results: dict) -> str:
     """report.md and its charts; returns the summary table for the terminal."""
     teacher, students, dof_result = results["teacher"], results["students"], results["dof"]
@@ -84,9 +90,7 @@ def write(out, results: dict) -> str:
         "|---|---|---|",
         f"| teacher | — | {teacher['eval_seconds']:.1f} |",
     ]
-    times += [
-        f"| {k} | {s['train_seconds']:.1f} | {s['eval_seconds']:.1f} |" for k, s in students.items()
-    ]
+    times += [f"| {k} | {_train_time(s)} | {s['eval_seconds']:.1f} |" for k, s in students.items()]
     gram = "G/J" if dof_result["normalize"] else "raw G"
     text = "\n".join(
         [

@@ -66,6 +66,13 @@ def test_grid_has_every_variant_budget_and_seed(grid_run):
     assert "dof − fix, softmax loss, budget 16 (2 seeds)" in text and "Spearman" in text
     assert "| fix/softmax/b16 (steps 1/2/4) |" in text  # the flattening table
     assert curves["curve_only_train_seconds"] > 0
+    # at budget 8, the least of curve_dims, the oracle can only give every layer 8 (Fix's dims):
+    # its student is Fix's training, copied, not trained again
+    for seed in (0, 1):
+        oracle, fix = (results["students"][f"{v}/softmax/b8/s{seed}"] for v in ("oracle", "fix"))
+        assert oracle["same_training_as"] == f"fix/softmax/b8/s{seed}"
+        assert oracle["layer_error"] == fix["layer_error"] and oracle["dims"] == [8] * 6
+    assert "copied" in first.stdout
     for svg in out.glob("*.svg"):
         assert ET.parse(svg).getroot().tag.endswith("svg")
     assert {"budget_kl.svg", "curves_kl.svg", "training_loss.svg"} <= {
