@@ -218,8 +218,8 @@ def curves_section(results: dict, out) -> list:
         f"Spearman rank correlation between layer DoF and the M a layer needs to reach "
         f"KL {target:.3g}: {rho:+.2f}.",
         "",
-        "The oracle allocation minimises the summed interpolated KL of these curves at each "
-        "budget:",
+        "The oracle allocation minimises the summed KL of these curves at each budget, "
+        "each taken as the power of M through its measured points:",
         "",
         "| budget | DoF dims | oracle dims |",
         "|---|---|---|",

@@ -216,7 +216,12 @@ def oracle_allocate(curves, budget, ms=None):
 
     curves[l][k] is layer l's error with ms[k] features (ms: strictly increasing integers >= 1, at
     least two; None means 1, 2, ..., K, a curve measured at every M). Between measured points the
-    error is taken linear in M, so every integer M in range has an error. The minimum is found
+    error is taken as the power of M through them (linear in log M and log error): measured error
+    curves fall by a near-constant factor per doubling of M, and a straight line in M between
+    points would overstate every error between them, pinning the optimum to the measured Ms
+    (with M = 8, 16, 32, ... it keeps a uniform allocation unless two layers' errors differ
+    four-fold). Errors must therefore be positive. Every integer M in range has an error. The
+    minimum is found
     exactly by dynamic programming over layers (the least summed error of layers 0..l for every
     total), not by a greedy on marginal gains: the greedy is optimal only when every curve is
     convex, and measured curves need not be. On exact ties the earlier layers get the features.
@@ -233,8 +238,11 @@ def oracle_allocate(curves, budget, ms=None):
             f"oracle_allocate: curves must be [L, K] with L >= 1 and K >= 2 measured points, got "
             f"shape {tuple(errors.shape)}"
         )
-    if not torch.isfinite(errors).all():
-        raise ValueError("oracle_allocate: curves hold non-finite errors")
+    if not torch.isfinite(errors).all() or not (errors > 0).all():
+        raise ValueError(
+            "oracle_allocate: curves must hold finite positive errors (they are interpolated as a "
+            "power of M)"
+        )
     ms = list(range(1, errors.shape[1] + 1)) if ms is None else list(ms)
     if (
         len(ms) != errors.shape[1]
@@ -254,8 +262,11 @@ def oracle_allocate(curves, budget, ms=None):
     knots = torch.tensor(ms, dtype=torch.float64)  # [K]
     grid = torch.arange(lo, hi + 1, dtype=torch.float64)  # [R] every integer M in range
     seg = (torch.searchsorted(knots, grid, right=True) - 1).clamp(max=len(ms) - 2)  # [R]
-    frac = (grid - knots[seg]) / (knots[seg + 1] - knots[seg])  # [R]
-    dense = errors[:, seg] + frac * (errors[:, seg + 1] - errors[:, seg])  # [L, R]
+    log_knots, log_errors = knots.log(), errors.log()  # [K], [L, K]
+    frac = (grid.log() - log_knots[seg]) / (log_knots[seg + 1] - log_knots[seg])  # [R]
+    dense = torch.exp(
+        log_errors[:, seg] + frac * (log_errors[:, seg + 1] - log_errors[:, seg])
+    )  # [L, R]
     extra = len(errors) * (int(budget) - lo)  # features handed out above lo in every layer
     best = torch.full((extra + 1,), math.inf, dtype=torch.float64)  # [E+1] by total extra
     best[0] = 0.0
