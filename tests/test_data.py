@@ -10,7 +10,7 @@ import time
 
 import pytest
 from conftest import shared_path
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dofmini import data
@@ -94,6 +94,7 @@ def shared_as_wikiextractor(f: data.DataFile) -> bytes:
 words = st.text(string.ascii_lowercase + " .,;é€", min_size=1).map(str.strip).filter(bool)
 
 
+@settings(deadline=None)  # a loaded CI machine is slow; no test here is timed
 @given(st.dictionaries(words, st.lists(words, min_size=1, max_size=5), min_size=1, max_size=5))
 def test_wikiextractor_records_become_the_store_form(articles):
     raw = wikiextractor(list(articles.items()), trailing=" \t")
