@@ -25,7 +25,16 @@ from dofmini import data, dof, evaluate, report
 from dofmini.checkpoint import CheckpointError, load_tokenizer, locate, resolve
 from dofmini.distill import distill, train_direct
 from dofmini.files import sha256_file, write_text
-from dofmini.runs import Clock, duration, log, probe, provenance, stage, token_ids
+from dofmini.runs import (
+    Clock,
+    duration,
+    log,
+    probe,
+    provenance,
+    saved_result,
+    stage,
+    token_ids,
+)
 from dofmini.students import load_student, make_student, read_tensors, save_student, save_tensors
 
 VARIANTS = ("performer", "dijiang", "fix", "dof", "dof_clip", "oracle")
@@ -658,11 +667,11 @@ def trained_twin(run: Run, spec: Student, key: dict):
         twin = dataclasses.replace(spec, variant=variant)
         record = run.cfg.out / "students" / f"{twin.stem}.json"
         tensors = record.with_suffix(".safetensors")
-        if variant == spec.variant or not (record.is_file() and tensors.is_file()):
+        if variant == spec.variant or not tensors.is_file():
             continue
-        saved = json.loads(record.read_text())
-        if saved.get("key") == json.loads(json.dumps({**key, "variant": variant})):
-            return twin.name, tensors, saved["result"]
+        result = saved_result(record, {**key, "variant": variant})
+        if result is not None:
+            return twin.name, tensors, result
     return None
 
 

@@ -26,15 +26,23 @@ def log(message: str):
     print(message, flush=True)
 
 
+def saved_result(path: Path, key: dict):
+    """The result a stage saved at `path`, if it was made with `key`; else None."""
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    return saved["result"] if saved.get("key") == json.loads(json.dumps(key)) else None
+
+
 def stage(path: Path, key: dict, compute):
     """compute() unless `path` holds a result made with the same `key` (settings and inputs)."""
     key = json.loads(json.dumps(key))
+    result = saved_result(path, key)
+    if result is not None:
+        log(f"skip: {path} done")
+        return result
     if path.is_file():
-        saved = json.loads(path.read_text())
-        if saved.get("key") == key:
-            log(f"skip: {path} done")
-            return saved["result"]
-        log(f"redo: {path}: {_changed(saved.get('key', {}), key)} changed")
+        log(f"redo: {path}: {_changed(json.loads(path.read_text()).get('key', {}), key)} changed")
     result = compute()
     write_text(path, json.dumps({"key": key, "result": result}, indent=1, sort_keys=True))
     return result
