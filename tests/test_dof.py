@@ -123,7 +123,7 @@ def test_dof_is_batched_over_heads_and_rejects_bad_input():
     x = points(3, 30, 8, 1.0, 0).reshape(2, 3, 5, 8)  # [2, 3, 5, 8]: six heads of five points
     batched = degrees_of_freedom(x, 0.1)
     assert batched.shape == (2, 3)
-    assert batched[1, 2] == pytest.approx(degrees_of_freedom(x[1, 2], 0.1), rel=1e-12)
+    assert batched[1, 2].item() == pytest.approx(degrees_of_freedom(x[1, 2], 0.1).item(), rel=1e-12)
     for bad in (
         lambda: degrees_of_freedom(torch.ones(4), 0.1),
         lambda: degrees_of_freedom(x, 0.0),
