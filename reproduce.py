@@ -21,11 +21,13 @@ import numpy as np
 import torch
 
 import dofmini
-from dofmini import data, dof, evaluate, report
+from dofmini import dof
 from dofmini.checkpoint import CheckpointError, load_tokenizer, locate, resolve
 from dofmini.distill import distill, train_direct
 from dofmini.files import sha256_file, write_text
-from dofmini.runs import (
+from dofmini.students import load_student, make_student, read_tensors, save_student, save_tensors
+from dofmini.study import data, evaluate, report
+from dofmini.study.runs import (
     Clock,
     duration,
     log,
@@ -35,7 +37,6 @@ from dofmini.runs import (
     stage,
     token_ids,
 )
-from dofmini.students import load_student, make_student, read_tensors, save_student, save_tensors
 
 VARIANTS = ("performer", "dijiang", "fix", "dof", "dof_clip", "oracle")
 LOSSES = ("softmax", "l2", "direct")

@@ -10,9 +10,9 @@ from conftest import FIXTURES
 from dofmini import load
 from dofmini.distill import distill
 from dofmini.dof import allocate, estimate_dof
-from dofmini.evaluate import layer_errors
 from dofmini.students import make_student
-from dofmini.tasks import TASKS, load_task
+from dofmini.study.evaluate import layer_errors
+from dofmini.study.tasks import TASKS, load_task
 
 TASK_FILES = FIXTURES / "tasks"  # two or three hand-written examples in each task's own format
 

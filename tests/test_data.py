@@ -13,10 +13,10 @@ from conftest import shared_path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dofmini import data
-from dofmini.evaluate import PPL_TEXTS
 from dofmini.files import sha256_file
-from dofmini.tasks import TASKS, load_task
+from dofmini.study import data
+from dofmini.study.evaluate import PPL_TEXTS
+from dofmini.study.tasks import TASKS, load_task
 
 SERVED = ["wikitext2", "piqa", "logiqa"]  # 3.5 MB in 5 files over 3 folders: a quick full fill
 

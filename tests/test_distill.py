@@ -11,9 +11,9 @@ from conftest import FIXTURES, shared_path
 
 from dofmini import CheckpointError, load, load_tokenizer
 from dofmini.distill import distill, layer_pass, train_direct
-from dofmini.evaluate import layer_errors, perplexity
 from dofmini.linear_attention import causal_linear_attention
 from dofmini.students import load_student, make_student, read_tensors, save_student
+from dofmini.study.evaluate import layer_errors, perplexity
 
 
 def quiet(line):

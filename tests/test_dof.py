@@ -18,7 +18,7 @@ from dofmini.dof import (
     sample_queries_keys,
     saturation_warning,
 )
-from dofmini.plots import allocation_chart, line_chart
+from dofmini.study.plots import allocation_chart, line_chart
 
 FAST = settings(max_examples=60, deadline=None)
 SVG = "{http://www.w3.org/2000/svg}"

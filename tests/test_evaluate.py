@@ -14,8 +14,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from torch import nn
 
 from dofmini import load, load_tokenizer
-from dofmini.evaluate import encode_file, perplexity, score_examples, score_requests
-from dofmini.tasks import Example
+from dofmini.study.evaluate import encode_file, perplexity, score_examples, score_requests
+from dofmini.study.tasks import Example
 
 WORDS = ["q", "x", "y", "the", "cat", "dog", "ran", "far"]
 
@@ -195,7 +195,7 @@ def test_standin_wikitext2_perplexity_matches_reference(name):
 
 
 def test_evaluate_command_writes_reference_perplexity_and_tasks(tmp_path, capsys):
-    from dofmini.evaluate import main
+    from dofmini.study.evaluate import main
 
     folder = shared_path("weights", "standin-gpt2")
     reference = json.loads((folder / "reference.json").read_text())

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dofmini.plots import BOTTOM, LEFT, RIGHT, TOP, H, W, line_chart, xy_chart
+from dofmini.study.plots import BOTTOM, LEFT, RIGHT, TOP, H, W, line_chart, xy_chart
 
 SVG = "{http://www.w3.org/2000/svg}"
 

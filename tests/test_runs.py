@@ -6,7 +6,7 @@ import time
 
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from dofmini.runs import Clock, stage, token_ids
+from dofmini.study.runs import Clock, stage, token_ids
 
 
 def test_stage_reuses_only_an_identical_key(tmp_path, capsys):

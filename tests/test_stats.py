@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dofmini.dof import oracle_allocate
-from dofmini.stats import (
+from dofmini.study.stats import (
     features_needed,
     mean_ci,
     paired_diff,

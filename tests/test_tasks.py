@@ -1,7 +1,7 @@
 import pytest
 from conftest import shared_path
 
-from dofmini.tasks import TASKS, load_task
+from dofmini.study.tasks import TASKS, load_task
 
 COUNTS = {
     "piqa": 1838,

@@ -4,8 +4,8 @@
 
 import numpy as np
 
+from ..files import write_text
 from . import compare, plots
-from .files import write_text
 
 
 def allocation_table(result: dict) -> str:

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import __version__
-from .distill import distill, train_direct
-from .files import atomic_write, write_text
-from .students import make_student
+from .. import __version__
+from ..distill import distill, train_direct
+from ..files import atomic_write, write_text
+from ..students import make_student
 
 
 def log(message: str):

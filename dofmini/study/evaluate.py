@@ -17,11 +17,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..checkpoint import CheckpointError, load_tokenizer, locate
+from ..distill import as_token_ids, capture, layer_pass
+from ..files import write_text
+from ..model import load
 from . import data
-from .checkpoint import CheckpointError, load_tokenizer, locate
-from .distill import as_token_ids, capture, layer_pass
-from .files import write_text
-from .model import load
 from .tasks import TASKS, load_task
 
 # the perplexity texts, relative to the data folder; each name is also its dofmini.data group

@@ -7,8 +7,8 @@ training had flattened.
 
 import numpy as np
 
+from ..files import write_text
 from . import plots, stats
-from .files import write_text
 
 ERROR_METRICS = ("kl", "output_rel", "kernel_l2")
 PPL_METRICS = (("wikitext2_ppl", "WikiText-2 ppl"), ("heldout_ppl", "held-out ppl"))

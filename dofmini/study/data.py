@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from tqdm import tqdm
 
-from .files import atomic_write, cache_dir, sha256_file
+from ..files import atomic_write, cache_dir, sha256_file
 
 # group: (dataset, licence); the task groups are the names of tasks.TASKS
 GROUPS = {
