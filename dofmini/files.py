@@ -1,8 +1,16 @@
-"""File helpers every stage shares: whole-or-nothing writes and content hashes."""
+"""File helpers every stage shares: whole-or-nothing writes, content hashes, and a quick check that
+the hosts a download needs take a connection."""
 
 import hashlib
 import os
+import socket
+import threading
+import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
+
+CONNECT_SECONDS = 4.0  # all hosts are tried at once, so an offline machine hears back within this
 
 
 def cache_dir() -> Path:
@@ -38,3 +46,36 @@ def sha256_file(path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def _endpoint(url: str):
+    """(host, port) a fetch of `url` connects to, its proxy's if it has one; None for a file."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        return None
+    proxy = urllib.request.getproxies().get(parts.scheme)
+    if proxy and not urllib.request.proxy_bypass(parts.hostname):
+        parts = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    return parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+
+
+def unreachable(urls) -> list:
+    """The "host:port" of each endpoint of `urls` taking no TCP connection within CONNECT_SECONDS;
+    daemon threads try all at once, so a hanging name lookup cannot hold the caller."""
+    endpoints = {_endpoint(url) for url in urls} - {None}
+    reached = set()
+
+    def connect(endpoint):
+        try:
+            socket.create_connection(endpoint, timeout=CONNECT_SECONDS).close()
+            reached.add(endpoint)
+        except OSError:
+            pass
+
+    threads = [threading.Thread(target=connect, args=(e,), daemon=True) for e in endpoints]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + CONNECT_SECONDS
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return sorted(f"{host}:{port}" for host, port in endpoints - set(reached))

@@ -2,6 +2,7 @@
 downloads from a real HTTP server on 127.0.0.1 (no other network)."""
 
 import hashlib
+import os
 import re
 import shutil
 import socket
@@ -185,8 +186,8 @@ def test_flipped_byte_is_named_with_both_hashes(data_mirror, monkeypatch, tmp_pa
     with pytest.raises(data.DataError) as raised:
         data.ensure(["piqa"], store, log=lambda message: None)
     assert "piqa/valid.jsonl" in str(raised.value) and pinned in str(raised.value)
-    assert actual in str(raised.value) and stored(store) == set()
-    (store / "piqa").mkdir(parents=True, exist_ok=True)  # the failed download made the folder
+    # the labels verified and stay
+    assert actual in str(raised.value) and stored(store) == {"piqa/valid-labels.lst"}
     shutil.copy(corrupt, store / "piqa")
     with pytest.raises(data.DataError, match=f"expected sha256 {pinned}.* found sha256 {actual}"):
         data.ensure(["piqa"], store)
@@ -207,3 +208,84 @@ def test_offline_gives_one_message_listing_every_missing_file(monkeypatch, tmp_p
     for f in data.files(SERVED):
         assert f"{url}/{f.path}\n    -> {tmp_path / 'store' / f.path}" in message
     assert not (tmp_path / "store").exists()
+
+
+def test_every_missing_file_is_attempted_and_one_message_names_each_failure(
+    data_mirror, monkeypatch, tmp_path
+):
+    """A mirror serving one wrong file and missing another: the rest of the groups' files are
+    downloaded and verified, and one error names both failures."""
+    served, store = tmp_path / "served", tmp_path / "store"
+    for group in SERVED:
+        for f in data.files(group):
+            (served / f.path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(shared_path("data", f.path), served / f.path)
+    wrong, gone = "wikitext-2-raw/wiki.valid.raw", "logiqa/Test.txt"
+    (served / wrong).write_bytes(b"not the pinned bytes\n")
+    (served / gone).unlink()
+    mirror = data_mirror(served)
+    monkeypatch.setenv("DOFMINI_DATA_MIRROR", mirror.url)
+    with pytest.raises(data.DataError) as raised:
+        data.ensure(SERVED, store, log=lambda message: None)
+    message = str(raised.value)
+    assert message.startswith("2 of 5 data file(s) failed; the other 3 are in place and verified")
+    assert (
+        f"{wrong}: expected sha256" in message and f"{gone}: {mirror.url}/{gone} answered HTTP 404"
+    )
+    assert stored(store) == paths(SERVED) - {wrong, gone}
+
+
+def test_stale_temporaries_of_killed_downloads_are_removed(monkeypatch, tmp_path):
+    monkeypatch.setenv("DOFMINI_DATA_MIRROR", f"file://{shared_path('data')}")
+    folder = tmp_path / "wikitext-2-raw"
+    folder.mkdir()
+    dead = 2**22 + 12345  # above Linux's default pid_max of 2^22: no such process
+    stale = folder / f".wiki.valid.raw.{dead}.tmp"
+    stale.write_bytes(b"x" * 1000)
+    live = folder / f".wiki.other.{os.getpid()}.tmp"  # a running download's: kept
+    live.write_bytes(b"y")
+    data.ensure("wikitext2", tmp_path, log=lambda message: None)
+    assert not stale.exists() and live.exists()
+
+
+def test_a_folder_or_a_non_utf8_source_is_named(monkeypatch, tmp_path):
+    (tmp_path / "wikitext-2-raw" / "wiki.test.raw").mkdir(parents=True)
+    monkeypatch.setenv("DOFMINI_DATA_MIRROR", f"file://{shared_path('data')}")
+    with pytest.raises(data.DataError, match="wiki.test.raw is not a file; expected the file"):
+        data.ensure("wikitext2", tmp_path, log=lambda message: None)
+    with pytest.raises(data.DataError, match="heldout.txt is not UTF-8"):
+        data.articles_from_wikiextractor(b'<doc id="1">\n\xff\n</doc>\n', ["A"], "heldout.txt")
+    with pytest.raises(data.DataError, match="1 article.* not in wiki_45, e.g. 'A'"):
+        data.articles_from_wikiextractor(b"", ["A"], "wiki_45")
+
+
+def test_a_bad_registry_row_is_named(tmp_path):
+    registry = tmp_path / "files.tsv"
+    registry.write_text("group\tpath\tbytes\tsha256\turl\npiqa\tx.txt\t12\tabc\thttps://h/x\n")
+    with pytest.raises(data.DataError, match=r"files.tsv line 2: .*expected group, path, bytes"):
+        data.read_registry(registry)
+    registry.write_text(f"h\nhellaswag\tx.txt\t12\t{'0' * 64}\thttps://h/x\n")
+    with pytest.raises(data.DataError, match="group 'hellaswag'; known: wikitext2"):
+        data.read_registry(registry)
+
+
+def test_source_check_prints_a_table_and_fails_on_a_mismatch(data_mirror, monkeypatch, tmp_path):
+    served = tmp_path / "served"
+    for f in data.files(["piqa", "heldout"]):
+        (served / f.path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(shared_path("data", f.path), served / f.path)
+    (heldout,) = data.files("heldout")
+    (served / heldout.path).write_bytes(shared_as_wikiextractor(heldout))  # as its source serves it
+    monkeypatch.setenv("DOFMINI_DATA_MIRROR", data_mirror(served).url)
+    lines = []
+    assert data.check_sources(["piqa", "heldout"], log=lines.append)
+    assert len(lines) == 4 and all(line.endswith("| yes |") for line in lines[1:])
+    (served / "piqa" / "valid-labels.lst").write_bytes(b"0\n1\n")
+    lines.clear()
+    assert not data.check_sources(["piqa", "heldout"], log=lines.append)
+    (bad,) = [line for line in lines if "**no**" in line]
+    assert bad.startswith("| piqa/valid-labels.lst |") and "| **no**: piqa/valid-labels.lst" in bad
+    assert not list(tmp_path.glob("**/.*.tmp"))
+    with pytest.raises(SystemExit) as exited:
+        data.main(["--check-sources", "--groups", "piqa"])
+    assert exited.value.code == 1

@@ -3,17 +3,21 @@
 `data_files.tsv` lists each file: group, path in the store, size, sha256 and public source; a file
 counts only with exactly those bytes. The store is `--data DIR`, else $DOFMINI_DATA, else
 $XDG_CACHE_HOME/dofmini/data (~/.cache/dofmini/data). $DOFMINI_DATA_MIRROR=URL replaces every source
-by URL/<path in the store> (http://, https:// or file://). The Wikipedia sources are WikiExtractor
-output (`<doc>` records); the store keeps the articles `data_articles.txt` names, as plain text.
+by URL/<path in the store> (http://, https:// or file://); $DOFMINI_DATA_REGISTRY=FILE replaces the
+registry (same format: your own texts under the same paths, or a test's). Wikipedia sources are
+WikiExtractor output (`<doc>` records); the store keeps the articles `data_articles.txt` names, as
+plain text, by one rule for every such file (`articles_from_wikiextractor`).
+
+    python -m dofmini.study.data --check-sources    # for maintainers: every source against its pin
 """
 
+import argparse
 import http.client
 import os
 import re
-import socket
 import sys
-import threading
-import time
+import tempfile
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -21,7 +25,7 @@ from typing import NamedTuple
 
 from tqdm import tqdm
 
-from ..files import atomic_write, cache_dir, sha256_file
+from ..files import CONNECT_SECONDS, atomic_write, cache_dir, sha256_file, unreachable
 
 # group: (dataset, licence); the task groups are the names of tasks.TASKS
 GROUPS = {
@@ -38,7 +42,6 @@ GROUPS = {
     "lambada": ("LAMBADA, OpenAI's detokenised test", "CC BY 4.0"),
 }
 WIKIEXTRACTOR_GROUPS = ("corpus", "heldout")
-CONNECT_SECONDS = 4.0  # all hosts are tried at once, so an offline machine hears back within this
 
 
 class DataError(RuntimeError):
@@ -53,17 +56,32 @@ class DataFile(NamedTuple):
     url: str  # the public source
 
 
-def _package_lines(name: str) -> list:
-    text = Path(__file__).with_name(name).read_text(encoding="utf-8")
+def _lines(file: Path) -> list:
+    text = file.read_text(encoding="utf-8")
     return [line for line in text.splitlines() if line and not line.startswith("#")]
 
 
-FILES = tuple(
-    DataFile(group, path, int(size), sha256, url)
-    for group, path, size, sha256, url in (
-        line.split("\t") for line in _package_lines("data_files.tsv")[1:]
-    )
+def read_registry(file: Path) -> tuple:
+    """The rows of a registry file (data_files.tsv's format: a header, then one tab-separated
+    row per file), each checked, so that a bad row stops here and not in a download."""
+    rows = []
+    for number, line in enumerate(_lines(file)[1:], start=2):
+        cells = line.split("\t")
+        if len(cells) != 5 or not cells[2].isdigit() or not re.fullmatch(r"[0-9a-f]{64}", cells[3]):
+            raise DataError(
+                f"{file} line {number}: {line!r}; expected group, path, bytes, sha256 (64 hex) "
+                "and URL, tab-separated"
+            )
+        if cells[0] not in GROUPS:
+            raise DataError(f"{file} line {number}: group {cells[0]!r}; known: {', '.join(GROUPS)}")
+        rows.append(DataFile(cells[0], cells[1], int(cells[2]), cells[3], cells[4]))
+    return tuple(rows)
+
+
+REGISTRY = Path(
+    os.environ.get("DOFMINI_DATA_REGISTRY") or Path(__file__).with_name("data_files.tsv")
 )
+FILES = read_registry(REGISTRY)
 
 
 def _articles(lines: list) -> dict:
@@ -77,7 +95,7 @@ def _articles(lines: list) -> dict:
     return titles
 
 
-ARTICLES = _articles(_package_lines("data_articles.txt"))
+ARTICLES = _articles(_lines(Path(__file__).with_name("data_articles.txt")))
 
 
 def store_dir(arg=None) -> Path:
@@ -103,20 +121,18 @@ def source(f: DataFile) -> str:
 
 
 def missing(groups, root) -> list:
-    """(path in the store, URL, size) of each file of `groups` absent from `root`."""
-    return [
-        (f.path, source(f), f.size) for f in files(groups) if not (Path(root) / f.path).is_file()
-    ]
+    """The registry rows of `groups` with nothing at their path under `root`."""
+    return [f for f in files(groups) if not (Path(root) / f.path).exists()]
 
 
 def describe(groups, root) -> str:
     """For a run plan: per group its dataset, files, size, licence, source and what is missing."""
-    absent = {path for path, _, _ in missing(groups, root)}
+    absent = missing(groups, root)
     lines = [f"data store {Path(root).resolve()}:"]
     for group in dict.fromkeys(f.group for f in files(groups)):
         rows = [f for f in FILES if f.group == group]
         hosts = sorted({urllib.parse.urlsplit(source(f)).netloc or "a local folder" for f in rows})
-        todo = sum(f.path in absent for f in rows)
+        todo = sum(f in absent for f in rows)
         lines.append(
             f"  {group}: {GROUPS[group][0]}; {len(rows)} file(s), {_mb(rows)}, licence "
             f"{GROUPS[group][1]}, from {', '.join(hosts)}; {todo or 'none'} to download"
@@ -124,44 +140,88 @@ def describe(groups, root) -> str:
     return "\n".join(lines)
 
 
+def offline_listing(rows, root) -> str:
+    """Where each of `rows` comes from and goes: one "URL -> path" line pair per file."""
+    return "".join(f"\n  {source(f)}\n    -> {Path(root).resolve() / f.path}" for f in rows)
+
+
 def ensure(groups, root, log=None) -> dict:
     """{path in the store: sha256} of every file of `groups` under `root`, missing ones downloaded.
 
-    Present files are checked first (size, then sha256). A missing file's host must take a TCP
-    connection within CONNECT_SECONDS; else one DataError lists every missing file, its URL and
-    where to put it, before any download. Each download is checked before it is kept."""
+    Temporaries left by a killed download are removed first; present files are checked (size,
+    then sha256). When a missing file's host takes no TCP connection within CONNECT_SECONDS, one
+    DataError lists every missing file, its URL and where to put it, before any download. Else
+    every missing file is attempted; each is checked before it is kept, what verified stays, and
+    one DataError then names every failure."""
     log = log or (lambda message: print(message, flush=True))
     root = Path(root)
     needed = files(groups)
-    absent = [f for f in needed if not (root / f.path).is_file()]
+    _remove_stale_temporaries(root, needed)
+    absent = missing(groups, root)
+    failures = []
     for f in (f for f in needed if f not in absent):
-        _verify(root / f.path, f, "delete it to download it again")
-    unreachable = _unreachable([source(f) for f in absent])
-    if unreachable:
-        listing = "".join(f"\n  {source(f)}\n    -> {root.resolve() / f.path}" for f in absent)
+        try:
+            _verify(root / f.path, f, "delete it to download it again")
+        except DataError as err:
+            failures.append(str(err))
+    hosts = unreachable([source(f) for f in absent])
+    if hosts:
         raise DataError(
-            f"{len(absent)} data file(s), {_mb(absent)}, are missing and {', '.join(unreachable)} "
+            f"{len(absent)} data file(s), {_mb(absent)}, are missing and {', '.join(hosts)} "
             f"took no connection in {CONNECT_SECONDS:.0f} s. Download each to the path shown (a "
             f"Wikipedia file as served: it is converted on the next run), or point --data or "
-            f"DOFMINI_DATA_MIRROR at a copy of the store:{listing}"
+            f"DOFMINI_DATA_MIRROR at a copy of the store:{offline_listing(absent, root)}"
         )
     for f in absent:
-        _download(f, root / f.path, log)
+        try:
+            _download(f, root / f.path, log)
+        except DataError as err:
+            failures.append(str(err))
+    if failures:
+        raise DataError(
+            f"{len(failures)} of {len(needed)} data file(s) failed; the other "
+            f"{len(needed) - len(failures)} are in place and verified:\n  " + "\n  ".join(failures)
+        )
     return {f.path: f.sha256 for f in needed}
 
 
-def articles_from_wikiextractor(raw: bytes, titles: list) -> bytes:
+def _remove_stale_temporaries(root: Path, rows) -> None:
+    """Delete `.NAME.PID.tmp` files that atomic_write left beside store files when its process was
+    killed; those of a process still running are its downloads in progress."""
+    for folder in {(root / f.path).parent for f in rows}:
+        for tmp in folder.glob(".*.tmp") if folder.is_dir() else ():
+            pid = tmp.name.rsplit(".", 2)[-2]
+            if pid.isdigit() and not _running(int(pid)):
+                tmp.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def articles_from_wikiextractor(raw: bytes, titles: list, file="the source") -> bytes:
     """The store's form of a WikiExtractor file: the articles named in `titles`, in that order, each
-    "= Title =", a blank line, then its lines without trailing spaces or blank lines; a blank line
-    between articles. The source's short stubs are left out by not being named."""
+    "= Title =", a blank line, then its lines without trailing whitespace or blank lines; a blank
+    line between articles. Leading whitespace stays (the real sources have lines that begin with a
+    space). The source's short stubs are left out by not being named. `file` names it in errors."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{file} is not UTF-8 ({err}); expected WikiExtractor output") from None
     found = {}
-    for record in re.findall(r"<doc [^>]*>\n(.*?)\n</doc>\n", raw.decode("utf-8"), re.S):
-        title, _, text = record.partition("\n")
-        lines = (line.rstrip() for line in text.split("\n"))
+    for record in re.findall(r"<doc [^>]*>\n(.*?)\n</doc>\n", text, re.S):
+        title, _, body = record.partition("\n")
+        lines = (line.rstrip() for line in body.split("\n"))
         found.setdefault(title, "\n".join(line for line in lines if line))
     lost = [t for t in titles if t not in found]
     if lost:
-        raise DataError(f"{len(lost)} article(s) are not in the source, e.g. {lost[0]!r}")
+        raise DataError(f"{len(lost)} article(s) are not in {file}, e.g. {lost[0]!r}")
     return "\n".join(f"= {t} =\n\n{found[t]}\n" for t in titles).encode("utf-8")
 
 
@@ -172,10 +232,12 @@ def _mb(rows) -> str:
 def _verify(path: Path, f: DataFile, advice: str) -> None:
     """Raise DataError unless `path` holds the pinned bytes, comparing sizes before hashing. A
     Wikipedia file in its source form (WikiExtractor output) is converted in place first."""
+    if not path.is_file():
+        raise DataError(f"{f.path}: {path} is not a file; expected the file itself")
     if path.stat().st_size != f.size and f.group in WIKIEXTRACTOR_GROUPS:
         raw = path.read_bytes()
         if raw.startswith(b"<doc "):
-            converted = articles_from_wikiextractor(raw, ARTICLES[f.path])
+            converted = articles_from_wikiextractor(raw, ARTICLES[f.path], path)
             atomic_write(path, lambda tmp: tmp.write_bytes(converted))
     size = path.stat().st_size
     if size != f.size or sha256_file(path) != f.sha256:
@@ -185,61 +247,69 @@ def _verify(path: Path, f: DataFile, advice: str) -> None:
         )
 
 
-def _endpoint(url: str):
-    """(host, port) a fetch of `url` connects to, its proxy's if it has one; None for a file."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https"):
-        return None
-    proxy = urllib.request.getproxies().get(parts.scheme)
-    if proxy and not urllib.request.proxy_bypass(parts.hostname):
-        parts = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
-    return parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
-
-
-def _unreachable(urls: list) -> list:
-    """The "host:port" of each endpoint of `urls` taking no TCP connection within CONNECT_SECONDS;
-    daemon threads try all at once, so a hanging name lookup cannot hold the caller."""
-    endpoints = {_endpoint(url) for url in urls} - {None}
-    reached = set()
-
-    def connect(endpoint):
-        try:
-            socket.create_connection(endpoint, timeout=CONNECT_SECONDS).close()
-            reached.add(endpoint)
-        except OSError:
-            pass
-
-    threads = [threading.Thread(target=connect, args=(e,), daemon=True) for e in endpoints]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + CONNECT_SECONDS
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    return sorted(f"{host}:{port}" for host, port in endpoints - set(reached))
+def _fetch(url: str, what: str, tmp: Path) -> None:
+    """Stream `url` into `tmp` under a progress bar; a DataError says whether to retry."""
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as out:
+            length = int(response.headers.get("Content-Length") or 0) or None
+            with tqdm(total=length, unit="B", unit_scale=True, desc=what, file=sys.stdout) as bar:
+                while block := response.read(1 << 16):
+                    bar.update(out.write(block))
+            received = out.tell()
+    except urllib.error.HTTPError as err:
+        raise DataError(f"{what}: {url} answered HTTP {err.code} ({err.reason})") from None
+    except (OSError, http.client.HTTPException) as err:
+        raise DataError(f"{what}: fetching {url} failed ({err}); run again to retry") from None
+    if length and received != length:
+        raise DataError(f"{what}: {url} stopped after {received} of {length} bytes; run again")
 
 
 def _download(f: DataFile, dest: Path, log) -> None:
-    """Stream `f` into a temporary file beside `dest` under a progress bar, check it (converting a
-    Wikipedia source), then rename it to `dest`: a failure leaves neither `dest` nor a temporary."""
+    """Fetch `f` into a temporary file beside `dest`, check it (converting a Wikipedia source),
+    then rename it to `dest`: a failure leaves neither `dest` nor a temporary."""
     url = source(f)
     log(f"downloading {f.path} ({_mb([f])}, licence {GROUPS[f.group][1]}) from {url}")
 
     def fetch(tmp: Path):
-        try:
-            with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as out:
-                length = int(response.headers.get("Content-Length") or 0) or None
-                with tqdm(
-                    total=length, unit="B", unit_scale=True, desc=f.path, file=sys.stdout
-                ) as bar:
-                    while block := response.read(1 << 16):
-                        bar.update(out.write(block))
-                received = out.tell()
-        except (OSError, http.client.HTTPException) as err:
-            raise DataError(f"{f.path}: fetching {url} failed ({err}); run again") from err
-        if length and received != length:
-            raise DataError(
-                f"{f.path}: {url} stopped after {received} of {length} bytes; run again"
-            )
+        _fetch(url, f.path, tmp)
         _verify(tmp, f, f"nothing was kept from {url}")
 
     atomic_write(dest, fetch)
+
+
+def check_sources(groups, log=print) -> bool:
+    """Download every source of `groups` (not the store) into a temporary folder, convert it as
+    the store does, compare it with its pin, and print a table; True when every file matches."""
+    log("| file | source | bytes | sha256 | matches its pin |\n|---|---|---|---|---|")
+    ok = True
+    with tempfile.TemporaryDirectory() as scratch:
+        for f in files(groups):
+            tmp = Path(scratch) / f.path
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                _fetch(source(f), f.path, tmp)
+                _verify(tmp, f, "")
+                row = f"{f.size} | {f.sha256[:16]}… | yes"
+            except DataError as err:
+                ok = False
+                got = (tmp.stat().st_size, sha256_file(tmp)[:16]) if tmp.is_file() else ("—", "—")
+                row = f"{got[0]} | {got[1]}… | **no**: {str(err).split('; ')[0]}"
+            log(f"| {f.path} | {source(f)} | {row} |")
+    return ok
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m dofmini.study.data", description=__doc__)
+    p.add_argument("--check-sources", action="store_true", required=True,
+                   help="download every source, convert, compare with the pins")  # fmt: skip
+    p.add_argument("--groups", default=",".join(GROUPS), help="comma-separated data groups")
+    args = p.parse_args(argv)
+    try:
+        ok = check_sources(args.groups.split(","))
+    except DataError as err:
+        raise SystemExit(f"python -m dofmini.study.data: error: {err}") from None
+    raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
