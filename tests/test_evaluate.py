@@ -4,7 +4,6 @@ reference.json."""
 
 import json
 import math
-import re
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +13,14 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from torch import nn
 
 from dofmini import load, load_tokenizer
-from dofmini.study.evaluate import encode_file, perplexity, score_examples, score_requests
+from dofmini.study.evaluate import (
+    PPL_TEXTS,
+    encode_file,
+    evaluate_model,
+    perplexity,
+    score_examples,
+    score_requests,
+)
 from dofmini.study.tasks import Example
 
 WORDS = ["q", "x", "y", "the", "cat", "dog", "ran", "far"]
@@ -194,42 +200,14 @@ def test_standin_wikitext2_perplexity_matches_reference(name):
     assert ppl == pytest.approx(reference["wikitext2_test_ppl_first64_windows"], rel=1e-3)
 
 
-def test_evaluate_command_writes_reference_perplexity_and_tasks(tmp_path, capsys):
-    from dofmini.study.evaluate import main
-
+def test_a_teacher_evaluation_gives_reference_perplexity_and_tasks():
     folder = shared_path("weights", "standin-gpt2")
     reference = json.loads((folder / "reference.json").read_text())
-    out = tmp_path / "eval.json"
-    main(
-        [
-            str(folder),
-            "--data",
-            str(shared_path("data")),
-            "--windows",
-            "64",
-            "--limit",
-            "3",
-            "--tasks",
-            "piqa,lambada",
-            "--out",
-            str(out),
-        ]
-    )
-    result = json.loads(out.read_text())
+    model, tokenizer, store = load(folder), load_tokenizer(folder), shared_path("data")
+    texts = {name: encode_file(store / path, tokenizer) for name, path in PPL_TEXTS.items()}
+    result = evaluate_model(model, tokenizer, texts, 256, store, 64, 3, ("piqa", "lambada"))
     assert result["wikitext2_ppl"] == pytest.approx(
         reference["wikitext2_test_ppl_first64_windows"], rel=1e-3
     )
     assert result["wikitext2_tokens"] == 64 * 255
     assert {t: r["n"] for t, r in result["tasks"].items()} == {"piqa": 3, "lambada": 3}
-    printed = capsys.readouterr().out
-    assert "piqa: acc " in printed and "WikiText-2 ppl " in printed
-    with pytest.raises(SystemExit, match="config.json"):
-        main([str(tmp_path), "--data", str(shared_path("data"))])
-    bad = [(["--tasks", "piqa,hellaswag"], "--tasks 'hellaswag': expected names from piqa"),
-           (["--limit", "0"], "--limit 0: expected 1 or more"),
-           (["--windows", "-2"], "--windows -2: expected 1 or more"),
-           (["--ctx", "1"], "--ctx 1: expected 2 or more"),
-           (["--out", str(tmp_path)], "is a directory; expected a file path")]  # fmt: skip
-    for flags, message in bad:  # each refused before the data store is looked at
-        with pytest.raises(SystemExit, match=re.escape(message)):
-            main([str(folder), "--data", str(tmp_path / "empty"), *flags])

@@ -7,42 +7,26 @@ separately and concatenated, so the scored tokens are exactly the continuation's
 over-long inputs lose tokens from the left.
 """
 
-import argparse
-import json
 import math
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
-from ..checkpoint import CheckpointError, load_tokenizer, locate
 from ..distill import as_token_ids, capture, layer_pass
-from ..files import write_text
-from ..model import load
-from . import data
 from .tasks import TASKS, load_task
 
 # the perplexity texts, relative to the data folder; each name is also its dofmini.data group
 PPL_TEXTS = {"wikitext2": "wikitext-2-raw/wiki.test.raw", "heldout": "corpus/wikipedia-heldout.txt"}
 
 
-class _Progress:
-    """About one stderr line per tenth of a long loop; nothing for short ones."""
-
-    def __init__(self, what: str, total: int, quiet_below: int = 500):
-        self.what, self.total, self.t0 = what, total, time.time()
-        self.step = max(1, total // 10)
-        self.next = self.step if total >= quiet_below else math.inf
-
-    def __call__(self, done: int, note: str = ""):
-        if done >= self.next:
-            self.next = done + self.step
-            print(
-                f"{self.what}: {done}/{self.total} {note}({time.time() - self.t0:.0f}s)",
-                flush=True,
-            )
+def _progress(what: str, total: int):
+    """A progress bar on stdout for a loop of `total` steps; none for short loops."""
+    return tqdm(total=total, desc=what, file=sys.stdout, disable=total < 500, mininterval=5)
 
 
 def encode_file(path, tokenizer) -> torch.Tensor:
@@ -76,7 +60,7 @@ def perplexity(model, token_ids, ctx: int, stride=None, batch: int = 8):
     if stride is not None:
         first_scored[1:] = ctx - 1 - stride
     nll, scored = 0.0, 0
-    progress = _Progress(f"perplexity ctx={ctx}", len(windows))
+    progress = _progress(f"perplexity ctx={ctx}", len(windows))
     for i in range(0, len(windows), batch):
         chunk = windows[i : i + batch]  # [b, ctx]
         logits = model(chunk[:, :-1])  # [b, ctx-1, V]
@@ -86,9 +70,13 @@ def perplexity(model, token_ids, ctx: int, stride=None, batch: int = 8):
         keep = (
             torch.arange(ctx - 1, device=windows.device) >= first_scored[i : i + batch, None]
         )  # [b, ctx-1]
-        nll += token_nll.view_as(keep)[keep].double().sum().item()
-        scored += int(keep.sum())
-        progress(i + len(chunk), f"ppl {math.exp(nll / scored):.2f} ")
+        # one read from the device per batch: the summed NLL and the count together
+        batch_nll, batch_scored = torch.stack(
+            [(token_nll.view_as(keep) * keep).sum(), keep.sum().float()]
+        ).tolist()
+        nll, scored = nll + batch_nll, scored + int(batch_scored)
+        progress.update(len(chunk))
+    progress.close()
     return math.exp(nll / scored), nll, scored
 
 
@@ -110,7 +98,7 @@ def score_requests(model, requests, ctx=None, batch_tokens: int = 4096, what: st
             )
         rows.setdefault(tuple((list(context) + list(continuation))[:-1][-max_len:]), []).append(i)
     inputs = sorted(rows, key=len, reverse=True)
-    results, start, progress = [None] * len(requests), 0, _Progress(what, len(inputs))
+    results, start, progress = [None] * len(requests), 0, _progress(what, len(inputs))
     device = next(model.parameters()).device
     while start < len(inputs):
         batch = inputs[start : start + max(1, batch_tokens // len(inputs[start]))]
@@ -124,20 +112,27 @@ def score_requests(model, requests, ctx=None, batch_tokens: int = 4096, what: st
             keep[b, len(row) - n : len(row)] = True
         ids, keep = ids.to(device), keep.to(device)
         logprobs = model(ids, keep=keep).float().log_softmax(-1)  # [N, V], rows in `keep` order
-        # one call: thousands of small ones cost as much as the forward
-        best = logprobs.argmax(-1)  # [N]
-        end = 0
+        # every request of the batch gathered at once, one read from the device per batch
+        where, targets, owner, served, end = [], [], [], [], 0
         for row, n in zip(batch, depth):
             end += n
             for i in rows[row]:
-                target = torch.tensor(requests[i][1], device=device)  # [k]
-                at = slice(end - len(target), end)
-                results[i] = (
-                    logprobs[at].gather(1, target[:, None]).sum().item(),
-                    bool((best[at] == target).all()),
-                )
+                k = len(requests[i][1])
+                where += range(end - k, end)
+                targets += requests[i][1]
+                owner += [len(served)] * k
+                served.append(i)
+        where, targets, owner = (torch.tensor(x, device=device) for x in (where, targets, owner))
+        token_ll = logprobs[where, targets]  # [n] log-likelihood of each scored token
+        misses = (logprobs[where].argmax(-1) != targets).float()  # [n]
+        sums = torch.zeros(2, len(served), device=device)  # [2, requests]
+        sums[0].index_add_(0, owner, token_ll)
+        sums[1].index_add_(0, owner, misses)
+        for i, ll, missed in zip(served, *sums.tolist()):
+            results[i] = (ll, missed == 0)
         start += len(batch)
-        progress(start)
+        progress.update(len(batch))
+    progress.close()
     return results
 
 
@@ -262,57 +257,3 @@ def evaluate_model(
     result["tasks"] = evaluate_tasks(model, tokenizer, tasks, data_dir, limit)
     result["eval_seconds"] = time.time() - t0
     return result
-
-
-def main(argv=None):
-    """A full evaluation of one checkpoint: WikiText-2 and held-out perplexity, then every task."""
-    p = argparse.ArgumentParser(prog="python -m dofmini.evaluate", description=main.__doc__)
-    p.add_argument("model", help="a known name or a checkpoint folder")
-    p.add_argument("--ctx", type=int, default=256, help="perplexity window (default 256)")
-    p.add_argument("--windows", type=int, help="perplexity on the first N windows of each text")
-    p.add_argument("--limit", type=int, help="first N examples per task")
-    p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated task names")
-    p.add_argument("--data", help="the data store (default $DOFMINI_DATA, else the user cache)")
-    p.add_argument("--out", type=Path, help="also write the results here as JSON")
-    args = p.parse_args(argv)
-    tasks = args.tasks.split(",")
-    data_dir = data.store_dir(args.data)
-    try:
-        _check(args, tasks)
-        data.ensure([*PPL_TEXTS, *tasks], data_dir)
-        model, tokenizer = load(args.model), load_tokenizer(args.model)
-    except (CheckpointError, data.DataError, ValueError) as err:
-        raise SystemExit(f"python -m dofmini.evaluate: error: {err}") from None
-    texts = {name: encode_file(data_dir / path, tokenizer) for name, path in PPL_TEXTS.items()}
-    result = evaluate_model(
-        model, tokenizer, texts, args.ctx, data_dir, args.windows, args.limit, tasks
-    )
-    result.update(model=model.config.name, ctx=args.ctx, threads=torch.get_num_threads())
-    if args.out:
-        write_text(args.out, json.dumps(result, indent=1, sort_keys=True))
-    for task, scores in result["tasks"].items():
-        print(f"{task}: " + ", ".join(f"{k} {v:.4g}" for k, v in scores.items()))
-    print(
-        f"WikiText-2 ppl {result['wikitext2_ppl']:.4f}, "
-        f"held-out ppl {result['heldout_ppl']:.4f}; "
-        f"{result['eval_seconds']:.0f} s on {result['threads']} threads"
-    )
-
-
-def _check(args, tasks):
-    """Every flag's value, before any data or model work: a ValueError naming the flag."""
-    locate(args.model)
-    if args.ctx < 2:
-        raise ValueError(f"--ctx {args.ctx}: expected 2 or more tokens")
-    for flag, value in (("--windows", args.windows), ("--limit", args.limit)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} {value}: expected 1 or more (leave it out for all)")
-    unknown = [t for t in tasks if t not in TASKS]
-    if unknown:
-        raise ValueError(f"--tasks {unknown[0]!r}: expected names from {', '.join(TASKS)}")
-    if args.out and args.out.is_dir():
-        raise ValueError(f"--out {args.out} is a directory; expected a file path")
-
-
-if __name__ == "__main__":
-    main()
