@@ -1,30 +1,20 @@
-"""Reading checkpoints: the teacher's identity from its weights' content (and the cache of weight
-hashes), and the error each bad config.json, tokenizer.json or model.safetensors gets, built on the
-fly from copies of the good fixtures."""
+"""Reading checkpoints: the teacher's identity from its weights' content, the error each bad
+config.json, tokenizer.json or model.safetensors gets (built on the fly from copies of the good
+fixtures and stand-ins), and what a first run without internet is told to fetch."""
 
 import json
 import os
+import re
 import shutil
-import time
+import struct
 
 import pytest
 import torch
-from conftest import FIXTURES
+from conftest import FIXTURES, shared_path
 from safetensors.torch import load_file, save_file
 
-from dofmini import CheckpointError, checkpoint, load, load_tokenizer
-from dofmini.files import sha256_file
+from dofmini import CheckpointError, hub, load, load_tokenizer
 from dofmini.students import load_student, make_student, save_student
-
-
-@pytest.fixture(autouse=True)
-def user_cache(tmp_path, monkeypatch):
-    """A cache folder of this test's own, so the hashes of its temporary checkpoints neither land
-    in the user's cache nor come from it."""
-    folder = tmp_path / "cache"
-    monkeypatch.setenv("XDG_CACHE_HOME", str(folder))
-    monkeypatch.setattr(checkpoint, "_weights_sha256", {})
-    return folder / "dofmini" / "sha256.json"
 
 
 def copy_fixture(tmp_path, name="gpt2-tiny", under="copy"):
@@ -74,39 +64,35 @@ def test_identity_follows_the_weights_content(tmp_path):
         load_student(load(halved), student_file)
 
 
-def test_weights_hash_is_remembered_per_path_size_and_mtime(gpt2_copy, user_cache, monkeypatch):
-    weights = gpt2_copy / "model.safetensors"
-    identity = checkpoint.fingerprint(gpt2_copy)
-    stored = json.loads(user_cache.read_text())
-    assert stored[str(weights.resolve())]["sha256"] == sha256_file(weights)
-    # a new process (an empty in-process memo) takes the hash from the cache file, unread
-    stored[str(weights.resolve())]["sha256"] = "0" * 64
-    user_cache.write_text(json.dumps(stored))
-    monkeypatch.setattr(checkpoint, "_weights_sha256", {})
-    assert checkpoint.fingerprint(gpt2_copy) != identity
-    # another mtime is another version of the file: hashed again
-    mtime_ns = weights.stat().st_mtime_ns
-    os.utime(weights, ns=(mtime_ns + 1, mtime_ns + 1))
-    assert checkpoint.fingerprint(gpt2_copy) == identity
+def overwrite_first_value(file, name, value):
+    """Overwrite, in place, the first float32 of stored tensor `name`: same size, one weight
+    changed."""
+    with open(file, "r+b") as f:
+        header_size = int.from_bytes(f.read(8), "little")
+        start = json.loads(f.read(header_size))[name]["data_offsets"][0]
+        f.seek(8 + header_size + start)
+        f.write(struct.pack("<f", value))
 
 
-def test_weights_rewritten_within_one_timestamp_are_hashed_again(gpt2_copy, user_cache):
-    weights = gpt2_copy / "model.safetensors"
-    now = time.time_ns()
-    os.utime(weights, ns=(now, now))
-    first = checkpoint.fingerprint(gpt2_copy)
-    rewrite_tensors(gpt2_copy, halve)  # same size
-    os.utime(weights, ns=(now, now))  # and, as within one coarse timestamp tick, the same mtime
-    assert checkpoint.fingerprint(gpt2_copy) != first
-    assert not user_cache.exists()
-
-
-def test_checkpoint_folder_is_never_written_and_an_unusable_cache_is_no_error(
+def test_weights_edited_in_place_with_their_mtime_restored_change_the_identity(
     gpt2_copy, tmp_path, monkeypatch
 ):
-    not_a_folder = tmp_path / "cache-is-a-file"
-    not_a_folder.write_text("")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(not_a_folder))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    weights = gpt2_copy / "model.safetensors"
+    before = weights.stat()
+    first = load(gpt2_copy)
+    overwrite_first_value(weights, "transformer.wte.weight", 0.5)
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = weights.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    edited = load(gpt2_copy)
+    assert edited.wte[0, 0] == 0.5 != first.wte[0, 0]
+    assert edited.identity != first.identity
+    # no hash is remembered anywhere: nothing is written to the user's cache
+    assert not (tmp_path / "cache").exists()
+
+
+def test_checkpoint_folder_is_never_written(gpt2_copy):
     before = sorted((p.name, p.stat().st_mtime_ns) for p in gpt2_copy.iterdir())
     assert load(gpt2_copy).identity == load(FIXTURES / "gpt2-tiny").identity
     assert sorted((p.name, p.stat().st_mtime_ns) for p in gpt2_copy.iterdir()) == before
@@ -226,6 +212,62 @@ def test_invalid_tokenizer_is_named(gpt2_copy, content):
         load_tokenizer(gpt2_copy)
 
 
+def checkpoint_with_tokenizer(tmp_path, standin, tokenizer_folder):
+    """A copy of a stand-in's config.json with the tokenizer.json of `tokenizer_folder` (paths under
+    ../shared/weights); the weights are not needed to load a tokenizer."""
+    folder = tmp_path / standin
+    folder.mkdir()
+    shutil.copy(shared_path("weights", standin, "config.json"), folder)
+    shutil.copy(shared_path("weights", *tokenizer_folder.split("/"), "tokenizer.json"), folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "standin, tokenizer, message",
+    [
+        # NeoX's ids run to 50276; GPT-2's embedding has 50257 rows
+        *[
+            (
+                "standin-gpt2",
+                t,
+                r"tokenizer.json has token ids up to 50276, but .*standin-gpt2/"
+                r"config.json has vocab_size 50257",
+            )
+            for t in ("standin-pythia", "tokenizers/gpt-neox-20b")
+        ],
+        # ids fit Pythia's 50304 rows, but GPT-2's <|endoftext|> is 50256, Pythia's 0
+        *[
+            (
+                "standin-pythia",
+                t,
+                r"standin-pythia/config.json has bos_token_id 0, but the special "
+                r"tokens of .*tokenizer.json are <\|endoftext\|> = 50256",
+            )
+            for t in ("standin-gpt2", "tokenizers/gpt2")
+        ],
+    ],
+)
+def test_tokenizer_of_another_family_is_refused(tmp_path, standin, tokenizer, message):
+    folder = checkpoint_with_tokenizer(tmp_path, standin, tokenizer)
+    with pytest.raises(CheckpointError, match=message):
+        load_tokenizer(folder)
+
+
+@pytest.mark.parametrize(
+    "standin, tokenizer",
+    [
+        ("standin-gpt2", "tokenizers/gpt2"),
+        ("standin-pythia", "tokenizers/gpt-neox-20b"),
+        ("standin-gpt2", "standin-gpt2"),
+        ("standin-pythia", "standin-pythia"),
+    ],
+)
+def test_tokenizer_of_the_same_family_loads(tmp_path, standin, tokenizer):
+    folder = checkpoint_with_tokenizer(tmp_path, standin, tokenizer)
+    eos = json.loads((folder / "config.json").read_text())["eos_token_id"]
+    assert load_tokenizer(folder).id_to_token(eos) == "<|endoftext|>"
+
+
 # --- model.safetensors -------------------------------------------------------------------------
 
 
@@ -254,6 +296,22 @@ def test_bad_tensor_is_named(gpt2_copy, edit, message):
     rewrite_tensors(gpt2_copy, edit)
     with pytest.raises(CheckpointError, match=message):
         load(gpt2_copy)
+
+
+@pytest.mark.parametrize(
+    "name, stored, other",
+    [
+        ("gpt2-tiny", "transformer.h.0.ln_1.weight", "h.0.ln_1.weight"),
+        ("neox-tiny", "embed_out.weight", "lm_head.weight"),
+    ],
+)
+def test_two_names_for_one_tensor_are_refused_naming_both(tmp_path, name, stored, other):
+    folder = copy_fixture(tmp_path, name)
+    rewrite_tensors(folder, lambda t: t.update({other: t[stored].clone()}))
+    message = r"holds both '.*' and '.*': two names for one tensor"
+    with pytest.raises(CheckpointError, match=message) as refused:
+        load(folder)
+    assert set(re.findall(r"'([^']+)'", str(refused.value))) == {stored, other}
 
 
 def put(name, index, value):
@@ -319,6 +377,22 @@ def test_corrupt_file_is_named(gpt2_copy, damage):
         load(gpt2_copy)
 
 
+GPT2_URLS = [f"https://huggingface.co/openai-community/gpt2/resolve/main/{f}" for f in hub.FILES]
+
+
+def test_missing_files_lists_direct_urls_and_destinations_without_network(tmp_path, monkeypatch):
+    weights = tmp_path / "weights"
+    monkeypatch.setattr(hub, "WEIGHTS_DIR", weights)
+    # the default endpoint, as when HF_ENDPOINT is unset; no connection is made to it
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "https://huggingface.co")
+    destinations = [weights / "gpt2" / f for f in hub.FILES]
+    assert hub.missing_files("gpt2") == list(zip(GPT2_URLS, destinations))
+    (weights / "gpt2").mkdir(parents=True)
+    (weights / "gpt2" / "config.json").write_text("{}")
+    assert hub.missing_files("gpt2") == list(zip(GPT2_URLS[1:], destinations[1:]))
+    assert hub.missing_files(FIXTURES / "gpt2-tiny") == []
+
+
 def test_offline_download_says_what_to_fetch_and_where(tmp_path, monkeypatch):
     pytest.importorskip(
         "huggingface_hub", reason="tokenizers brings huggingface_hub; it is the download path"
@@ -329,13 +403,13 @@ def test_offline_download_says_what_to_fetch_and_where(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
     weights = tmp_path / "weights"
     weights.mkdir()
-    monkeypatch.setattr(checkpoint, "WEIGHTS_DIR", weights)
-    with pytest.raises(
-        CheckpointError,
-        match=r"hub is unreachable .* Download config.json, model.safetensors, "
-        r"tokenizer.json from http://127.0.0.1:9/openai-community/gpt2",
-    ):
+    monkeypatch.setattr(hub, "WEIGHTS_DIR", weights)
+    with pytest.raises(CheckpointError, match=r"hub is unreachable .* by hand") as refused:
         load("gpt2")
+    # the same direct file URLs as missing_files, each with where it goes
+    for f in hub.FILES:
+        url = f"http://127.0.0.1:9/openai-community/gpt2/resolve/main/{f}"
+        assert f"\n  {url}\n    -> {weights / 'gpt2' / f}" in str(refused.value)
     assert not any(weights.iterdir()), (
         "a failed download must leave nothing where a checkpoint is expected"
     )
