@@ -1,6 +1,6 @@
-"""Reading checkpoints: the teacher's identity from its weights' content, the error each bad
-config.json, tokenizer.json or model.safetensors gets (built on the fly from copies of the good
-fixtures and stand-ins), and what a first run without internet is told to fetch."""
+"""Reading checkpoints: the teacher's identity from its weights' content, and the error each bad
+config.json or model.safetensors gets, built on the fly from copies of the good fixtures. The
+tokenizer's checks and what a first run without internet is told are in test_model.py."""
 
 import json
 import os
@@ -10,10 +10,10 @@ import struct
 
 import pytest
 import torch
-from conftest import FIXTURES, shared_path
+from conftest import FIXTURES
 from safetensors.torch import load_file, save_file
 
-from dofmini import CheckpointError, hub, load, load_tokenizer
+from dofmini import CheckpointError, load
 from dofmini.students import load_student, make_student, save_student
 
 
@@ -37,13 +37,6 @@ def rewrite_tensors(folder, edit):
 def halve(tensors):
     for name in tensors:
         tensors[name] = tensors[name] / 2
-
-
-def edit_config(folder, edit):
-    file = folder / "config.json"
-    config = json.loads(file.read_text())
-    edit(config)
-    file.write_text(json.dumps(config))
 
 
 # --- identity ----------------------------------------------------------------------------------
@@ -101,87 +94,71 @@ def test_checkpoint_folder_is_never_written(gpt2_copy):
 # --- config.json -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "name, edit, message",
-    [
-        (
-            "gpt2-tiny",
-            lambda c: c.pop("n_embd"),
-            r"config.json: missing 'n_embd'; expected a positive integer",
-        ),
-        (
-            "gpt2-tiny",
-            lambda c: c.update(n_layer="2"),
-            r"config.json: 'n_layer' is '2'; expected a positive integer",
-        ),
-        (
-            "gpt2-tiny",
-            lambda c: c.update(n_head=True),
-            r"config.json: 'n_head' is True; expected a positive integer",
-        ),
-        (
-            "gpt2-tiny",
-            lambda c: c.update(n_positions=0),
-            r"config.json: 'n_positions' is 0; expected a positive integer",
-        ),
-        (
-            "gpt2-tiny",
-            lambda c: c.update(layer_norm_epsilon=-1e-5),
-            r"config.json: 'layer_norm_epsilon' is -1e-05; expected a positive number",
-        ),
-        (
-            "gpt2-tiny",
-            lambda c: c.update(n_embd=30),
-            r"config.json: 'n_embd' = 30 is not divisible by 'n_head' = 4",
-        ),
-        (
-            "gpt2-tiny",
-            lambda c: c.update(activation_function="relu"),
-            r"config.json: 'activation_function' is 'relu'; expected one of gelu, gelu_new",
-        ),
-        (
-            "neox-tiny",
-            lambda c: c.update(num_attention_heads=3),
-            r"config.json: 'hidden_size' = 32 is not divisible by 'num_attention_heads' = 3",
-        ),
-        (
-            "neox-tiny",
-            lambda c: c["rope_parameters"].update(partial_rotary_factor=0),
-            r"config.json: 'rope_parameters.partial_rotary_factor' is 0; "
-            r"expected a number in \(0, 1\]",
-        ),
-        (
-            "neox-tiny",
-            lambda c: c.update(rotary_pct=1.5),
-            r"config.json: 'rotary_pct' is 1.5; expected a number in \(0, 1\]",
-        ),
-        (
-            "neox-tiny",
-            lambda c: c["rope_parameters"].update(partial_rotary_factor=0.375),
-            r"config.json: rotary fraction 0.375 of 8 dims per head rotates 3; "
-            r"expected an even number",
-        ),
-        (
-            "neox-tiny",
-            lambda c: c.update(rope_parameters="default"),
-            r"config.json: 'rope_parameters' is 'default'; expected a JSON object",
-        ),
-        (
-            "neox-tiny",
-            lambda c: c.update(use_parallel_residual="yes"),
-            r"config.json: 'use_parallel_residual' is 'yes'; expected true or false",
-        ),
-        (
-            "neox-tiny",
-            lambda c: c.update(model_type="llama"),
-            r"config.json has model_type 'llama'; dofmini supports 'gpt2' and 'gpt_neox'",
-        ),
-    ],
-)
+# (fixture, config.json edit {key: value}: None removes the key, "a.b" is key b of the object at a,
+# the error's text after "config.json")
+BAD_CONFIGS = [
+    ("gpt2-tiny", {"n_embd": None}, r": missing 'n_embd'; expected a positive integer"),
+    ("gpt2-tiny", {"n_layer": "2"}, r": 'n_layer' is '2'; expected a positive integer"),
+    ("gpt2-tiny", {"n_head": True}, r": 'n_head' is True; expected a positive integer"),
+    ("gpt2-tiny", {"n_positions": 0}, r": 'n_positions' is 0; expected a positive integer"),
+    (
+        "gpt2-tiny",
+        {"layer_norm_epsilon": -1e-5},
+        r": 'layer_norm_epsilon' is -1e-05; expected a positive number",
+    ),
+    ("gpt2-tiny", {"n_embd": 30}, r": 'n_embd' = 30 is not divisible by 'n_head' = 4"),
+    (
+        "gpt2-tiny",
+        {"activation_function": "relu"},
+        r": 'activation_function' is 'relu'; expected one of gelu, gelu_new",
+    ),
+    (
+        "neox-tiny",
+        {"num_attention_heads": 3},
+        r": 'hidden_size' = 32 is not divisible by 'num_attention_heads' = 3",
+    ),
+    (
+        "neox-tiny",
+        {"rope_parameters.partial_rotary_factor": 0},
+        r": 'rope_parameters.partial_rotary_factor' is 0; expected a number in \(0, 1\]",
+    ),
+    ("neox-tiny", {"rotary_pct": 1.5}, r": 'rotary_pct' is 1.5; expected a number in \(0, 1\]"),
+    (
+        "neox-tiny",
+        {"rope_parameters.partial_rotary_factor": 0.375},
+        r": rotary fraction 0.375 of 8 dims per head rotates 3; expected an even number",
+    ),
+    (
+        "neox-tiny",
+        {"rope_parameters": "default"},
+        r": 'rope_parameters' is 'default'; expected a JSON object",
+    ),
+    (
+        "neox-tiny",
+        {"use_parallel_residual": "yes"},
+        r": 'use_parallel_residual' is 'yes'; expected true or false",
+    ),
+    (
+        "neox-tiny",
+        {"model_type": "llama"},
+        r" has model_type 'llama'; dofmini supports 'gpt2' and 'gpt_neox'",
+    ),
+]
+
+
+@pytest.mark.parametrize("name, edit, message", BAD_CONFIGS)
 def test_bad_config_field_is_named(tmp_path, name, edit, message):
     folder = copy_fixture(tmp_path, name)
-    edit_config(folder, edit)
-    with pytest.raises(CheckpointError, match=message):
+    config = json.loads((folder / "config.json").read_text())
+    for key, value in edit.items():
+        parent, _, leaf = key.rpartition(".")
+        fields = config[parent] if parent else config
+        if value is None:
+            fields.pop(leaf)
+        else:
+            fields[leaf] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="config.json" + message):
         load(folder)
 
 
@@ -198,74 +175,6 @@ def test_folder_without_config_and_unknown_name(tmp_path):
         CheckpointError, match="unknown model 'gpt5': not a folder, and not one of gpt2, pythia-70m"
     ):
         load("gpt5")
-
-
-# --- tokenizer.json ----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "content", [b"{not json", b'{"version": "1.0"}', b"\xff\xfe"], ids=["syntax", "shape", "bytes"]
-)
-def test_invalid_tokenizer_is_named(gpt2_copy, content):
-    (gpt2_copy / "tokenizer.json").write_bytes(content)
-    with pytest.raises(CheckpointError, match=r"tokenizer.json is not a valid tokenizer.json"):
-        load_tokenizer(gpt2_copy)
-
-
-def checkpoint_with_tokenizer(tmp_path, standin, tokenizer_folder):
-    """A copy of a stand-in's config.json with the tokenizer.json of `tokenizer_folder` (paths under
-    ../shared/weights); the weights are not needed to load a tokenizer."""
-    folder = tmp_path / standin
-    folder.mkdir()
-    shutil.copy(shared_path("weights", standin, "config.json"), folder)
-    shutil.copy(shared_path("weights", *tokenizer_folder.split("/"), "tokenizer.json"), folder)
-    return folder
-
-
-@pytest.mark.parametrize(
-    "standin, tokenizer, message",
-    [
-        # NeoX's ids run to 50276; GPT-2's embedding has 50257 rows
-        *[
-            (
-                "standin-gpt2",
-                t,
-                r"tokenizer.json has token ids up to 50276, but .*standin-gpt2/"
-                r"config.json has vocab_size 50257",
-            )
-            for t in ("standin-pythia", "tokenizers/gpt-neox-20b")
-        ],
-        # ids fit Pythia's 50304 rows, but GPT-2's <|endoftext|> is 50256, Pythia's 0
-        *[
-            (
-                "standin-pythia",
-                t,
-                r"standin-pythia/config.json has bos_token_id 0, but the special "
-                r"tokens of .*tokenizer.json are <\|endoftext\|> = 50256",
-            )
-            for t in ("standin-gpt2", "tokenizers/gpt2")
-        ],
-    ],
-)
-def test_tokenizer_of_another_family_is_refused(tmp_path, standin, tokenizer, message):
-    folder = checkpoint_with_tokenizer(tmp_path, standin, tokenizer)
-    with pytest.raises(CheckpointError, match=message):
-        load_tokenizer(folder)
-
-
-@pytest.mark.parametrize(
-    "standin, tokenizer",
-    [
-        ("standin-gpt2", "tokenizers/gpt2"),
-        ("standin-pythia", "tokenizers/gpt-neox-20b"),
-        ("standin-gpt2", "standin-gpt2"),
-        ("standin-pythia", "standin-pythia"),
-    ],
-)
-def test_tokenizer_of_the_same_family_loads(tmp_path, standin, tokenizer):
-    folder = checkpoint_with_tokenizer(tmp_path, standin, tokenizer)
-    eos = json.loads((folder / "config.json").read_text())["eos_token_id"]
-    assert load_tokenizer(folder).id_to_token(eos) == "<|endoftext|>"
 
 
 # --- model.safetensors -------------------------------------------------------------------------
@@ -375,41 +284,3 @@ def test_corrupt_file_is_named(gpt2_copy, damage):
     )
     with pytest.raises(CheckpointError, match="model.safetensors is truncated or corrupt"):
         load(gpt2_copy)
-
-
-GPT2_URLS = [f"https://huggingface.co/openai-community/gpt2/resolve/main/{f}" for f in hub.FILES]
-
-
-def test_missing_files_lists_direct_urls_and_destinations_without_network(tmp_path, monkeypatch):
-    weights = tmp_path / "weights"
-    monkeypatch.setattr(hub, "WEIGHTS_DIR", weights)
-    # the default endpoint, as when HF_ENDPOINT is unset; no connection is made to it
-    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "https://huggingface.co")
-    destinations = [weights / "gpt2" / f for f in hub.FILES]
-    assert hub.missing_files("gpt2") == list(zip(GPT2_URLS, destinations))
-    (weights / "gpt2").mkdir(parents=True)
-    (weights / "gpt2" / "config.json").write_text("{}")
-    assert hub.missing_files("gpt2") == list(zip(GPT2_URLS[1:], destinations[1:]))
-    assert hub.missing_files(FIXTURES / "gpt2-tiny") == []
-
-
-def test_offline_download_says_what_to_fetch_and_where(tmp_path, monkeypatch):
-    pytest.importorskip(
-        "huggingface_hub", reason="tokenizers brings huggingface_hub; it is the download path"
-    )
-    from huggingface_hub import constants
-
-    # Port 9 on loopback has no listener: the state of a machine without internet, on any machine.
-    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
-    weights = tmp_path / "weights"
-    weights.mkdir()
-    monkeypatch.setattr(hub, "WEIGHTS_DIR", weights)
-    with pytest.raises(CheckpointError, match=r"hub is unreachable .* by hand") as refused:
-        load("gpt2")
-    # the same direct file URLs as missing_files, each with where it goes
-    for f in hub.FILES:
-        url = f"http://127.0.0.1:9/openai-community/gpt2/resolve/main/{f}"
-        assert f"\n  {url}\n    -> {weights / 'gpt2' / f}" in str(refused.value)
-    assert not any(weights.iterdir()), (
-        "a failed download must leave nothing where a checkpoint is expected"
-    )
