@@ -4,9 +4,9 @@ Per-layer feature dimensions are chosen from the degrees of freedom of each laye
 kernel (arXiv 2507.03340).
 """
 
-from .checkpoint import CheckpointError, load_tokenizer
+from .checkpoint import CheckpointError
 from .generate import generate
-from .model import load
+from .hub import load, load_tokenizer
 
 __version__ = "0.2.0"
 __all__ = ["CheckpointError", "generate", "load", "load_tokenizer"]

@@ -1,39 +1,17 @@
-"""Finding, downloading and reading Hugging Face-layout checkpoints (config.json,
-model.safetensors, tokenizer.json) without transformers. Weights are read with safetensors only:
-nothing is unpickled."""
+"""Reading a Hugging Face checkpoint folder without transformers: config.json into a checked
+`Config`, model.safetensors into checked tensors in our layout, and `load_folder`, which needs no
+network. Weights are read with safetensors only: nothing is unpickled. Vendorable with model.py:
+torch, safetensors and the standard library only. Named models, downloads, the teacher's
+fingerprint and the tokenizer are dofmini.hub's.
+"""
 
-import hashlib
 import json
-import os
-import shutil
-import socket
-import time
+import math
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import torch
 
-from .files import cache_dir, sha256_file, write_text
-
-FILES = ("config.json", "model.safetensors", "tokenizer.json")
-HUB_REPOS = {
-    "gpt2": "openai-community/gpt2",
-    "pythia-70m": "EleutherAI/pythia-70m",
-    "pythia-160m": "EleutherAI/pythia-160m",
-    "pythia-410m": "EleutherAI/pythia-410m",
-    "pythia-1b": "EleutherAI/pythia-1b",
-}
-# Named models live here; DOFMINI_WEIGHTS moves it (e.g. for a non-editable install).
-WEIGHTS_DIR = Path(
-    os.environ.get("DOFMINI_WEIGHTS", Path(__file__).resolve().parents[1] / "weights")
-)
-
-
-# A weights file modified less than this long ago may still be written to within the same
-# timestamp tick, so that same (size, mtime) could later stand for other bytes: its hash is not
-# remembered.
-SETTLED_NS = 2_000_000_000
-_weights_sha256 = {}  # (resolved path, size, mtime_ns) -> sha256 hex, for this process
+from .model import Config, Model
 
 
 class CheckpointError(ValueError):
@@ -41,214 +19,241 @@ class CheckpointError(ValueError):
     and what was expected."""
 
 
-def locate(path_or_name) -> Path:
-    """The checkpoint folder a local path or a known model name stands for, without downloading: a
-    CheckpointError for a folder without config.json or an unknown name."""
-    path = Path(path_or_name)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise CheckpointError(
-                f"{path} has no config.json: expected a Hugging Face-layout folder {FILES}"
-            )
-        return path
-    name = str(path_or_name)
-    if name not in HUB_REPOS:
+# What a config.json field must hold: (what the error says was expected, test). JSON's true/false
+# are Python bools, which are ints to isinstance, so types are compared exactly.
+POSITIVE_INT = ("a positive integer", lambda v: type(v) is int and v > 0)
+TOKEN_ID = ("a non-negative integer", lambda v: type(v) is int and v >= 0)
+POSITIVE_NUMBER = ("a positive number", lambda v: type(v) in (int, float) and 0 < v < math.inf)
+FRACTION = ("a number in (0, 1]", lambda v: type(v) in (int, float) and 0 < v <= 1)
+BOOLEAN = ("true or false", lambda v: type(v) is bool)
+OBJECT = ("a JSON object", lambda v: isinstance(v, dict))
+ACTIVATIONS = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh")  # all but "gelu" use tanh
+ACTIVATION = (f"one of {', '.join(ACTIVATIONS)}", lambda v: v in ACTIVATIONS)
+REQUIRED = object()
+# config.json's keys for: layers, heads, width, MLP width, positions, norm epsilon, activation
+HF_KEYS = {
+    "gpt2": ("n_layer", "n_head", "n_embd", "n_inner", "n_positions", "layer_norm_epsilon")
+    + ("activation_function",),
+    "gpt_neox": ("num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size")
+    + ("max_position_embeddings", "layer_norm_eps", "hidden_act"),
+}
+# NeoX's rotary settings under each spelling: "a|b" reads the first present, "a.b" key b of the
+# object at a (newer transformers nests them in rope_parameters)
+ROTARY_FRACTION = "rotary_pct|partial_rotary_factor|rope_parameters.partial_rotary_factor"
+ROTARY_BASE = "rotary_emb_base|rope_theta|rope_parameters.rope_theta"
+
+
+def read_field(hf: dict, file: Path, keys: str, kind, default=REQUIRED):
+    """The value in config.json `hf` of the first of `keys` present and not null, checked against
+    `kind`; else `default`. Errors name `file`, the key and what was expected."""
+    expected, valid = kind
+    for key in keys.split("|"):
+        parent, _, leaf = key.rpartition(".")
+        value = (read_field(hf, file, parent, OBJECT, {}) if parent else hf).get(leaf)
+        if value is not None:
+            if not valid(value):
+                raise CheckpointError(f"{file}: {key!r} is {value!r}; expected {expected}")
+            return value
+    if default is REQUIRED:
+        spellings = " or ".join(repr(key) for key in keys.split("|"))
+        raise CheckpointError(f"{file}: missing {spellings}; expected {expected}")
+    return default
+
+
+def parse_config(hf: dict, file: Path) -> Config:
+    """The settings of a Hugging Face config.json `hf`, read from `file` (named in errors, its
+    folder names the model). Sizes must be positive integers and the width must split into the
+    heads; NeoX's rotary fraction, under any of its three spellings, must lie in (0, 1] and
+    rotate an even number of dims per head (they turn in pairs)."""
+    if hf.get("model_type") not in HF_KEYS:
         raise CheckpointError(
-            f"unknown model {name!r}: not a folder, and not one of {', '.join(HUB_REPOS)}"
+            f"{file} has model_type {hf.get('model_type')!r}; dofmini supports 'gpt2' and "
+            f"'gpt_neox'"
         )
-    return WEIGHTS_DIR / name
-
-
-def resolve(path_or_name) -> Path:
-    """A checkpoint folder for a local path or a known model name, downloading a named model on
-    first use."""
-    folder = locate(path_or_name)
-    if not Path(path_or_name).is_dir() and not all((folder / f).is_file() for f in FILES):
-        download(str(path_or_name), folder)
-    return folder
-
-
-def download(name: str, folder: Path) -> None:
-    """Fetch the three files into a scratch folder, then move each into place: a file in `folder` is
-    always complete, so an interrupted download is simply retried."""
-    from huggingface_hub import constants, hf_hub_download  # only the download path needs it
-
-    repo = HUB_REPOS[name]
-    advice = (
-        f"Download {', '.join(FILES)} from {constants.ENDPOINT}/{repo} and put them in {folder}/"
+    gpt2 = hf["model_type"] == "gpt2"
+    layers, heads, width, inner, positions, eps, activation = HF_KEYS[hf["model_type"]]
+    get = lambda keys, kind, default=REQUIRED: read_field(hf, file, keys, kind, default)
+    n_head, d_model = get(heads, POSITIVE_INT), get(width, POSITIVE_INT)
+    if d_model % n_head:
+        raise CheckpointError(
+            f"{file}: {width!r} = {d_model} is not divisible by {heads!r} = {n_head}; "
+            f"expected a width that splits evenly into the heads"
+        )
+    rotary_fraction = 0 if gpt2 else get(ROTARY_FRACTION, FRACTION, 1.0)
+    rotary_dim = int(d_model // n_head * rotary_fraction)
+    if rotary_dim % 2:
+        raise CheckpointError(
+            f"{file}: rotary fraction {rotary_fraction} of {d_model // n_head} dims per "
+            f"head rotates {rotary_dim}; expected an even number of dims"
+        )
+    return Config(
+        family="gpt2" if gpt2 else "neox",
+        n_layer=get(layers, POSITIVE_INT),
+        n_head=n_head,
+        d_model=d_model,
+        d_ff=get(inner, POSITIVE_INT, 4 * d_model if gpt2 else REQUIRED),
+        vocab_size=get("vocab_size", POSITIVE_INT),
+        n_ctx=get(positions, POSITIVE_INT),
+        eps=float(get(eps, POSITIVE_NUMBER, 1e-5)),
+        tanh_gelu=get(activation, ACTIVATION, "gelu_new" if gpt2 else "gelu") != "gelu",
+        rotary_dim=rotary_dim,
+        rotary_base=10000.0 if gpt2 else float(get(ROTARY_BASE, POSITIVE_NUMBER, 10000.0)),
+        parallel_residual=not gpt2 and get("use_parallel_residual", BOOLEAN, True),
+        name=Path(file).resolve().parent.name,
+        bos_token_id=get("bos_token_id", TOKEN_ID, None),
+        eos_token_id=get("eos_token_id", TOKEN_ID, None),
     )
-    url = urlsplit(constants.ENDPOINT)
-    port = url.port or (443 if url.scheme == "https" else 80)
-    # the hub client retries for about 30 s when offline; one quick connect tells us first
-    try:
-        socket.create_connection((url.hostname, port), 5).close()
-    except OSError as err:
-        raise CheckpointError(
-            f"{name!r} is not in {folder} and the hub is unreachable ({err}). {advice}"
-        ) from None
-    scratch = folder.with_name(folder.name + ".partial")
-    try:
-        for filename in FILES:
-            if not (folder / filename).is_file():
-                fetched = hf_hub_download(repo, filename, local_dir=scratch)
-                folder.mkdir(parents=True, exist_ok=True)
-                os.replace(fetched, folder / filename)
-    # hub down, file renamed upstream, disk full: all end in the same advice
-    except Exception as err:
-        raise CheckpointError(
-            f"could not download {name!r} ({type(err).__name__}: {err}). {advice}"
-        ) from None
-    shutil.rmtree(scratch, ignore_errors=True)
 
 
-def read_config(folder: Path) -> dict:
-    """config.json as a dict; its fields are checked by the model's Config.from_hf."""
-    file = folder / "config.json"
+def read_config(folder: Path) -> Config:
+    """The checked settings in `folder`/config.json."""
+    file = Path(folder) / "config.json"
     try:
-        config = json.loads(file.read_text())
+        hf = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"cannot read {file}: {err}") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(
-            f"{file} holds a JSON {type(config).__name__}; expected an object of settings"
-        )
-    return config
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{file} holds a JSON {type(hf).__name__}; expected an object")
+    return parse_config(hf, file)
 
 
-def fingerprint(folder: Path) -> str:
-    """The checkpoint's identity, `<folder name>:<16 hex>`: the hex is a sha256 over config.json
-    and the sha256 of model.safetensors, so a copy anywhere with the same bytes has the same
-    identity and any change to a weight's value gives another. The folder name is only there to
-    be read: a renamed copy reads differently."""
-    digest = hashlib.sha256((folder / "config.json").read_bytes())
-    digest.update(weights_sha256(folder / "model.safetensors").encode())
-    return f"{folder.resolve().name}:{digest.hexdigest()[:16]}"
+# Our parameter name (a block's after "blocks.{i}.") -> its checkpoint name in (GPT-2, NeoX), whose
+# blocks are "h.{i}." and "gpt_neox.layers.{i}.". GPT-2 ties the head to wte; NeoX has no wpe.
+HF_NAMES = {
+    "wte": ("wte.weight", "gpt_neox.embed_in.weight"),
+    "wpe": ("wpe.weight", None),
+    "head": (None, "embed_out.weight"),
+    "ln_f.weight": ("ln_f.weight", "gpt_neox.final_layer_norm.weight"),
+    "ln_f.bias": ("ln_f.bias", "gpt_neox.final_layer_norm.bias"),
+    "ln1.weight": ("ln_1.weight", "input_layernorm.weight"),
+    "ln1.bias": ("ln_1.bias", "input_layernorm.bias"),
+    "ln2.weight": ("ln_2.weight", "post_attention_layernorm.weight"),
+    "ln2.bias": ("ln_2.bias", "post_attention_layernorm.bias"),
+    "attn.qkv_w": ("attn.c_attn.weight", "attention.query_key_value.weight"),
+    "attn.qkv_b": ("attn.c_attn.bias", "attention.query_key_value.bias"),
+    "attn.out_w": ("attn.c_proj.weight", "attention.dense.weight"),
+    "attn.out_b": ("attn.c_proj.bias", "attention.dense.bias"),
+    "fc_w": ("mlp.c_fc.weight", "mlp.dense_h_to_4h.weight"),
+    "fc_b": ("mlp.c_fc.bias", "mlp.dense_h_to_4h.bias"),
+    "proj_w": ("mlp.c_proj.weight", "mlp.dense_4h_to_h.weight"),
+    "proj_b": ("mlp.c_proj.bias", "mlp.dense_4h_to_h.bias"),
+}
+# The suffixes of stored buffers that are not weights (masks, rotary tables, GPT-2's tied head).
+BUFFERS = {
+    "gpt2": (".attn.bias", ".masked_bias", "lm_head.weight"),
+    "neox": (".attention.bias", ".masked_bias", ".rotary_emb.inv_freq"),
+}
 
 
-def weights_sha256(file: Path) -> str:
-    """sha256 of a weights file, read in full once per version of the file (about 1 s per 500 MB).
-
-    A version is (resolved path, size, mtime_ns): its hash is remembered in this process and in
-    `sha256.json` under the user's cache folder, so reloading a checkpoint, even from a new
-    process, reads no weights for the hash. A file changed in place gets a new mtime and is hashed
-    again; one modified within the last SETTLED_NS is hashed every time. Nothing is written beside
-    the checkpoint (its folder may be read-only), and a cache that cannot be read or written only
-    costs a re-hash."""
-    path = file.resolve()
-    stat = path.stat()
-    version = (str(path), stat.st_size, stat.st_mtime_ns)
-    if version in _weights_sha256:
-        return _weights_sha256[version]
-    cache = cache_dir() / "sha256.json"
-    known = _read_hash_cache(cache)
-    if _is_current(str(path), known.get(str(path))):
-        _weights_sha256[version] = known[str(path)]["sha256"]
-        return _weights_sha256[version]
-    digest = sha256_file(path)
-    if time.time_ns() - stat.st_mtime_ns < SETTLED_NS:
-        return digest
-    _weights_sha256[version] = digest
-    known = {p: entry for p, entry in known.items() if _is_current(p, entry)}
-    known[str(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
-    try:
-        write_text(cache, json.dumps(known, indent=1, sort_keys=True))
-    except OSError:
-        pass  # a read-only or full cache folder: the next process hashes again
-    return digest
+def hf_name(ours: str, family: str) -> str:
+    """The checkpoint name of our parameter `ours`."""
+    neox = family == "neox"
+    if ours.startswith("blocks."):
+        _, i, rest = ours.split(".", 2)
+        return f"{'gpt_neox.layers' if neox else 'h'}.{i}.{HF_NAMES[rest][neox]}"
+    return HF_NAMES[ours][neox]
 
 
-def _read_hash_cache(file: Path) -> dict:
-    """{resolved path: {"size", "mtime_ns", "sha256"}}; empty when absent or unreadable."""
-    try:
-        known = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return {}
-    return known if isinstance(known, dict) else {}
+def from_neox(ours: str, t: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """NeoX stores Linear weights (ours end in _w) [out, in] and interleaves q/k/v per head; we
+    want [in, out], q|k|v blocks."""
+    if ours.endswith(("qkv_w", "qkv_b")):
+        per_head = t.reshape(cfg.n_head, 3, cfg.head_dim, -1)  # [H, 3, d, D or 1]
+        t = per_head.transpose(0, 1).reshape(3 * cfg.d_model, -1).squeeze(-1)  # [3D, D] or [3D]
+    return t.T if ours.endswith("_w") else t
 
 
-def _is_current(path: str, entry) -> bool:
-    """Whether a cache entry still describes the file at `path`, unchanged since it was hashed."""
-    if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
-        return False
-    try:
-        stat = os.stat(path)
-    except OSError:
-        return False
-    return entry.get("size") == stat.st_size and entry.get("mtime_ns") == stat.st_mtime_ns
-
-
-def read_tensors(
-    file: Path, expected: dict, aliases: dict, ignored: tuple, dtype: torch.dtype
-) -> dict:
-    """Load `file` and check it against `expected` {name: shape}, converting each tensor to
-    `dtype`. `aliases` maps other spellings of a name (prefixes, renamed heads) to the expected
-    one; names ending in one of `ignored` (mask buffers) are skipped. A NaN or inf, stored or made
-    by the conversion to `dtype`, is refused: it would spread through every forward pass."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def read_tensors(file: Path, expected: dict, aliases: dict, ignored: tuple, dtype) -> dict:
+    """The tensors of safetensors `file` as {name: tensor in `dtype`}, checked against `expected`
+    {name: shape}. `aliases` maps other spellings to an expected name; names ending in one of
+    `ignored` are skipped. Names and shapes are checked from the header, before any tensor is
+    read. Refused: two stored names for one tensor (neither may silently win) and a NaN or inf,
+    stored or made by the conversion to `dtype` (it would spread through every forward pass).
+    Nothing is unpickled."""
+    from safetensors import SafetensorError, safe_open
 
     if not file.is_file():
         raise CheckpointError(f"missing {file}")
     try:
-        stored = load_file(str(file))
+        with safe_open(str(file), "pt") as stored:
+            sources = {}  # expected name -> stored name
+            for name in stored.keys():
+                key = aliases.get(name, name)
+                if name.endswith(ignored):
+                    continue
+                if key not in expected:
+                    raise CheckpointError(f"unexpected tensor {name!r} in {file}")
+                if key in sources:
+                    raise CheckpointError(
+                        f"{file} holds both {sources[key]!r} and {name!r}: two names for one "
+                        f"tensor; expected one"
+                    )
+                sources[key] = name
+                shape = stored.get_slice(name).get_shape()
+                if tuple(shape) != expected[key]:
+                    raise CheckpointError(
+                        f"tensor {name!r} in {file} has shape {shape}, expected "
+                        f"{list(expected[key])}"
+                    )
+            missing = [name for name in expected if name not in sources]
+            if missing:
+                raise CheckpointError(
+                    f"missing tensor {missing[0]!r} in {file} (expected shape "
+                    f"{list(expected[missing[0]])})"
+                    + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+                )
+            return {key: _converted(stored, name, dtype, file) for key, name in sources.items()}
     except (SafetensorError, OSError, RuntimeError) as err:
         raise CheckpointError(f"{file} is truncated or corrupt: {err}") from None
-    tensors = {}
-    for name, tensor in stored.items():
-        if name.endswith(ignored):
-            continue
-        key = aliases.get(name, name)
-        if key not in expected:
-            raise CheckpointError(f"unexpected tensor {name!r} in {file}")
-        if tuple(tensor.shape) != tuple(expected[key]):
-            raise CheckpointError(
-                f"tensor {name!r} in {file} has shape {list(tensor.shape)}, "
-                f"expected {list(expected[key])}"
-            )
-        if not tensor.is_floating_point():
-            raise CheckpointError(
-                f"tensor {name!r} in {file} has dtype {tensor.dtype}, expected a float dtype"
-            )
-        tensors[key] = tensor.to(dtype)
-        _check_finite(tensors[key], tensor, f"tensor {name!r} in {file}")
-    missing = [name for name in expected if name not in tensors]
-    if missing:
-        raise CheckpointError(
-            f"missing tensor {missing[0]!r} in {file} (expected shape {list(expected[missing[0]])})"
-            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
-        )
-    return tensors
 
 
-def _check_finite(converted: torch.Tensor, stored: torch.Tensor, what: str) -> None:
-    """Refuse NaN or inf in `converted`, saying whether the file holds them or the conversion
-    from the stored dtype made them."""
+def _converted(stored, name: str, dtype: torch.dtype, file: Path) -> torch.Tensor:
+    """Stored tensor `name` in `dtype`; refused if not a float or not finite, saying whether the
+    file holds the NaN or inf or the conversion from the stored dtype made it."""
+    tensor = stored.get_tensor(name)
+    what = f"tensor {name!r} in {file}"
+    if not tensor.is_floating_point():
+        raise CheckpointError(f"{what} has dtype {tensor.dtype}, expected a float dtype")
+    converted = tensor.to(dtype)
     if torch.isfinite(converted).all():
-        return
-    bad = stored.isnan() | stored.isinf()
+        return converted
+    bad = tensor.isnan() | tensor.isinf()
     if bad.any():
         raise CheckpointError(
             f"{what} holds {int(bad.sum())} NaN or inf value(s), first at index "
             f"{bad.nonzero()[0].tolist()}; expected finite weights"
         )
     raise CheckpointError(
-        f"{what} has values up to {stored.abs().max().item():.4g}, beyond {converted.dtype}'s "
-        f"range; expected them to fit, or load in a wider dtype (e.g. float32)"
+        f"{what} has values up to {tensor.abs().max().item():.4g}, beyond {dtype}'s range; "
+        f"expected them to fit, or load in a wider dtype (e.g. float32)"
     )
 
 
-def load_tokenizer(path_or_name):
-    """The checkpoint's own `tokenizer.json`, through the `tokenizers` package."""
-    from tokenizers import Tokenizer
-
-    file = resolve(path_or_name) / "tokenizer.json"
-    if not file.is_file():
-        raise CheckpointError(f"missing {file}: the tokenizer of this checkpoint")
-    try:
-        return Tokenizer.from_file(str(file))
-    # the tokenizers package raises a bare Exception for unreadable, malformed or foreign files
-    except Exception as err:
-        raise CheckpointError(
-            f"{file} is not a valid tokenizer.json ({err}); expected the file saved by the "
-            f"`tokenizers` package"
-        ) from None
+def load_folder(folder, dtype: torch.dtype = torch.float32) -> Model:
+    """A frozen teacher from a folder holding config.json and model.safetensors, without network.
+    Its `identity` is the folder's name; hub.load sets the fingerprint of the content."""
+    folder = Path(folder)
+    cfg = read_config(folder)
+    neox = cfg.family == "neox"
+    with torch.device("meta"):  # our shapes, nothing allocated (GPT-2's tied head is wte)
+        shapes = {ours: p.shape for ours, p in Model(cfg).named_parameters()}
+    names = {ours: hf_name(ours, cfg.family) for ours in shapes}
+    # NeoX stores its Linear weights transposed: [out, in]
+    expected = {
+        names[o]: tuple(s)[::-1] if neox and o.endswith("_w") else tuple(s)
+        for o, s in shapes.items()
+    }
+    aliases = (
+        {"lm_head.weight": "embed_out.weight"}
+        if neox
+        else {f"transformer.{n}": n for n in expected}
+    )
+    tensors = read_tensors(
+        folder / "model.safetensors", expected, aliases, BUFFERS[cfg.family], dtype
+    )
+    model = Model(cfg).to(dtype)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for ours, hf in names.items():
+            params[ours].copy_(from_neox(ours, tensors[hf], cfg) if neox else tensors[hf])
+    return model.eval()

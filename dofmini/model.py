@@ -1,17 +1,39 @@
 """GPT-2 and GPT-NeoX (Pythia) forward passes, reimplemented from their Hugging Face checkpoints.
 
-`load(path_or_name)` returns a frozen `Model`; `model(ids)` gives logits [B, T, V]. Every
-projection is stored [in, out] and applied as `x @ W + b` (GPT-2's Conv1D layout; NeoX's Linear
-weights are transposed at load). Each layer's attention is its own module so a student can swap
-it while keeping the teacher's projections.
+`model(ids)` gives logits [B, T, V]. Every projection is stored [in, out] and applied as
+`x @ W + b` (GPT-2's Conv1D layout; checkpoint.py brings NeoX's Linear weights to it), so the
+forward pass has one form for both families. Each layer's attention is its own module so a student
+can swap it while keeping the teacher's projections. Needs torch only.
 """
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import fingerprint, read_config, read_tensors, resolve
-from .config import Config, from_neox, hf_layout
+
+@dataclass
+class Config:
+    family: str  # "gpt2" | "neox"
+    n_layer: int
+    n_head: int
+    d_model: int
+    d_ff: int
+    vocab_size: int
+    n_ctx: int  # maximum positions
+    eps: float = 1e-5
+    tanh_gelu: bool = True
+    rotary_dim: int = 0  # NeoX: rotated dims per head (the first ones)
+    rotary_base: float = 10000.0
+    parallel_residual: bool = False
+    name: str = ""
+    bos_token_id: int | None = None  # hub.load_tokenizer checks both against the tokenizer
+    eos_token_id: int | None = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
 
 
 def _weight(*shape) -> nn.Parameter:
@@ -135,7 +157,7 @@ class Model(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         self.config = cfg
-        self.identity = cfg.name  # load() replaces it with the checkpoint's fingerprint
+        self.identity = cfg.name  # hub.load sets the checkpoint's fingerprint
         self.wte = _weight(cfg.vocab_size, cfg.d_model)
         self.wpe = _weight(cfg.n_ctx, cfg.d_model) if cfg.family == "gpt2" else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
@@ -171,19 +193,3 @@ class Model(nn.Module):
         if keep is not None:
             x = x[keep]  # [N, D]
         return self.ln_f(x) @ self.head.T  # [B, T, V], or [N, V] with keep
-
-
-def load(path_or_name, dtype: torch.dtype = torch.float32) -> Model:
-    """A frozen teacher from a checkpoint folder or a known name (`gpt2`, `pythia-70m`, ...)."""
-    folder = resolve(path_or_name)
-    cfg = Config.from_hf(read_config(folder), folder / "config.json")
-    names, expected, aliases, ignored = hf_layout(cfg)
-    tensors = read_tensors(folder / "model.safetensors", expected, aliases, ignored, dtype)
-    model = Model(cfg).to(dtype)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for ours, hf in names.items():
-            t = tensors[hf] if cfg.family == "gpt2" else from_neox(ours, tensors[hf], cfg)
-            params[ours].copy_(t)
-    model.identity = fingerprint(folder)
-    return model.eval()

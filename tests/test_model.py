@@ -1,9 +1,12 @@
 """The reimplemented GPT-2 and GPT-NeoX against logits computed by Hugging Face transformers (the
 fixtures in tests/fixtures, made by tests/make_fixtures.py) and the stand-in teachers; the cached
-forward pass and `keep=`. The loader's checks and errors are in test_checkpoint.py."""
+forward pass and `keep=`; the checkpoint's tokenizer, refused when it does not fit the model; what
+a first run without internet is told to fetch. The loader's checks of config.json and
+model.safetensors, and the teacher's identity, are in test_checkpoint.py."""
 
 import functools
 import json
+import shutil
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ from conftest import FIXTURES, shared_path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dofmini import load, load_tokenizer
+from dofmini import CheckpointError, hub, load, load_tokenizer
 
 FIXTURE_NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "reference.json").is_file())
 # Low-precision bounds, on logits of magnitude ~10: fp16 keeps 11 mantissa bits and bf16 8, and
@@ -147,3 +150,113 @@ def test_keep_that_is_not_a_mask_like_ids_is_refused(keep):
     ids = torch.tensor(reference("gpt2-tiny")["ids"])  # [2, 12]
     with pytest.raises(ValueError, match=r"keep is torch\.\w+ \[2, 1\d\]; expected a torch.bool"):
         model(ids, keep=keep)
+
+
+# --- tokenizer.json ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content", [b"{not json", b'{"version": "1.0"}', b"\xff\xfe"], ids=["syntax", "shape", "bytes"]
+)
+def test_invalid_tokenizer_is_named(tmp_path, content):
+    folder = shutil.copytree(FIXTURES / "gpt2-tiny", tmp_path / "gpt2-tiny")
+    (folder / "tokenizer.json").write_bytes(content)
+    with pytest.raises(CheckpointError, match=r"tokenizer.json is not a valid tokenizer.json"):
+        load_tokenizer(folder)
+
+
+def checkpoint_with_tokenizer(tmp_path, standin, tokenizer_folder):
+    """A copy of a stand-in's config.json with the tokenizer.json of `tokenizer_folder` (paths under
+    ../shared/weights); the weights are not needed to load a tokenizer."""
+    folder = tmp_path / standin
+    folder.mkdir()
+    shutil.copy(shared_path("weights", standin, "config.json"), folder)
+    shutil.copy(shared_path("weights", *tokenizer_folder.split("/"), "tokenizer.json"), folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "standin, tokenizer, message",
+    [
+        # NeoX's ids run to 50276; GPT-2's embedding has 50257 rows
+        *[
+            (
+                "standin-gpt2",
+                t,
+                r"tokenizer.json has token ids up to 50276, but .*standin-gpt2/"
+                r"config.json has vocab_size 50257",
+            )
+            for t in ("standin-pythia", "tokenizers/gpt-neox-20b")
+        ],
+        # ids fit Pythia's 50304 rows, but GPT-2's <|endoftext|> is 50256, Pythia's 0
+        *[
+            (
+                "standin-pythia",
+                t,
+                r"standin-pythia/config.json has bos_token_id 0, but the special "
+                r"tokens of .*tokenizer.json are <\|endoftext\|> = 50256",
+            )
+            for t in ("standin-gpt2", "tokenizers/gpt2")
+        ],
+    ],
+)
+def test_tokenizer_of_another_family_is_refused(tmp_path, standin, tokenizer, message):
+    folder = checkpoint_with_tokenizer(tmp_path, standin, tokenizer)
+    with pytest.raises(CheckpointError, match=message):
+        load_tokenizer(folder)
+
+
+@pytest.mark.parametrize(
+    "standin, tokenizer",
+    [
+        ("standin-gpt2", "tokenizers/gpt2"),
+        ("standin-pythia", "tokenizers/gpt-neox-20b"),
+        ("standin-gpt2", "standin-gpt2"),
+        ("standin-pythia", "standin-pythia"),
+    ],
+)
+def test_tokenizer_of_the_same_family_loads(tmp_path, standin, tokenizer):
+    folder = checkpoint_with_tokenizer(tmp_path, standin, tokenizer)
+    eos = json.loads((folder / "config.json").read_text())["eos_token_id"]
+    assert load_tokenizer(folder).id_to_token(eos) == "<|endoftext|>"
+
+
+# --- named checkpoints without internet -----------------------------------------------------------
+
+
+GPT2_URLS = [f"https://huggingface.co/openai-community/gpt2/resolve/main/{f}" for f in hub.FILES]
+
+
+def test_missing_files_lists_direct_urls_and_destinations_without_network(tmp_path, monkeypatch):
+    weights = tmp_path / "weights"
+    monkeypatch.setattr(hub, "WEIGHTS_DIR", weights)
+    # huggingface_hub's default endpoint, as when HF_ENDPOINT is unset
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "https://huggingface.co")
+    destinations = [weights / "gpt2" / f for f in hub.FILES]
+    assert hub.missing_files("gpt2") == list(zip(GPT2_URLS, destinations))
+    (weights / "gpt2").mkdir(parents=True)
+    (weights / "gpt2" / "config.json").write_text("{}")
+    assert hub.missing_files("gpt2") == list(zip(GPT2_URLS[1:], destinations[1:]))
+    assert hub.missing_files(FIXTURES / "gpt2-tiny") == []
+
+
+def test_offline_download_says_what_to_fetch_and_where(tmp_path, monkeypatch):
+    pytest.importorskip(
+        "huggingface_hub", reason="tokenizers brings huggingface_hub; it is the download path"
+    )
+    from huggingface_hub import constants
+
+    # Port 9 on loopback has no listener: the state of a machine without internet, on any machine.
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    monkeypatch.setattr(hub, "WEIGHTS_DIR", weights)
+    with pytest.raises(CheckpointError, match=r"hub is unreachable .* by hand") as refused:
+        load("gpt2")
+    # the same direct file URLs as missing_files, each with where it goes
+    for f in hub.FILES:
+        url = f"http://127.0.0.1:9/openai-community/gpt2/resolve/main/{f}"
+        assert f"\n  {url}\n    -> {weights / 'gpt2' / f}" in str(refused.value)
+    assert not any(weights.iterdir()), (
+        "a failed download must leave nothing where a checkpoint is expected"
+    )
