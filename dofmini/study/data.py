@@ -247,14 +247,16 @@ def _verify(path: Path, f: DataFile, advice: str) -> None:
         )
 
 
-def _fetch(url: str, what: str, tmp: Path) -> None:
-    """Stream `url` into `tmp` under a progress bar; a DataError says whether to retry."""
+def _fetch(url: str, what: str, tmp: Path, bar: bool = True) -> None:
+    """Stream `url` into `tmp`, under a progress bar if `bar`; a DataError says whether to retry."""
     try:
         with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as out:
             length = int(response.headers.get("Content-Length") or 0) or None
-            with tqdm(total=length, unit="B", unit_scale=True, desc=what, file=sys.stdout) as bar:
+            with tqdm(
+                total=length, unit="B", unit_scale=True, desc=what, file=sys.stdout, disable=not bar
+            ) as progress:
                 while block := response.read(1 << 16):
-                    bar.update(out.write(block))
+                    progress.update(out.write(block))
             received = out.tell()
     except urllib.error.HTTPError as err:
         raise DataError(f"{what}: {url} answered HTTP {err.code} ({err.reason})") from None
@@ -287,7 +289,7 @@ def check_sources(groups, log=print) -> bool:
             tmp = Path(scratch) / f.path
             tmp.parent.mkdir(parents=True, exist_ok=True)
             try:
-                _fetch(source(f), f.path, tmp)
+                _fetch(source(f), f.path, tmp, bar=False)
                 _verify(tmp, f, "")
                 row = f"{f.size} | {f.sha256[:16]}… | yes"
             except DataError as err:

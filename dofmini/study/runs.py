@@ -1,12 +1,16 @@
 """What a long run needs besides the method: stages saved with the settings that made them, token
-caches, the record of what made the results, a timing probe and the progress clock.
+caches, one lock per output folder, the record of what made the results, the plan with its timing
+probe, and the progress clock.
 
 A stage is reused only when the settings and inputs it was made from (its key) match exactly;
 otherwise it is recomputed and a line names what changed. Every file goes through
 files.atomic_write, so a kill at any moment leaves a stage either whole or absent.
 """
 
+import contextlib
+import fcntl
 import json
+import os
 import platform
 import subprocess
 import time
@@ -16,9 +20,24 @@ import numpy as np
 import torch
 
 from .. import __version__
-from ..distill import distill, train_direct
-from ..files import atomic_write, write_text
+from ..distill import TrainSettings, distill, train_direct
+from ..files import atomic_write, changed_settings, write_text
 from ..students import make_student
+from . import data
+from .evaluate import PPL_TEXTS
+
+# Examples per task and tokens one example puts through the model (its choices summed; MMLU's four
+# letters share one input), with the GPT-2 tokenizer: the plan's time estimate uses them.
+TASK_SIZES = {
+    "piqa": (1838, 74),
+    "arc_easy": (2376, 131),
+    "arc_challenge": (1172, 145),
+    "winogrande": (1267, 44),
+    "wsc273": (273, 43),
+    "mmlu": (14042, 112),
+    "logiqa": (651, 814),
+    "lambada": (5153, 85),
+}
 
 
 def log(message: str):
@@ -26,31 +45,31 @@ def log(message: str):
     print(message, flush=True)
 
 
-def saved_result(path: Path, key: dict):
+def as_json(value):
+    """`value` as JSON gives it back (tuples become lists): how a saved key compares."""
+    return json.loads(json.dumps(value))
+
+
+def saved(path: Path, key: dict):
     """The result a stage saved at `path`, if it was made with `key`; else None."""
     if not path.is_file():
         return None
-    saved = json.loads(path.read_text())
-    return saved["result"] if saved.get("key") == json.loads(json.dumps(key)) else None
+    stored = json.loads(path.read_text())
+    return stored["result"] if stored.get("key") == as_json(key) else None
 
 
 def stage(path: Path, key: dict, compute):
     """compute() unless `path` holds a result made with the same `key` (settings and inputs)."""
-    key = json.loads(json.dumps(key))
-    result = saved_result(path, key)
+    result = saved(path, key)
     if result is not None:
         log(f"skip: {path} done")
         return result
     if path.is_file():
-        log(f"redo: {path}: {_changed(json.loads(path.read_text()).get('key', {}), key)} changed")
+        old = json.loads(path.read_text()).get("key", {})
+        log(f"redo: {path}: {changed_settings(old, as_json(key))} changed")
     result = compute()
-    write_text(path, json.dumps({"key": key, "result": result}, indent=1, sort_keys=True))
+    write_text(path, json.dumps({"key": as_json(key), "result": result}, indent=1, sort_keys=True))
     return result
-
-
-def _changed(old: dict, new: dict) -> str:
-    """The names of the settings two keys disagree on."""
-    return ", ".join(sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k)))
 
 
 def _save_npy(path: Path, array: np.ndarray):
@@ -61,22 +80,78 @@ def _save_npy(path: Path, array: np.ndarray):
 def token_ids(path: Path, key: dict, texts, tokenizer, max_chars) -> torch.Tensor:
     """Token ids of text files, encoded once and cached as .npy (no pickle) beside a key file."""
     key_path = path.with_suffix(".json")
-    key = json.loads(json.dumps(key))
     if path.is_file() and key_path.is_file():
-        saved = json.loads(key_path.read_text())
-        if saved == key:
+        old = json.loads(key_path.read_text())
+        if old == as_json(key):
             return torch.from_numpy(np.load(path))
-        log(f"redo: {path}: {_changed(saved, key)} changed")
+        log(f"redo: {path}: {changed_settings(old, as_json(key))} changed")
     text = "".join(Path(f).read_text(encoding="utf-8") for f in texts)[:max_chars]
     ids = np.array(tokenizer.encode(text).ids, dtype=np.int64)
     atomic_write(path, lambda tmp: _save_npy(tmp, ids))
-    write_text(key_path, json.dumps(key, sort_keys=True))
+    write_text(key_path, json.dumps(as_json(key), sort_keys=True))
     return torch.from_numpy(ids)
 
 
-def provenance() -> dict:
-    """What made the results: package and library versions, and the git commit of a checkout."""
-    checkout = Path(__file__).resolve().parents[1]
+def check_writable(out: Path, flag: str, fail) -> None:
+    """fail(message) unless `out` is a folder, or can be made one, that this user may write."""
+    if out.exists() and not out.is_dir():
+        fail(f"{flag} {out} exists and is not a directory")
+    parent = next(p for p in (out, *out.absolute().parents) if p.exists())
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        fail(f"{flag} {out} cannot be created: {parent} is not a writable folder")
+
+
+@contextlib.contextmanager
+def locked(out: Path, fail):
+    """Hold `out` for one run: a second run into the same folder stops at once, naming the first
+    one's PID (two runs would overwrite each other's results). A folder the run left empty is
+    removed, so a failed run or a plan leaves none behind."""
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    lock = out / ".lock"
+    with open(lock, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            fail(f"--out {out} is in use by another run (PID {f.read().strip() or '?'}); wait "
+                 "for it to finish or choose another --out")  # fmt: skip
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        try:
+            yield
+        finally:
+            if [p.name for p in out.iterdir()] == [lock.name]:
+                lock.unlink()
+                if created:
+                    out.rmdir()
+
+
+def missing_listing(weights: list, absent: list, root, header: str) -> str:
+    """One message for everything a run still lacks: each missing file's URL and destination,
+    the weights [(url, path)] and the data store's rows `absent`."""
+    lines = [header]
+    if weights:
+        lines.append(f"  weights, {len(weights)} file(s):")
+        lines += [f"    {url}\n      -> {path.resolve()}" for url, path in weights]
+    if absent:
+        mb = sum(f.size for f in absent) / 1e6
+        lines.append(f"  data, {len(absent)} file(s), {mb:.1f} MB:")
+        lines.append(data.offline_listing(absent, root).replace("\n", "\n  ").lstrip("\n"))
+    return "\n".join(lines)
+
+
+def device_name(model) -> str:
+    """Where and in what dtype a model runs, for the stage keys: "cpu/float32", "cuda/float32"."""
+    p = next(model.parameters())
+    return f"{p.device.type}/{str(p.dtype).removeprefix('torch.')}"
+
+
+def provenance(model) -> dict:
+    """What made the results: versions, the git commit of a checkout, threads, the device."""
+    checkout = Path(__file__).resolve().parents[2]
 
     def git(*args) -> str:
         done = subprocess.run(
@@ -89,6 +164,8 @@ def provenance() -> dict:
         dirty = bool(git("status", "--porcelain", "dofmini", "reproduce.py"))
     except (OSError, subprocess.SubprocessError):
         commit, dirty = None, False
+    device = next(model.parameters()).device
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {
         "dofmini": __version__,
         "git_commit": commit,
@@ -97,40 +174,92 @@ def provenance() -> dict:
         "torch": torch.__version__,
         "numpy": np.__version__,
         "threads": torch.get_num_threads(),
+        "device": device_name(model),
+        "gpu": gpu,
+        "cuda": torch.version.cuda if gpu else None,
     }
 
 
 def probe(teacher, ctx: int, J: int) -> dict:
     """Seconds per window of ctx tokens for the operations a run repeats, each timed once after a
     warm-up on random tokens: a forward pass with logits, a distillation step of each loss and a
-    direct step; and one J×J Cholesky factorisation (DoF)."""
+    direct step; and "dof", three J×J Cholesky factorisations per head. On a GPU each timing waits
+    for the device, so it counts the work, not the launches."""
     device = next(teacher.parameters()).device
     ids = torch.randint(0, teacher.config.vocab_size, (2, ctx), generator=torch.Generator())
     ids = ids.to(device)
     dims = [teacher.config.head_dim] * teacher.config.n_layer
     student = make_student(teacher, "prf", dims, 0)
-    flat = ids.flatten().cpu()
-    quiet = dict(steps=1, batch=2, ctx=ctx, log=lambda _: None)
+    flat, settings = ids.flatten().cpu(), TrainSettings(steps=1, batch=2, ctx=ctx)
+    quiet = dict(log=lambda _: None)
     work = {
         "forward": lambda: teacher(ids),
-        "softmax": lambda: distill(teacher, dims, flat, loss="softmax", **quiet),
-        "l2": lambda: distill(teacher, dims, flat, loss="l2", **quiet),
-        "direct": lambda: train_direct(student, flat, **quiet),
+        "softmax": lambda: distill(teacher, dims, flat, settings, loss="softmax", **quiet),
+        "l2": lambda: distill(teacher, dims, flat, settings, loss="l2", **quiet),
+        "direct": lambda: train_direct(student, flat, settings, **quiet),
+        "dof": lambda: torch.linalg.cholesky(torch.eye(J, dtype=torch.float64)),
     }
     costs = {}
     for name, run in work.items():
         run()  # warm-up
+        _synchronize(device)
         t0 = time.perf_counter()
         run()
+        _synchronize(device)
         costs[name] = (time.perf_counter() - t0) / len(ids)
-    t0 = time.perf_counter()
-    torch.linalg.cholesky(torch.eye(J, dtype=torch.float64))
-    costs["cholesky"] = time.perf_counter() - t0
+    heads = teacher.config.n_layer * teacher.config.n_head
+    costs["dof"] *= len(ids) * heads * 3
     return costs
+
+
+def _synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _tokens_in(rows) -> int:
+    """About how many tokens data files hold (GPT-2's BPE: 4.5 bytes of English a token)."""
+    return int(sum(f.size for f in rows) / 4.5)
+
+
+def stage_sizes(cfg, ctx: int, corpus: list) -> dict:
+    """The windows a stage puts through the model, from the data files' sizes: "evaluation" (both
+    perplexity texts and the tasks), "train_windows" per student and "error_windows" (its layer
+    errors before and after training)."""
+    texts = [_tokens_in(f for f in data.FILES if f.path == p) // ctx for p in PPL_TEXTS.values()]
+    texts = [min(w, cfg.eval_windows or w) for w in texts]
+    tasks = [] if cfg.limit == 0 else list(TASK_SIZES)
+    task_tokens = sum(min(cfg.limit or n, n) * size for n, size in map(TASK_SIZES.get, tasks))
+    steps = cfg.steps or _tokens_in(corpus) // ctx // cfg.batch
+    return {
+        "texts": texts,
+        "tasks": len(tasks),
+        "evaluation": sum(texts) + task_tokens / ctx,
+        "train_windows": steps * cfg.batch,
+        "error_windows": cfg.error_windows,
+    }
 
 
 def duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min"
+
+
+def print_plan(plan: list, costs: dict, sizes: dict, cfg, ctx: int, done: set):
+    """The plan's lines: what the probe measured, the sizes, each stage and the total."""
+    log(
+        f"plan (probe on {cfg.device}: forward {costs['forward']:.3f} s, softmax step "
+        f"{costs['softmax']:.3f} s, direct step {costs['direct']:.3f} s per window of {ctx}):"
+    )
+    log(
+        f"  each student: {sizes['train_windows'] // cfg.batch} steps of {cfg.batch} windows = "
+        f"{sizes['train_windows'] * ctx:,} tokens; evaluation on "
+        f"{' and '.join(map(str, sizes['texts']))} windows, "
+        f"{sizes['tasks'] or 'no'} tasks"
+    )
+    for name, seconds in plan:
+        log(f"  {name}: " + ("done" if name in done else f"~{duration(seconds)}"))
+    total = sum(seconds for _, seconds in plan)
+    log(f"  total: ~{duration(total)} ({len(done)} of {len(plan)} stages done)")
 
 
 class Clock:
