@@ -38,3 +38,12 @@ def sha256_file(path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def changed_settings(old: dict, new: dict) -> str:
+    """The names of the keys whose values differ between two settings dicts (a key missing from
+    one counts as differing), sorted and comma-joined; "" when they agree."""
+    differ = [
+        k for k in old.keys() | new.keys() if k not in old or k not in new or old[k] != new[k]
+    ]
+    return ", ".join(sorted(differ))
