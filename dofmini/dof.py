@@ -156,7 +156,8 @@ def allocate(layer_dof, budget, rule="proportional", cap=None, aggregate="max"):
     layer l's error falls as a_l·M^-β, the least summed error at a fixed ΣM has M_l ∝ a_l^(1/(1+β));
     reading DoF as the features a layer needs for a fixed error, w_l = a_l^(1/β), that is
     M_l ∝ w_l^(β/(1+β)), i.e. γ = β/(1+β) < 1. Proportional (γ = 1) is optimal only as β → ∞,
-    and for β <= 1 it never beats uniform (a power-mean inequality); the tests check both.
+    and for β <= 1 it never beats uniform on exact shares (a power-mean inequality; rounding to
+    integers can tip a near-tie); the tests check both.
     Exact shares (fractions of the float weights), then largest remainder, ties going to more weight
     and then the earlier layer, so more DoF never gets fewer features and equal DoF gets equal
     shares (equal dims unless a remainder tie straddles the cut; then they differ by 1).

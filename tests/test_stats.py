@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dofmini.dof import oracle_allocate
 from dofmini.stats import (
     features_needed,
     mean_ci,
@@ -17,6 +16,7 @@ from dofmini.stats import (
     spearman,
     t_critical,
 )
+from dofmini.study.oracle import oracle_allocate
 
 FAST = settings(max_examples=60, deadline=None)
 T_975_2 = 4.302653  # Student t quantile 0.975 for 2 degrees of freedom, from the printed tables
