@@ -9,15 +9,14 @@ K̂ = Φ(q)·Φ(k):
 - "softmax": mean over queries of the cross-entropy −Σ_j p_ij log p̂_ij, p_i = softmax_{j≤i}(s_ij),
   p̂_ij = K̂_ij / Σ_{j'≤i} K̂_ij'.
 - "direct" (baseline): next-token cross-entropy of the whole student, end to end.
-Numerics: float32 by default (float64 on request). Every query and every key is divided by its own
-largest feature, so Φ(q)·Φ(k) = exp(r_q + r_k)·(unit q · unit k) with unit vectors whose largest
-entry is 1, and K̂ is used as log K̂ = r_q + r_k + log(unit q · unit k): log p̂ by log-sum-exp over the
-row, the l2 term as exp(log K̂ − m). A fixed shift per feature (PRFFeatures.keys) is not enough in
-float32: a key far from every z (|k/d^¼ − z_m| ≳ 14 for all m) has every feature below float32's
-range, so log p̂ = −inf; and exp(log_scale − m) of PRFFeatures.queries reaches e^|z|² ≈ e^64 and
-more, past float32's e^88 in the l2 term. Only where unit q · unit k itself underflows (q and k
-aiming at features e^-87 apart) is K̂ taken as 0; a non-finite loss then stops training with an
-error. Memory: one layer and one chunk of queries at a time, each chunk back-propagated at once.
+Numerics, float32 by default (float64 on request): each query and each key is divided by its own
+largest feature e^r, and K̂ is used as log K̂ = r_q + r_k + log(unit q · unit k), log p̂ by
+log-sum-exp over the row and the l2 term as exp(log K̂ − m), so nothing overflows and a key far from
+every z keeps its exact share. (A fixed shift per feature, as PRFFeatures.keys/queries apply, is
+exact in float64 but not in float32: a key with |k/d^¼ − z_m| ≳ 14 for every m loses every feature,
+making log p̂ = −inf.) Only where unit q · unit k itself underflows (q and k favour features e^87
+apart) is K̂ taken as 0; a non-finite loss stops training with an error. Memory: one layer and one
+chunk of queries at a time, each chunk back-propagated at once.
 """
 
 import dataclasses
@@ -32,7 +31,6 @@ import torch.nn.functional as F
 from .files import changed_settings
 from .students import make_student, read_tensors, save_student, save_tensors, trainable
 
-LOSSES = ("l2", "softmax", "direct")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
@@ -56,14 +54,13 @@ class TrainSettings:
     log_every: int | None = None
 
     def __post_init__(self):
-        counts = ("steps", "batch", "ctx", "chunk", "save_every", "log_every")
-        values = {n: getattr(self, n) for n in counts}
-        bad = [f"{n}={v}" for n, v in values.items() if v is not None and v < 1]
-        if bad or self.ctx < 2 or self.dtype not in DTYPES:
+        least = {"steps": 1, "batch": 1, "ctx": 2, "chunk": 1, "save_every": 1, "log_every": 1}
+        got = {n: getattr(self, n) for n in least}  # log_every may be None
+        bad = [f"{n}={v}" for n, v in got.items() if v is not None and v < least[n]]
+        if bad or self.dtype not in DTYPES:
             raise ValueError(
-                f"TrainSettings: need steps, batch, chunk, save_every, log_every >= 1, ctx >= 2 "
-                f"and dtype in {list(DTYPES)}; got {', '.join(bad) or '-'}, ctx={self.ctx}, "
-                f"dtype={self.dtype!r}"
+                f"TrainSettings: need ctx >= 2, dtype in {list(DTYPES)}, the rest of {list(least)}"
+                f" >= 1; got {', '.join(bad)} dtype={self.dtype!r}"
             )
 
     def record(self) -> dict:
@@ -170,15 +167,13 @@ def _train(student, step_fn, token_ids, what: str, s: TrainSettings, out_path, l
         raise ValueError(f"{what}: need ctx <= {student.config.n_ctx}; got ctx={s.ctx}")
     token_ids = as_token_ids(token_ids, s.ctx, what)
     params = trainable(student)
-    groups = []
-    for is_a, rate in ((False, s.lr), (True, s.lr_a)):
-        group = [p for n, p in params.items() if n.endswith(".a") == is_a]
-        if group:
-            groups.append({"params": group, "lr": rate})
-    opt = torch.optim.Adam(groups)
+    rates = {False: s.lr, True: s.lr_a}  # by whether the name ends in ".a"
+    groups = [{"params": [p for n, p in params.items() if n.endswith(".a") == a], "lr": rates[a]}
+              for a in rates]  # fmt: skip
+    opt = torch.optim.Adam([g for g in groups if g["params"]])
     tokens_hash = hashlib.sha256(token_ids.numpy().tobytes()).hexdigest()[:16]
-    identity = {**student.meta, **(meta or {}), "loss": what, "teacher": student.identity}
-    settings = {**identity, **s.record(), "tokens": tokens_hash}
+    student.meta = {**student.meta, **(meta or {}), "loss": what}
+    settings = {**student.meta, "teacher": student.identity, **s.record(), "tokens": tokens_hash}
     gen = torch.Generator().manual_seed(s.data_seed)
     device = next(student.parameters()).device
     progress = Path(f"{out_path}.progress") if out_path else None
@@ -192,10 +187,10 @@ def _train(student, step_fn, token_ids, what: str, s: TrainSettings, out_path, l
     for step in range(start, s.steps):
         first = torch.randint(0, len(token_ids) - s.ctx + 1, (s.batch, 1), generator=gen)  # [b, 1]
         losses = step_fn(token_ids[first + torch.arange(s.ctx)].to(device))  # ids [batch, ctx]
-        bad = [i for i, x in enumerate(losses) if not math.isfinite(x)]
+        bad = [(i, x) for i, x in enumerate(losses) if not math.isfinite(x)]
         if bad:
             raise FloatingPointError(
-                f"{what}: loss {losses[bad[0]]} at step {step + 1}, layer {bad[0]}"
+                f"{what}: loss {bad[0][1]} at step {step + 1}, layer {bad[0][0]}"
             )
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -213,9 +208,7 @@ def _train(student, step_fn, token_ids, what: str, s: TrainSettings, out_path, l
             left = elapsed / (done - start) * (s.steps - done)
             losses_text = " ".join(f"{x:.4g}" for x in mean)
             log(f"{what} {done}/{s.steps}: loss {losses_text} ({elapsed:.0f}s, ~{left:.0f}s left)")
-    student.meta = {**student.meta, **(meta or {}), "loss": what}
-    student.train_seconds = seconds + time.time() - t0
-    student.loss_curve = curve
+    student.train_seconds, student.loss_curve = seconds + time.time() - t0, curve
     if out_path:
         # no times in the file: the same settings always give the same bytes
         save_student(student, out_path, {"settings": settings, "loss_curve": curve})
@@ -233,11 +226,8 @@ def _save_progress(path, settings, params, opt, gen, done, seconds, curve):
 
 
 def _resume(path: Path, settings, params, opt, gen, log):
-    """Features, Adam state and the data generator from a progress file of the same settings.
-
-    Returns (step reached, seconds spent, loss curve). A progress file of other settings is set
-    aside.
-    """
+    """(step reached, seconds spent, loss curve), restoring features, Adam state and the data
+    generator from a progress file of the same settings; one of other settings is set aside."""
     stored, meta = read_tensors(path)
     changed = changed_settings(meta.get("settings", {}), settings)
     if changed:
@@ -282,13 +272,11 @@ def distill(
     term, dtype = "l2" if loss == "l2" else "ce", DTYPES[settings.dtype]
 
     def step(ids):
-        layers = zip(student.blocks, capture(teacher, ids))
-        return [
-            layer_pass(block.attn.features, q, k, None, {term}, settings.chunk, True, dtype)[term]
-            .mean()
-            .item()
-            for block, (q, k, _) in layers
-        ]
+        losses = []
+        for block, (q, k, _) in zip(student.blocks, capture(teacher, ids)):
+            terms = layer_pass(block.attn.features, q, k, None, {term}, settings.chunk, True, dtype)
+            losses.append(terms[term].mean().item())
+        return losses
 
     return _train(student, step, token_ids, loss, settings, out_path, log, meta)
 
