@@ -7,15 +7,19 @@ K̂ = Φ(q)·Φ(k):
   divided by the teacher's row max, a per-query scale they share: large-norm heads then neither
   overflow nor dominate, and no normalising sum is needed.
 - "softmax": mean over queries of the cross-entropy −Σ_j p_ij log p̂_ij, p_i = softmax_{j≤i}(s_ij),
-  p̂_ij = K̂_ij / Σ_{j'≤i} K̂_ij'. Per-query scales cancel in p̂, so it is computed from the shifted
-  features PRFFeatures.queries/keys return.
+  p̂_ij = K̂_ij / Σ_{j'≤i} K̂_ij'.
 - "direct" (baseline): next-token cross-entropy of the whole student, end to end.
-The loss arithmetic runs in float64 (a key far from every z has features below fp32's range, which
-would make log p̂ −inf). Only the student's row sum is clamped, against a row whose every value
-underflowed; a non-finite loss stops training with an error. Memory: one layer and one chunk of
-queries at a time, each chunk back-propagated at once.
+Numerics, float32 by default (float64 on request): each query and each key is divided by its own
+largest feature e^r, and K̂ is used as log K̂ = r_q + r_k + log(unit q · unit k), log p̂ by
+log-sum-exp over the row and the l2 term as exp(log K̂ − m), so nothing overflows and a key far from
+every z keeps its exact share. (A fixed shift per feature, as PRFFeatures.keys/queries apply, is
+exact in float64 but not in float32: a key with |k/d^¼ − z_m| ≳ 14 for every m loses every feature,
+making log p̂ = −inf.) Only where unit q · unit k itself underflows (q and k favour features e^87
+apart) is K̂ taken as 0; a non-finite loss stops training with an error. Memory: one layer and one
+chunk of queries at a time, each chunk back-propagated at once.
 """
 
+import dataclasses
 import hashlib
 import math
 import time
@@ -24,9 +28,48 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .files import changed_settings
 from .students import make_student, read_tensors, save_student, save_tensors, trainable
 
-LOSSES = ("l2", "softmax", "direct")
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """A training run: `steps` Adam steps on `batch` random windows of ctx tokens drawn with
+    data_seed, lr for z (and DiJiang's tensors), lr_a for a = log α (the paper's 0.02 and 0.2);
+    `chunk` queries per piece of the attention matrices and `dtype` for the layerwise losses.
+    Progress is saved every save_every steps and logged every log_every (None: a tenth). All but
+    save_every and log_every decide the result."""
+
+    steps: int = 200
+    batch: int = 8
+    ctx: int = 256
+    lr: float = 0.02
+    lr_a: float = 0.2
+    data_seed: int = 0
+    chunk: int = 256
+    dtype: str = "float32"
+    save_every: int = 50
+    log_every: int | None = None
+
+    def __post_init__(self):
+        least = {"steps": 1, "batch": 1, "ctx": 2, "chunk": 1, "save_every": 1, "log_every": 1}
+        got = {n: getattr(self, n) for n in least}  # log_every may be None
+        bad = [f"{n}={v}" for n, v in got.items() if v is not None and v < least[n]]
+        if bad or self.dtype not in DTYPES:
+            raise ValueError(
+                f"TrainSettings: need ctx >= 2, dtype in {list(DTYPES)}, the rest of {list(least)}"
+                f" >= 1; got {', '.join(bad)} dtype={self.dtype!r}"
+            )
+
+    def record(self) -> dict:
+        """The fields that decide the result."""
+        fields = dataclasses.asdict(self)
+        return {k: v for k, v in fields.items() if k not in ("save_every", "log_every")}
+
+
+DEFAULT = TrainSettings()
 
 
 @torch.no_grad()
@@ -38,7 +81,14 @@ def capture(teacher, ids):
     return layers
 
 
-def chunk_terms(features, q, k, v, phi_k, lo: int, hi: int, want: set) -> dict:
+def unit_features(features, x, name: str):
+    """(Φ(x) over its own largest entry [B, H, T, M], log of that entry [B, H, T, 1] detached)."""
+    log_phi = features.log_features(x, name)  # [B, H, T, M]
+    top = log_phi.amax(-1, keepdim=True).detach()  # [B, H, T, 1]
+    return torch.exp(log_phi - top), top
+
+
+def chunk_terms(features, q, k, v, unit_k, top_k, lo: int, hi: int, want: set) -> dict:
     """Sums over queries lo:hi (keys ≤ each query), per [B, H], of the terms in `want`: "l2" squared
     scaled kernel error, "ce" cross-entropy, "kl" KL(p‖p̂), "err"/"norm" squared output error and
     output norm (needs v)."""
@@ -47,49 +97,54 @@ def chunk_terms(features, q, k, v, phi_k, lo: int, hi: int, want: set) -> dict:
     s = torch.where(causal, scores, -math.inf)  # [B, H, c, hi]
     m = s.amax(-1, keepdim=True)  # [B, H, c, 1]
     kern = torch.exp(s - m)  # [B, H, c, hi] teacher kernel over its row max, 0 above the diagonal
-    phi_q, log_scale = features.queries(q[:, :, lo:hi])  # [B, H, c, M], [B, H, c, 1]
-    dot = torch.where(causal, phi_q @ phi_k[:, :, :hi].mT, 0)  # [B, H, c, hi] K̂ / exp(log_scale)
+    unit_q, top_q = unit_features(features, q[:, :, lo:hi], "q")  # [B, H, c, M], [B, H, c, 1]
+    dot = unit_q @ unit_k[:, :, :hi].mT  # [B, H, c, hi]
+    seen = causal & (dot > 0)  # [B, H, c, hi]
+    # log K̂ − top_q, −inf above the diagonal and where the product underflowed (log of 1 there
+    # keeps the gradient finite)
+    log_k = torch.where(seen, torch.where(seen, dot, 1).log() + top_k[:, :, :hi].mT, -math.inf)
     out = {}
     if "l2" in want:
-        out["l2"] = (dot * torch.exp(log_scale - m) - kern).square().sum((-2, -1))
+        out["l2"] = (torch.exp(log_k + (top_q - m)) - kern).square().sum((-2, -1))
     if want & {"ce", "kl", "err"}:
         p = kern / kern.sum(-1, keepdim=True)  # [B, H, c, hi]
-        row = dot.sum(-1, keepdim=True).clamp_min(torch.finfo(dot.dtype).tiny)  # [B, H, c, 1]
-        # where p is 0 (above the diagonal, or underflowed) the student's value is not looked at:
-        # 0·log 0 would make the gradient NaN
-        log_dot = torch.where(p > 0, dot, 1).log()  # [B, H, c, hi]
-        out["ce"] = (row.log()[..., 0] - (p * log_dot).sum(-1)).sum(-1)
+        log_p_hat = log_k - log_k.logsumexp(-1, keepdim=True)  # [B, H, c, hi]
+        # where p is 0 (above the diagonal, or underflowed) the student's value is not looked at
+        out["ce"] = -(p * torch.where(p > 0, log_p_hat, 0)).sum((-2, -1))
         if "kl" in want:
             out["kl"] = out["ce"] + torch.xlogy(p, p).sum((-2, -1))
         if "err" in want:
             y = p @ v[:, :, :hi]  # [B, H, c, dv]
-            y_hat = (dot / row) @ v[:, :, :hi]  # [B, H, c, dv]
+            y_hat = log_p_hat.exp() @ v[:, :, :hi]  # [B, H, c, dv]
             out["err"] = (y_hat - y).square().sum((-2, -1))
             out["norm"] = y.square().sum((-2, -1))
     return out
 
 
-def layer_pass(features, q, k, v, want: set, chunk: int, train: bool = False) -> dict:
-    """Per-head means [H] of the terms in `want` over one layer's batch.
+def layer_pass(
+    features, q, k, v, want: set, chunk: int, train: bool = False, dtype=torch.float32
+) -> dict:
+    """Per-head means [H] of the terms in `want` over one layer's batch, computed in `dtype`.
 
     l2 is a mean per causal pair, the rest per query. train=True back-propagates each chunk's share
     of the head-mean of the one term in `want`; the keys' features are then a detached leaf whose
     gradient is passed on once, at the end.
     """
-    q, k = q.double(), k.double()  # [B, H, T, d]
+    q, k = q.to(dtype), k.to(dtype)  # [B, H, T, d]
+    v = None if v is None else v.to(dtype)  # [B, H, T, dv]
     B, H, T, _ = q.shape
-    phi_k = features.keys(k)  # [B, H, T, M]
-    keys = phi_k.detach().requires_grad_() if train else phi_k
+    unit_k, top_k = unit_features(features, k, "k")  # [B, H, T, M], [B, H, T, 1]
+    keys = unit_k.detach().requires_grad_() if train else unit_k
     sums = {}
     for lo in range(0, T, chunk):
-        terms = chunk_terms(features, q, k, v, keys, lo, min(lo + chunk, T), want)
+        terms = chunk_terms(features, q, k, v, keys, top_k, lo, min(lo + chunk, T), want)
         for name, t in terms.items():
             count = B * T * (T + 1) / 2 if name == "l2" else B * T
             if train:
                 (t.sum() / (count * H)).backward()
             sums[name] = sums.get(name, 0) + t.detach().sum(0) / count  # [H]
     if train:
-        phi_k.backward(keys.grad)
+        unit_k.backward(keys.grad)
     return sums
 
 
@@ -104,93 +159,56 @@ def as_token_ids(token_ids, need: int, what: str) -> torch.Tensor:
     return token_ids.long().cpu().contiguous()
 
 
-def _train(
-    student,
-    step_fn,
-    token_ids,
-    what,
-    steps,
-    batch,
-    ctx,
-    data_seed,
-    lr,
-    lr_a,
-    out_path,
-    save_every,
-    log,
-    log_every,
-    meta,
-):
-    """The loop distill and train_direct share (their docstrings give the arguments).
-
-    Adam over the student's trainable tensors (names ending in `.a` at lr_a, the rest at lr) on
-    `batch` windows of ctx tokens per step, drawn by a generator seeded with data_seed; step_fn(ids)
-    back-propagates and returns per-layer losses.
-    """
-    if not 2 <= ctx <= student.config.n_ctx or min(steps, batch, save_every) < 1:
-        raise ValueError(
-            f"{what}: need 2 <= ctx <= {student.config.n_ctx} and steps, batch, save_every >= 1; "
-            f"got ctx={ctx}, steps={steps}, batch={batch}, save_every={save_every}"
-        )
-    token_ids = as_token_ids(token_ids, ctx, what)
+def _train(student, step_fn, token_ids, what: str, s: TrainSettings, out_path, log, meta):
+    """The loop distill and train_direct share: Adam over the student's trainable tensors (names
+    ending in `.a` at s.lr_a, the rest at s.lr); step_fn(ids) back-propagates and returns per-layer
+    losses."""
+    if s.ctx > student.config.n_ctx:
+        raise ValueError(f"{what}: need ctx <= {student.config.n_ctx}; got ctx={s.ctx}")
+    token_ids = as_token_ids(token_ids, s.ctx, what)
     params = trainable(student)
-    groups = []
-    for is_a, rate in ((False, lr), (True, lr_a)):
-        group = [p for n, p in params.items() if n.endswith(".a") == is_a]
-        if group:
-            groups.append({"params": group, "lr": rate})
-    opt = torch.optim.Adam(groups)
+    rates = {False: s.lr, True: s.lr_a}  # by whether the name ends in ".a"
+    groups = [{"params": [p for n, p in params.items() if n.endswith(".a") == a], "lr": rates[a]}
+              for a in rates]  # fmt: skip
+    opt = torch.optim.Adam([g for g in groups if g["params"]])
     tokens_hash = hashlib.sha256(token_ids.numpy().tobytes()).hexdigest()[:16]
-    settings = {
-        **student.meta,
-        **(meta or {}),
-        "loss": what,
-        "teacher": student.identity,
-        "steps": steps,
-        "batch": batch,
-        "ctx": ctx,
-        "data_seed": data_seed,
-        "lr": lr,
-        "lr_a": lr_a,
-        "tokens": tokens_hash,
-    }
-    gen = torch.Generator().manual_seed(data_seed)
+    student.meta = {**student.meta, **(meta or {}), "loss": what}
+    settings = {**student.meta, "teacher": student.identity, **s.record(), "tokens": tokens_hash}
+    gen = torch.Generator().manual_seed(s.data_seed)
     device = next(student.parameters()).device
     progress = Path(f"{out_path}.progress") if out_path else None
     start, seconds, curve = 0, 0.0, []
     if progress and progress.exists():
         start, seconds, curve = _resume(progress, settings, params, opt, gen, log)
         if start:
-            log(f"{what}: resuming from {progress} at step {start}/{steps}")
-    log_every = log_every or max(1, steps // 10)
+            log(f"{what}: resuming from {progress} at step {start}/{s.steps}")
+    log_every = s.log_every or max(1, s.steps // 10)
     t0, window = time.time(), []
-    for step in range(start, steps):
-        first = torch.randint(0, len(token_ids) - ctx + 1, (batch, 1), generator=gen)  # [batch, 1]
-        losses = step_fn(token_ids[first + torch.arange(ctx)].to(device))  # ids [batch, ctx]
-        bad = [i for i, x in enumerate(losses) if not math.isfinite(x)]
+    for step in range(start, s.steps):
+        first = torch.randint(0, len(token_ids) - s.ctx + 1, (s.batch, 1), generator=gen)  # [b, 1]
+        losses = step_fn(token_ids[first + torch.arange(s.ctx)].to(device))  # ids [batch, ctx]
+        bad = [(i, x) for i, x in enumerate(losses) if not math.isfinite(x)]
         if bad:
             raise FloatingPointError(
-                f"{what}: loss {losses[bad[0]]} at step {step + 1}, layer {bad[0]}"
+                f"{what}: loss {bad[0][1]} at step {step + 1}, layer {bad[0][0]}"
             )
         opt.step()
         opt.zero_grad(set_to_none=True)
         window.append(losses)
         done = step + 1
-        report = done % log_every == 0 or done == steps
+        report = done % log_every == 0 or done == s.steps
         if report:
             mean = [sum(col) / len(window) for col in zip(*window)]  # per layer
             curve.append([done, sum(mean) / len(mean)])
             window = []
         elapsed = time.time() - t0
-        if progress and done % save_every == 0 and done < steps:
+        if progress and done % s.save_every == 0 and done < s.steps:
             _save_progress(progress, settings, params, opt, gen, done, seconds + elapsed, curve)
         if report:
-            left = elapsed / (done - start) * (steps - done)
+            left = elapsed / (done - start) * (s.steps - done)
             losses_text = " ".join(f"{x:.4g}" for x in mean)
-            log(f"{what} {done}/{steps}: loss {losses_text} ({elapsed:.0f}s, ~{left:.0f}s left)")
-    student.meta = {**student.meta, **(meta or {}), "loss": what}
-    student.train_seconds = seconds + time.time() - t0
-    student.loss_curve = curve
+            log(f"{what} {done}/{s.steps}: loss {losses_text} ({elapsed:.0f}s, ~{left:.0f}s left)")
+    student.train_seconds, student.loss_curve = seconds + time.time() - t0, curve
     if out_path:
         # no times in the file: the same settings always give the same bytes
         save_student(student, out_path, {"settings": settings, "loss_curve": curve})
@@ -208,18 +226,12 @@ def _save_progress(path, settings, params, opt, gen, done, seconds, curve):
 
 
 def _resume(path: Path, settings, params, opt, gen, log):
-    """Features, Adam state and the data generator from a progress file of the same settings.
-
-    Returns (step reached, seconds spent, loss curve). A progress file of other settings is set
-    aside.
-    """
+    """(step reached, seconds spent, loss curve), restoring features, Adam state and the data
+    generator from a progress file of the same settings; one of other settings is set aside."""
     stored, meta = read_tensors(path)
-    saved = meta.get("settings", {})
-    if saved != settings:
-        changed = sorted(
-            k for k in saved.keys() | settings.keys() if saved.get(k) != settings.get(k)
-        )
-        log(f"{path}: progress of other settings ({', '.join(changed)} changed); starting over")
+    changed = changed_settings(meta.get("settings", {}), settings)
+    if changed:
+        log(f"{path}: progress of other settings ({changed} changed); starting over")
         path.unlink()
         return 0, 0.0, []
     with torch.no_grad():
@@ -239,80 +251,38 @@ def distill(
     teacher,
     dims,
     token_ids,
+    settings: TrainSettings = DEFAULT,
     *,
     loss: str = "softmax",
     feature_seed: int = 0,
-    data_seed: int = 0,
-    steps: int = 200,
-    batch: int = 8,
-    ctx: int = 256,
-    lr: float = 0.02,
-    lr_a: float = 0.2,
-    chunk: int = 256,
     out_path=None,
-    save_every: int = 50,
     log=print,
-    log_every=None,
     meta=None,
 ):
     """A PRF student (dims[i] features in layer i, drawn with feature_seed + i), each layer trained
     with the "l2" or "softmax" loss on the teacher's q, k for windows of token_ids (1-D).
 
-    Adam, lr for z and lr_a for a = log α (the paper's 0.02 and 0.2), `steps` steps of `batch`
-    random windows of ctx tokens drawn with data_seed; `chunk` queries per piece of the attention
-    matrices. With out_path, progress goes atomically to `<out_path>.progress` every save_every
-    steps, a run with the same settings resumes from it (train_seconds adds up), and the student is
-    saved to out_path with `meta`. A line per log_every steps (default a tenth). The teacher stays
-    untouched.
+    With out_path, progress goes atomically to `<out_path>.progress` every settings.save_every
+    steps, a run with the same settings resumes from it exactly (train_seconds adds up), and the
+    student is saved to out_path with `meta`. The teacher stays untouched.
     """
     if loss not in ("l2", "softmax"):
         raise ValueError(f"distill: loss {loss!r}; expected 'l2' or 'softmax'")
     student = make_student(teacher, "prf", dims, feature_seed)
-    term = "l2" if loss == "l2" else "ce"
+    term, dtype = "l2" if loss == "l2" else "ce", DTYPES[settings.dtype]
 
     def step(ids):
-        layers = zip(student.blocks, capture(teacher, ids))
-        return [
-            layer_pass(block.attn.features, q, k, None, {term}, chunk, train=True)[term]
-            .mean()
-            .item()
-            for block, (q, k, _) in layers
-        ]
+        losses = []
+        for block, (q, k, _) in zip(student.blocks, capture(teacher, ids)):
+            terms = layer_pass(block.attn.features, q, k, None, {term}, settings.chunk, True, dtype)
+            losses.append(terms[term].mean().item())
+        return losses
 
-    return _train(
-        student,
-        step,
-        token_ids,
-        loss,
-        steps,
-        batch,
-        ctx,
-        data_seed,
-        lr,
-        lr_a,
-        out_path,
-        save_every,
-        log,
-        log_every,
-        meta,
-    )
+    return _train(student, step, token_ids, loss, settings, out_path, log, meta)
 
 
 def train_direct(
-    student,
-    token_ids,
-    *,
-    data_seed: int = 0,
-    steps: int = 200,
-    batch: int = 8,
-    ctx: int = 256,
-    lr: float = 0.02,
-    lr_a: float = 0.2,
-    out_path=None,
-    save_every: int = 50,
-    log=print,
-    log_every=None,
-    meta=None,
+    student, token_ids, settings: TrainSettings = DEFAULT, *, out_path=None, log=print, meta=None
 ):
     """The direct baseline, in place: next-token cross-entropy of the whole student, end to end.
 
@@ -326,20 +296,4 @@ def train_direct(
         nll.backward()
         return [nll.item()]
 
-    return _train(
-        student,
-        step,
-        token_ids,
-        "direct",
-        steps,
-        batch,
-        ctx,
-        data_seed,
-        lr,
-        lr_a,
-        out_path,
-        save_every,
-        log,
-        log_every,
-        meta,
-    )
+    return _train(student, step, token_ids, "direct", settings, out_path, log, meta)

@@ -81,17 +81,15 @@ def sample_queries_keys(model, token_ids, J=1024, seed=0, ctx=None, batch=8):
     window is dropped). One seeded draw of positions serves every head (each head still gets a
     uniform sample of its own pool), so only J vectors per head are kept and windows with no drawn
     position are not run. Rows are in draw order: [..., :j, :] is exactly the draw of j vectors with
-    the same seed, so one pass serves a sweep over J.
+    the same seed, so one pass serves a sweep over J. The teacher runs without its head: no
+    [B, T, V] logits (1.6 GB a batch of 8 for GPT-2 at ctx 1024).
     """
     cfg = model.config
     ctx = cfg.n_ctx if ctx is None else ctx
-    if token_ids.dim() != 1:
+    if token_ids.dim() != 1 or not 1 <= ctx <= cfg.n_ctx:
         raise ValueError(
-            f"sample_queries_keys: token_ids must be 1-D, got shape {tuple(token_ids.shape)}"
-        )
-    if not 1 <= ctx <= cfg.n_ctx:
-        raise ValueError(
-            f"sample_queries_keys: ctx={ctx} outside 1..{cfg.n_ctx} (model.config.n_ctx)"
+            f"sample_queries_keys: need 1-D token_ids and 1 <= ctx <= {cfg.n_ctx} (n_ctx); got "
+            f"shape {tuple(token_ids.shape)}, ctx={ctx}"
         )
     n_win = token_ids.numel() // ctx
     pool = 2 * ctx  # per window and head, ctx queries then ctx keys
@@ -109,25 +107,22 @@ def sample_queries_keys(model, token_ids, J=1024, seed=0, ctx=None, batch=8):
     x = torch.empty(cfg.n_layer, cfg.n_head, J, cfg.head_dim, dtype=torch.float64)  # [L, H, J, d]
     lo = 0
     for w0 in range(0, n_win, batch):
-        ids = windows[w0 : w0 + batch]  # [B, ctx]
+        ids = windows[w0 : w0 + batch].to(device)  # [B, ctx]
         hi = int((picked < (w0 + len(ids)) * pool).sum())  # picked[lo:hi] fall in these windows
         if hi == lo:
             continue
         mine = picked[lo:hi] - w0 * pool  # [n]
         capture = []
-        model(ids.to(device), capture=capture)
+        model(ids, capture=capture, keep=torch.zeros_like(ids, dtype=torch.bool))
         if len(capture) != cfg.n_layer:
             raise ValueError(
-                f"sample_queries_keys: model captured {len(capture)} layers, "
-                f"config says {cfg.n_layer}"
+                f"sample_queries_keys: {len(capture)} layers captured, not {cfg.n_layer}"
             )
-        rows = (mine // pool).to(device)  # [n]
-        slots = (mine % pool).to(device)  # [n]
+        rows, slots = (mine // pool).to(device), (mine % pool).to(device)  # [n], [n]
         for layer, (q, k, _) in enumerate(capture):
             qk = torch.cat((q, k), dim=2)  # [B, H, 2ctx, d]
-            x[layer, :, rank[lo:hi]] = (
-                qk[rows, :, slots].transpose(0, 1).double().cpu()
-            )  # [H, n, d]
+            picks = qk[rows, :, slots].transpose(0, 1)  # [H, n, d]
+            x[layer, :, rank[lo:hi]] = picks.double().cpu()
         lo = hi
     return x
 
@@ -148,19 +143,30 @@ def saturation_warning(dof, J):
     )
 
 
-def allocate(layer_dof, budget, cap=None, redistribute=False):
-    """Per-layer dims M_s ∝ layer DoF (Algorithm 1, 5-7); per-head [L, H] DoF is max-reduced.
+AGGREGATES = {"max": lambda dof: dof.amax(-1), "mean": lambda dof: dof.mean(-1)}
 
-    Integers >= 1 summing to exactly L·budget: exact shares (fractions), then largest remainder,
-    ties going to more DoF and then the earlier layer, so more DoF never gets fewer features and
-    equal DoF gets equal shares (equal dims unless a remainder tie straddles the cut; then they
-    differ by 1).
-    cap: "DoF + clip", min(M_s, cap) with the freed budget dropped (the paper). redistribute=True
-    instead hands the excess to uncapped layers by the same proportional rule, keeping the sum
-    (needs cap >= budget).
+
+def allocate(layer_dof, budget, rule="proportional", cap=None, aggregate="max"):
+    """Per-layer feature dims (Algorithm 1, steps 5-7): integers >= 1 summing to exactly L·budget.
+
+    layer_dof: [L], or per-head [L, H] reduced over heads by `aggregate`: "max" (the paper: a
+    layer's heads share one M, so its hardest head decides) or "mean".
+    rule: "proportional" (the paper), M_l ∝ DoF_l; or "power:γ" (γ >= 0), M_l ∝ DoF_l^γ ("power:1"
+    is "proportional" exactly, "power:0.5" the square root, "power:0" uniform). Why a power: if
+    layer l's error falls as a_l·M^-β, the least summed error at a fixed ΣM has M_l ∝ a_l^(1/(1+β));
+    reading DoF as the features a layer needs for a fixed error, w_l = a_l^(1/β), that is
+    M_l ∝ w_l^(β/(1+β)), i.e. γ = β/(1+β) < 1. Proportional (γ = 1) is optimal only as β → ∞,
+    and for β <= 1 it never beats uniform on exact shares (a power-mean inequality; rounding to
+    integers can tip a near-tie); the tests check both.
+    Exact shares (fractions of the float weights), then largest remainder, ties going to more weight
+    and then the earlier layer, so more DoF never gets fewer features and equal DoF gets equal
+    shares (equal dims unless a remainder tie straddles the cut; then they differ by 1).
+    cap: "DoF + clip", min(M_l, cap) with the freed budget dropped (the paper).
     """
-    dof = torch.as_tensor(layer_dof, dtype=torch.float64)
-    dof = dof.amax(-1) if dof.dim() == 2 else dof
+    if aggregate not in AGGREGATES:
+        raise ValueError(f"allocate: aggregate {aggregate!r}; expected one of {list(AGGREGATES)}")
+    dof = torch.as_tensor(layer_dof, dtype=torch.float64)  # [L] or [L, H]
+    dof = AGGREGATES[aggregate](dof) if dof.dim() == 2 else dof  # [L]
     if dof.dim() != 1 or len(dof) == 0 or not (torch.isfinite(dof) & (dof > 0)).all():
         raise ValueError(
             f"allocate: layer_dof must be positive finite [L] or [L, H], got {layer_dof}"
@@ -169,121 +175,51 @@ def allocate(layer_dof, budget, cap=None, redistribute=False):
         raise ValueError(f"allocate: budget must be an integer >= 1, got {budget}")
     if cap is not None and (int(cap) != cap or cap < 1):
         raise ValueError(f"allocate: cap must be an integer >= 1, got {cap}")
-    if redistribute and (cap is None or cap < budget):
-        raise ValueError(
-            f"allocate: redistribute needs cap >= budget to keep the sum, "
-            f"got cap={cap}, budget={budget}"
-        )
-    weights = [Fraction(w) for w in dof.tolist()]
+    weights = [Fraction(w) for w in rule_weights(dof, rule).tolist()]
     total = len(weights) * int(budget)
-    shares = _shares(weights, total, cap if redistribute else math.inf)
+    shares = _shares(weights, total)
     dims = [math.floor(s) for s in shares]
     # largest remainder first
     order = sorted(range(len(dims)), key=lambda i: (dims[i] - shares[i], -weights[i], i))
     for i in order[: total - sum(dims)]:
         dims[i] += 1
-    return [min(m, cap) for m in dims] if cap is not None and not redistribute else dims
+    return dims if cap is None else [min(m, cap) for m in dims]
 
 
-def _shares(weights, total, hi):
-    """Exact shares clip(c·w, 1, hi) that sum to total.
+def rule_weights(dof, rule: str):
+    """The weights [L] float64 that `rule` makes of positive layer DoF [L] (see allocate)."""
+    gamma = 1.0 if rule == "proportional" else None
+    if rule.startswith("power:"):
+        try:
+            gamma = float(rule[len("power:") :])
+        except ValueError:
+            gamma = None
+    if gamma is None or not (math.isfinite(gamma) and gamma >= 0):
+        raise ValueError(
+            f"allocation rule {rule!r}; expected 'proportional' or 'power:γ' with γ a finite "
+            "number >= 0 (e.g. 'power:0.5')"
+        )
+    weights = dof.pow(gamma)  # [L] x^1.0 is x exactly, so "power:1" is "proportional"
+    if not (torch.isfinite(weights) & (weights > 0)).all():
+        raise ValueError(f"allocation rule {rule!r}: DoF^{gamma:g} leaves float64's range")
+    return weights
 
-    The sum is piecewise linear and nondecreasing in c with kinks where some c·w reaches 1 or hi;
-    find the segment holding total and interpolate inside it.
+
+def _shares(weights, total):
+    """Exact shares max(c·w, 1) that sum to total.
+
+    The sum is piecewise linear and nondecreasing in c with kinks where some c·w reaches 1; find the
+    segment holding total and interpolate inside it.
     """
-
-    def filled(c):
-        return sum(min(max(c * w, 1), hi) for w in weights)
-
-    kinks = sorted(
-        {1 / w for w in weights} | ({hi / w for w in weights} if hi < math.inf else set())
-    )
+    kinks = sorted({1 / w for w in weights})
     lo_c, lo_f = Fraction(0), len(weights)  # at c -> 0 every share sits at the floor 1
     for c in kinks:
-        f = filled(c)
+        f = sum(max(c * w, 1) for w in weights)
         if f >= total:
             break
         lo_c, lo_f = c, f
-    else:  # past the last kink with no cap, every share is c·w: the sum grows with slope Σw
+    else:  # past the last kink every share is c·w: the sum grows with slope Σw
         c, f = lo_c + 1, lo_f + sum(weights)
     if f != total:  # interpolate inside the segment, or extrapolate past the last kink
         c = lo_c + (c - lo_c) * (total - lo_f) / (f - lo_f)
-    return [min(max(c * w, 1), hi) for w in weights]
-
-
-def oracle_allocate(curves, budget, ms=None):
-    """Per-layer dims in [ms[0], ms[-1]] summing to exactly L·budget with the least summed error.
-
-    curves[l][k] is layer l's error with ms[k] features (ms: strictly increasing integers >= 1, at
-    least two; None means 1, 2, ..., K, a curve measured at every M). Between measured points the
-    error is taken as the power of M through them (linear in log M and log error): measured error
-    curves fall by a near-constant factor per doubling of M, and a straight line in M between
-    points would overstate every error between them, pinning the optimum to the measured Ms
-    (with M = 8, 16, 32, ... it keeps a uniform allocation unless two layers' errors differ
-    four-fold). Errors must therefore be positive. Every integer M in range has an error. The
-    minimum is found
-    exactly by dynamic programming over layers (the least summed error of layers 0..l for every
-    total), not by a greedy on marginal gains: the greedy is optimal only when every curve is
-    convex, and measured curves need not be. On exact ties the earlier layers get the features.
-    Cost: L·(ms[-1] − ms[0] + 1) vector steps of length L·(budget − ms[0]) + 1.
-    """
-    try:
-        errors = torch.as_tensor(curves, dtype=torch.float64)  # [L, K]
-    except (TypeError, ValueError) as err:
-        raise ValueError(
-            f"oracle_allocate: curves must be an [L, K] table of numbers: {err}"
-        ) from err
-    if errors.dim() != 2 or errors.shape[0] < 1 or errors.shape[1] < 2:
-        raise ValueError(
-            f"oracle_allocate: curves must be [L, K] with L >= 1 and K >= 2 measured points, got "
-            f"shape {tuple(errors.shape)}"
-        )
-    if not torch.isfinite(errors).all() or not (errors > 0).all():
-        raise ValueError(
-            "oracle_allocate: curves must hold finite positive errors (they are interpolated as a "
-            "power of M)"
-        )
-    ms = list(range(1, errors.shape[1] + 1)) if ms is None else list(ms)
-    if (
-        len(ms) != errors.shape[1]
-        or any(int(m) != m for m in ms)
-        or ms[0] < 1
-        or any(b <= a for a, b in zip(ms, ms[1:]))
-    ):
-        raise ValueError(
-            f"oracle_allocate: ms must be {errors.shape[1]} strictly increasing integers >= 1 (one "
-            f"per column of curves), got {ms}"
-        )
-    lo, hi = int(ms[0]), int(ms[-1])
-    if int(budget) != budget or not lo <= budget <= hi:
-        raise ValueError(
-            f"oracle_allocate: budget must be an integer in [{lo}, {hi}], got {budget}"
-        )
-    knots = torch.tensor(ms, dtype=torch.float64)  # [K]
-    grid = torch.arange(lo, hi + 1, dtype=torch.float64)  # [R] every integer M in range
-    seg = (torch.searchsorted(knots, grid, right=True) - 1).clamp(max=len(ms) - 2)  # [R]
-    log_knots, log_errors = knots.log(), errors.log()  # [K], [L, K]
-    frac = (grid.log() - log_knots[seg]) / (log_knots[seg + 1] - log_knots[seg])  # [R]
-    dense = torch.exp(
-        log_errors[:, seg] + frac * (log_errors[:, seg + 1] - log_errors[:, seg])
-    )  # [L, R]
-    extra = len(errors) * (int(budget) - lo)  # features handed out above lo in every layer
-    best = torch.full((extra + 1,), math.inf, dtype=torch.float64)  # [E+1] by total extra
-    best[0] = 0.0
-    picks = []
-    for row in dense:  # [R]
-        new = torch.full_like(best, math.inf)  # [E+1]
-        pick = torch.zeros(extra + 1, dtype=torch.long)  # [E+1] this layer's extra at the optimum
-        for x in range(min(len(row), extra + 1)):
-            cand = best[: extra + 1 - x] + row[x]  # [E+1-x]
-            # strict: on a tie this layer keeps the smallest x, leaving features to earlier layers
-            better = cand < new[x:]  # [E+1-x]
-            new[x:] = torch.where(better, cand, new[x:])
-            pick[x:] = torch.where(better, x, pick[x:])
-        best = new
-        picks.append(pick)
-    dims = []
-    for pick in reversed(picks):
-        dims.append(lo + int(pick[extra]))
-        extra -= dims[-1] - lo
-    return dims[::-1]
+    return [max(c * w, 1) for w in weights]

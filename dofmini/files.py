@@ -79,3 +79,12 @@ def unreachable(urls) -> list:
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
     return sorted(f"{host}:{port}" for host, port in endpoints - set(reached))
+
+
+def changed_settings(old: dict, new: dict) -> str:
+    """The names of the keys whose values differ between two settings dicts (a key missing from
+    one counts as differing), sorted and comma-joined; "" when they agree."""
+    differ = [
+        k for k in old.keys() | new.keys() if k not in old or k not in new or old[k] != new[k]
+    ]
+    return ", ".join(sorted(differ))

@@ -2,9 +2,9 @@
 
 A student shares every frozen tensor of its teacher (none is copied) and owns only its new
 trainable tensors: PRF features z and a = log α per layer ("prf"), or DiJiang's decay, norm and gate
-("dijiang"). A student file is a small safetensors file holding just those tensors, with JSON
-metadata (kind, dims, seeds, the settings that trained it, the teacher's identity) written in sorted
-key order, so the same student always gives the same bytes.
+("dijiang"). A student is one safetensors file, written atomically: just those tensors, with its
+record (kind, dims, seeds, the settings that trained it, the teacher's identity) as one JSON string
+in sorted key order in the metadata, so the same student always gives the same bytes.
 """
 
 import copy
@@ -23,35 +23,29 @@ KINDS = ("prf", "dijiang")
 
 
 def sharing_copy(teacher):
-    """A copy of the teacher's modules sharing every tensor.
-
-    Swapping the copy's attention leaves the teacher intact.
-    """
+    """A copy of the teacher's modules sharing every tensor: swapping its attention leaves the
+    teacher intact."""
     shared = {id(t): t for t in (*teacher.parameters(), *teacher.buffers())}
     return copy.deepcopy(teacher, shared)
 
 
 def make_student(teacher, kind: str, dims, feature_seed: int, orthogonal: bool = True):
-    """An untrained student of `kind`.
-
-    "prf" has dims[i] PRF features in layer i, drawn with seed feature_seed + i (FAVOR+ orthogonal
-    blocks unless orthogonal=False); "dijiang" uses the head size everywhere. Untrained "prf" is the
-    Performer baseline.
-    """
+    """An untrained student of `kind`: "prf" has dims[i] PRF features in layer i, drawn with seed
+    feature_seed + i (FAVOR+ orthogonal blocks unless orthogonal=False; untrained, the Performer
+    baseline); "dijiang" uses the head size everywhere."""
     dims = [int(m) for m in dims]
     if len(dims) != teacher.config.n_layer:
         raise ValueError(f"make_student: {len(dims)} dims for {teacher.config.n_layer} layers")
-    student = sharing_copy(teacher)
-    if kind == "prf":
-        replace_attention(student, dims, feature_seed, orthogonal)
-    elif kind == "dijiang":
-        to_dijiang(student, feature_seed)
-    else:
+    if kind not in KINDS:
         raise ValueError(f"make_student: unknown kind {kind!r}; expected one of {KINDS}")
+    student = sharing_copy(teacher)
     student.meta = {"kind": kind, "dims": dims, "feature_seed": feature_seed}
     if kind == "prf":
+        replace_attention(student, dims, feature_seed, orthogonal)
         student.meta["orthogonal"] = orthogonal
-    return student.to(next(teacher.parameters()).device)
+    else:
+        to_dijiang(student, feature_seed)
+    return student
 
 
 def trainable(model) -> dict:
@@ -60,9 +54,8 @@ def trainable(model) -> dict:
 
 
 def save_tensors(tensors: dict, path, metadata: dict):
-    """A safetensors file written atomically. The metadata is one JSON string in sorted key order
-    under the key "dofmini": safetensors writes a metadata dict in random order, so the same student
-    would otherwise give different bytes."""
+    """A safetensors file written atomically, `metadata` as one sorted JSON string under the key
+    "dofmini" (safetensors writes a metadata dict in random order)."""
     tensors = {n: t.detach().cpu().contiguous() for n, t in sorted(tensors.items())}
     meta = {"dofmini": json.dumps(metadata, sort_keys=True)}
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), meta))
@@ -72,48 +65,43 @@ def read_tensors(path):
     """(tensors, metadata with JSON-decoded values) of a file save_tensors wrote."""
     try:
         with safe_open(str(path), "pt") as f:
-            tensors = {n: f.get_tensor(n) for n in f.keys()}
-            raw = f.metadata() or {}
-    except (SafetensorError, OSError) as err:
-        raise CheckpointError(f"cannot read {path}: {err}") from None
-    try:
+            tensors, raw = {n: f.get_tensor(n) for n in f.keys()}, f.metadata() or {}
         return tensors, json.loads(raw["dofmini"])
-    except (KeyError, json.JSONDecodeError) as err:
-        raise CheckpointError(
-            f"{path}: no dofmini metadata ({type(err).__name__}: {err})"
-        ) from None
+    except (SafetensorError, OSError, KeyError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"cannot read {path}: {type(err).__name__}: {err}") from None
 
 
 def save_student(student, path, meta=None):
-    """The student's trainable tensors, its kind, dims and seeds, `meta` (loss, settings, ...) and
-    the teacher's identity."""
-    save_tensors(
-        trainable(student), path, {**student.meta, **(meta or {}), "teacher": student.identity}
-    )
+    """The student's trainable tensors with its record: kind, dims, seeds, `meta` (loss, settings,
+    ...) and the teacher's identity."""
+    record = {**student.meta, **(meta or {}), "teacher": student.identity}
+    save_tensors(trainable(student), path, record)
 
 
-def load_student(teacher, path):
-    """Rebuild a saved student on `teacher`; refuses a file made for another teacher or with other
-    tensors."""
+def load_student(teacher, path, expect=None):
+    """Rebuild a saved student on `teacher`. Refuses a file made for another teacher, with other
+    tensors, or whose record differs from `expect` (a dict, e.g. dims, feature_seed, loss)."""
     stored, meta = read_tensors(path)
     if meta.get("teacher") != teacher.identity:
         raise CheckpointError(
             f"{path} holds a student of teacher {meta.get('teacher')!r}; "
             f"this teacher is {teacher.identity!r}"
         )
-    kind = meta.get("kind")
-    if kind not in KINDS:
-        raise CheckpointError(f"{path}: student kind {kind!r} unknown; expected one of {KINDS}")
+    # JSON round trip: a tuple of dims compares equal to the list the file holds
+    for field, value in json.loads(json.dumps(expect or {})).items():
+        if meta.get(field) != value:
+            raise CheckpointError(f"{path}: {field} is {meta.get(field)!r}; expected {value!r}")
+    if meta.get("kind") not in KINDS:
+        raise CheckpointError(f"{path}: student kind {meta.get('kind')!r}; expected one of {KINDS}")
     student = make_student(
-        teacher, kind, meta["dims"], meta["feature_seed"], meta.get("orthogonal", True)
+        teacher, meta["kind"], meta["dims"], meta["feature_seed"], meta.get("orthogonal", True)
     )
     params = trainable(student)
     for name in sorted(params.keys() | stored.keys()):
-        want = tuple(params[name].shape) if name in params else None
-        got = tuple(stored[name].shape) if name in stored else None
-        if want != got:
+        shapes = [tuple(t[name].shape) if name in t else None for t in (stored, params)]
+        if shapes[0] != shapes[1]:
             raise CheckpointError(
-                f"{path}: tensor {name!r} has shape {got}, the {kind} student expects {want}"
+                f"{path}: tensor {name!r} has shape {shapes[0]}, the student expects {shapes[1]}"
             )
     with torch.no_grad():
         for name, p in params.items():

@@ -2,6 +2,9 @@
 
 At context 1024 (the paper, on GPUs: 60.6, 90.4 and 109.4 ms, L2 < softmax < direct), and the
 softmax loss's training rate at context 256, batch 8 (what sizes reproduce.py's default profile).
+--precision instead compares the layerwise losses in float32 and float64: the loss curves and the
+held-out per-layer KL after a short run of each, and the time of one layer_pass step of each,
+interleaved in one process.
 Run: python tests/bench_distill.py [--help]
 """
 
@@ -15,7 +18,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dofmini import load, load_tokenizer  # noqa: E402
-from dofmini.distill import distill, train_direct  # noqa: E402
+from dofmini.distill import (  # noqa: E402
+    DTYPES,
+    TrainSettings,
+    capture,
+    distill,
+    layer_pass,
+    train_direct,
+)
 from dofmini.students import make_student  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
@@ -30,11 +40,11 @@ def seconds_per_step(teacher, ids, loss, ctx, batch, steps):
     dims = [64] * teacher.config.n_layer
 
     def run(n):
-        kwargs = dict(steps=n, batch=batch, ctx=ctx, data_seed=0, log=lambda line: None)
+        settings = TrainSettings(steps=n, batch=batch, ctx=ctx)
         if loss == "direct":
             student = make_student(teacher, "prf", dims, feature_seed=0)
-            return train_direct(student, ids, **kwargs)
-        return distill(teacher, dims, ids, loss=loss, feature_seed=0, **kwargs)
+            return train_direct(student, ids, settings, log=lambda line: None)
+        return distill(teacher, dims, ids, settings, loss=loss, log=lambda line: None)
 
     run(1)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -42,10 +52,65 @@ def seconds_per_step(teacher, ids, loss, ctx, batch, steps):
     return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
 
 
+def heldout_kl(teacher, student, held, ctx):
+    """Per-layer KL(p‖p̂) on held-out windows, always in float64."""
+    ids = held[: len(held) // ctx * ctx].view(-1, ctx)[:8]  # [W, ctx]
+    layers = zip(student.blocks, capture(teacher, ids))
+    with torch.no_grad():
+        return [
+            layer_pass(b.attn.features, q, k, None, {"kl"}, 256, dtype=torch.float64)["kl"]
+            .mean()
+            .item()
+            for b, (q, k, _) in layers
+        ]
+
+
+def precision(teacher, ids, held, args):
+    """float32 against float64: loss curves, held-out KL, and interleaved step times."""
+    dims = [64] * teacher.config.n_layer
+    every = max(1, args.steps // 4)
+    settings = {
+        name: TrainSettings(
+            steps=args.steps, batch=args.batch, ctx=args.ctx, dtype=name, log_every=every
+        )
+        for name in DTYPES
+    }
+    students, curves = {}, {}
+    for name, s in settings.items():
+        students[name] = distill(teacher, dims, ids, s, log=lambda line: None)
+        curves[name] = students[name].loss_curve
+    print(f"{args.steps} steps of the softmax loss, ctx {args.ctx}, batch {args.batch}, M = 64\n")
+    print("| step | loss float32 | loss float64 | rel. diff |\n|---|---|---|---|")
+    for (step, a), (_, b) in zip(curves["float32"], curves["float64"]):
+        print(f"| {step} | {a:.6g} | {b:.6g} | {abs(a - b) / b:.1e} |")
+    kl = {name: heldout_kl(teacher, st, held, args.ctx) for name, st in students.items()}
+    print("\n| layer | held-out KL, float32-trained | float64-trained | rel. diff |")
+    print("|---|---|---|---|")
+    for layer, (a, b) in enumerate(zip(kl["float32"], kl["float64"])):
+        print(f"| {layer} | {a:.6g} | {b:.6g} | {abs(a - b) / b:.1e} |")
+    # one training step's layerwise work (every layer, forward and backward), alternating dtypes
+    student = students["float32"]
+    batch = ids[: args.batch * args.ctx].view(args.batch, args.ctx)  # [B, ctx]
+    qkv = capture(teacher, batch)
+    seconds = {name: [] for name in DTYPES}
+    for _ in range(args.repeats):
+        for name, dtype in DTYPES.items():
+            t0 = time.perf_counter()
+            for b, (q, k, _) in zip(student.blocks, qkv):
+                layer_pass(b.attn.features, q, k, None, {"ce"}, 256, train=True, dtype=dtype)
+            seconds[name].append(time.perf_counter() - t0)
+            student.zero_grad(set_to_none=True)
+    best = {name: min(t) for name, t in seconds.items()}
+    print(
+        f"\nlayerwise step time, best of {args.repeats} interleaved: float64 / float32 = "
+        f"{best['float64'] / best['float32']:.2f} ({next(teacher.parameters()).device})"
+    )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--ctx", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--ctx", type=int, default=None, help="default 1024 (256 with --precision)")
+    parser.add_argument("--batch", type=int, default=None, help="default 1 (4 with --precision)")
     parser.add_argument(
         "--steps", type=int, default=3, help="timed steps per loss, after one warm-up step"
     )
@@ -53,7 +118,16 @@ def main():
         "--threads", type=int, default=None, help="torch threads (default: torch's choice)"
     )
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--precision",
+        action="store_true",
+        help="compare float32 and float64 losses instead (--steps training steps, default ctx 256 "
+        "and batch 4 when not given)",
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats for --precision")
     args = parser.parse_args()
+    args.ctx = args.ctx or (256 if args.precision else 1024)
+    args.batch = args.batch or (4 if args.precision else 1)
     if args.threads:
         torch.set_num_threads(args.threads)
     folder = SHARED / "weights" / "standin-gpt2"
@@ -61,14 +135,16 @@ def main():
     if not folder.exists() or not text.exists():
         sys.exit(f"needs {folder} and {text}")
     teacher = load(folder).to(args.device)
-    ids = torch.tensor(
-        load_tokenizer(folder).encode(text.read_text(encoding="utf-8")[:400_000]).ids
-    )
+    raw = text.read_text(encoding="utf-8")
+    ids = torch.tensor(load_tokenizer(folder).encode(raw[:400_000]).ids)
     print(
         f"GPT-2 stand-in, {args.device}, {torch.get_num_threads()} torch threads, load average "
         f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; ctx {args.ctx}, batch {args.batch}, "
-        f"{args.steps} timed steps\n"
+        f"{args.steps} steps\n"
     )
+    if args.precision:
+        held = torch.tensor(load_tokenizer(folder).encode(raw[600_000:700_000]).ids)
+        return precision(teacher, ids, held, args)
     print(
         "| loss | wall ms / sample | ratio to l2 | CPU ms / sample | ratio to l2 "
         "| paper ms (GPU) | paper ratio |\n"

@@ -8,7 +8,7 @@ import torch
 from conftest import FIXTURES
 
 from dofmini import load
-from dofmini.distill import distill
+from dofmini.distill import TrainSettings, distill
 from dofmini.dof import allocate, estimate_dof
 from dofmini.students import make_student
 from dofmini.study.evaluate import layer_errors
@@ -73,8 +73,9 @@ def test_dof_on_a_model_is_seeded_bounded_and_allocates_the_budget(name):
     assert ((dof > 0) & (dof < 64)).all()
     assert torch.equal(dof, estimate_dof(model, ids, 2**-4, J=64, seed=3, ctx=32))
     assert not torch.equal(dof, estimate_dof(model, ids, 2**-4, J=64, seed=4, ctx=32))
-    dims = allocate(dof.amax(-1), 8)
-    assert sum(dims) == 8 * model.config.n_layer and min(dims) >= 1
+    for rule in ("proportional", "power:0.5"):
+        dims = allocate(dof, 8, rule)  # max over heads
+        assert sum(dims) == 8 * model.config.n_layer and min(dims) >= 1
 
 
 @pytest.mark.parametrize("loss", ["l2", "softmax"])
@@ -85,9 +86,8 @@ def test_distillation_lowers_the_heldout_error_of_its_starting_draw(loss):
     held = torch.randint(0, teacher.config.vocab_size, (1024,), generator=gen)
     dims = [8] * teacher.config.n_layer
     before = layer_errors(teacher, make_student(teacher, "prf", dims, 0), held, 32, windows=8)
-    student = distill(
-        teacher, dims, train, loss=loss, steps=40, batch=4, ctx=32, log=lambda _: None
-    )
+    settings = TrainSettings(steps=40, batch=4, ctx=32)
+    student = distill(teacher, dims, train, settings, loss=loss, log=lambda _: None)
     after = layer_errors(teacher, student, held, 32, windows=8)
     metric = "kernel_l2" if loss == "l2" else "kl"
     assert all(a < b for a, b in zip(after[metric], before[metric])), (before, after)

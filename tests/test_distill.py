@@ -2,18 +2,23 @@
 stand-in, the metrics match a dense float64 reference, student files round-trip bit for bit, runs
 are reproducible and resumable, and only z and α ever change."""
 
+import dataclasses
 import hashlib
 import math
+import re
 
 import pytest
 import torch
 from conftest import FIXTURES, shared_path
 
 from dofmini import CheckpointError, load, load_tokenizer
-from dofmini.distill import distill, layer_pass, train_direct
+from dofmini.distill import TrainSettings, distill, layer_pass, train_direct
+from dofmini.files import changed_settings
 from dofmini.linear_attention import causal_linear_attention
 from dofmini.students import load_student, make_student, read_tensors, save_student
 from dofmini.study.evaluate import layer_errors, perplexity
+
+S = TrainSettings
 
 
 def quiet(line):
@@ -58,18 +63,7 @@ def test_each_loss_beats_the_performer_draw_on_heldout_text(standin_gpt2, wiki, 
     before = layer_errors(
         standin_gpt2, make_student(standin_gpt2, "prf", dims, 0), held, 64, windows=8, batch=4
     )
-    student = distill(
-        standin_gpt2,
-        dims,
-        train,
-        loss=loss,
-        steps=30,
-        batch=2,
-        ctx=64,
-        feature_seed=0,
-        data_seed=0,
-        log=quiet,
-    )
+    student = distill(standin_gpt2, dims, train, S(steps=30, batch=2, ctx=64), loss=loss, log=quiet)
     after = layer_errors(standin_gpt2, student, held, 64, windows=8, batch=4)
     # kl is the softmax loss minus the teacher's own entropy,
     # so lower kl is lower held-out softmax loss
@@ -84,7 +78,7 @@ def test_direct_training_lowers_heldout_lm_loss(standin_gpt2, wiki):
     train, held = wiki
     student = make_student(standin_gpt2, "prf", [64] * standin_gpt2.config.n_layer, 0)
     before = perplexity(student, held[:1024], ctx=64)[0]
-    train_direct(student, train, steps=10, batch=2, ctx=64, data_seed=0, log=quiet)
+    train_direct(student, train, S(steps=10, batch=2, ctx=64), log=quiet)
     after = perplexity(student, held[:1024], ctx=64)[0]
     assert after < before
 
@@ -92,15 +86,16 @@ def test_direct_training_lowers_heldout_lm_loss(standin_gpt2, wiki):
 def dense_losses(features, q, k):
     """(l2 loss, softmax loss, KL) per head [H] and the student's attention rows.
 
-    From the full T×T matrices.
+    From the full T×T matrices in float64, K̂ = exp(log Φ(q))·exp(log Φ(k)) with no shift at all
+    (the tiny model's features are far from float64's limits).
     """
     B, H, T, d = q.shape
     q, k = q.double(), k.double()
-    phi_q, log_scale = features.queries(q)  # [B, H, T, M], [B, H, T, 1]
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     s = (q @ k.mT / math.sqrt(d)).masked_fill(~causal, -math.inf)  # [B, H, T, T]
     m = s.amax(-1, keepdim=True)
-    k_hat = torch.exp(log_scale) * (phi_q @ features.keys(k).mT) * causal  # [B, H, T, T]
+    phi_q, phi_k = (features.log_features(x).exp() for x in (q, k))  # [B, H, T, M]
+    k_hat = (phi_q @ phi_k.mT) * causal  # [B, H, T, T]
     l2 = (k_hat * torch.exp(-m) - torch.exp(s - m)).square().sum((0, 2, 3)) / (B * T * (T + 1) / 2)
     p, p_hat = s.softmax(-1), k_hat / k_hat.sum(-1, keepdim=True)
     ce = -(p * torch.where(causal, p_hat, 1).log()).sum((0, 2, 3)) / (B * T)
@@ -114,69 +109,100 @@ def tiny_capture(tiny, tiny_ids, batch, ctx):
     return capture
 
 
+def trained_tiny(tiny, tiny_ids, loss):
+    return distill(
+        tiny, [5, 12], tiny_ids, S(steps=3, batch=2, ctx=32, data_seed=1), loss=loss,
+        feature_seed=1, log=quiet,
+    )  # fmt: skip
+
+
 def test_metrics_match_a_dense_float64_reference_at_any_chunk(tiny, tiny_ids):
-    student = distill(
-        tiny,
-        [5, 12],
-        tiny_ids,
-        loss="softmax",
-        steps=3,
-        batch=2,
-        ctx=32,
-        feature_seed=1,
-        data_seed=1,
-        log=quiet,
-    )
+    student = trained_tiny(tiny, tiny_ids, "softmax")
+    # layer_errors runs in float32 (the default), layer_pass in float64 on request
     got = [layer_errors(tiny, student, tiny_ids, 32, windows=4, batch=2, chunk=c) for c in (7, 256)]
     for layer, (q, k, v) in enumerate(tiny_capture(tiny, tiny_ids, 4, 32)):
         features = student.blocks[layer].attn.features
         with torch.no_grad():
             l2, _, kl, p, _ = dense_losses(features, q, k)
+            exact = [
+                layer_pass(features, q, k, v, {"l2", "kl"}, c, dtype=torch.float64)
+                for c in (7, 256)
+            ]
             # the output as the student's forward pass computes it: chunked linear attention in fp32
-            y_hat = causal_linear_attention(
-                features.queries(q)[0], features.keys(k), v, chunk=8
-            )  # [B, H, T, d]
+            phi_q, phi_k = (features.log_features(x).exp() for x in (q, k))  # [B, H, T, M]
+            y_hat = causal_linear_attention(phi_q, phi_k, v, chunk=8)  # [B, H, T, d]
         y = p @ v.double()
         rel = (
             ((y_hat.double() - y).square().sum((0, 2, 3)) / y.square().sum((0, 2, 3))).sqrt().mean()
         )
+        for terms in exact:
+            assert terms["l2"].mean().item() == pytest.approx(l2.mean().item(), rel=1e-9)
+            assert terms["kl"].mean().item() == pytest.approx(kl.mean().item(), rel=1e-9)
         for errors in got:
-            assert errors["kernel_l2"][layer] == pytest.approx(l2.mean().item(), rel=1e-9)
-            assert errors["kl"][layer] == pytest.approx(kl.mean().item(), rel=1e-9)
+            assert errors["kernel_l2"][layer] == pytest.approx(l2.mean().item(), rel=1e-5)
+            assert errors["kl"][layer] == pytest.approx(kl.mean().item(), rel=1e-5)
             assert errors["output_rel"][layer] == pytest.approx(
                 rel.item(), rel=1e-4
             )  # fp32 linear attention
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-9), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("loss", ["l2", "softmax"])
-def test_chunked_backward_gives_the_dense_gradient(tiny, tiny_ids, loss):
-    student = distill(
-        tiny,
-        [5, 12],
-        tiny_ids,
-        loss="l2",
-        steps=2,
-        batch=2,
-        ctx=32,
-        feature_seed=1,
-        data_seed=1,
-        log=quiet,
-    )
+def test_chunked_backward_gives_the_dense_gradient(tiny, tiny_ids, loss, dtype, tol):
+    student = trained_tiny(tiny, tiny_ids, "l2")
     for layer, (q, k, _) in enumerate(tiny_capture(tiny, tiny_ids, 2, 32)):
         features = student.blocks[layer].attn.features
         dense_losses(features, q, k)[0 if loss == "l2" else 1].mean().backward()
         expected = [features.z.grad.clone(), features.a.grad.clone()]
         features.zero_grad()
         term = "l2" if loss == "l2" else "ce"
-        value = layer_pass(features, q, k, None, {term}, chunk=5, train=True)[term].mean()
-        assert value.item() == pytest.approx(
-            dense_losses(features, q, k)[0 if loss == "l2" else 1].mean().item()
+        value = layer_pass(features, q, k, None, {term}, chunk=5, train=True, dtype=dtype)[term]
+        assert value.mean().item() == pytest.approx(
+            dense_losses(features, q, k)[0 if loss == "l2" else 1].mean().item(), rel=tol
         )
         for got, want in zip([features.z.grad, features.a.grad], expected):
-            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (
+            assert (got - want).abs().max() <= max(tol, 1e-5) * want.abs().max(), (
                 (got - want).abs().max(),
                 want.abs().max(),
             )
+        features.zero_grad()
+
+
+def far_from_every_z():
+    """PRF features and (q, k, v) [1, 2, 6, 8] whose keys 2 and 4 lie far from every z: each of
+    their features is below float32's range once shifted by |z_m|²/2 as PRFFeatures.keys does."""
+    from dofmini.linear_attention import PRFFeatures
+
+    features = PRFFeatures(2, 8, 16, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=gen) for _ in range(3))  # [1, 2, 6, 8]
+    k[:, :, 2] = 34 * k[:, :, 2] / k[:, :, 2].norm(dim=-1, keepdim=True)  # |k/d^¼| = 20
+    k[:, :, 4] = -34 * k[:, :, 4] / k[:, :, 4].norm(dim=-1, keepdim=True)
+    q[:, :, 3:] += 0.2 * k[:, :, 2:3]  # later queries attend to key 2 (p up to ~1)
+    return features, q, k, v
+
+
+def test_float32_terms_stay_exact_for_keys_far_from_every_z():
+    features, q, k, v = far_from_every_z()
+    with torch.no_grad():
+        shifted = features.log_features(k) - 0.5 * features.z.square().sum(-1)[:, None]
+    assert (shifted[:, :, [2, 4]] < math.log(torch.finfo(torch.float32).tiny)).all()
+    want = {"l2", "kl", "err"}
+    wide, narrow = (layer_pass(features, q, k, v, want, 4, dtype=t) for t in DTYPE_PAIR)
+    for name in want:
+        assert torch.isfinite(narrow[name]).all(), (name, narrow[name])
+        torch.testing.assert_close(narrow[name].double(), wide[name], rtol=1e-4, atol=1e-7)
+    for term in ("l2", "ce"):
+        grads = []
+        for dtype in DTYPE_PAIR:
+            layer_pass(features, q, k, None, {term}, 4, train=True, dtype=dtype)
+            grads.append(features.z.grad.double())
+            features.zero_grad()
+        assert torch.isfinite(grads[1]).all()
+        assert (grads[1] - grads[0]).abs().max() <= 1e-4 * grads[0].abs().max()
+
+
+DTYPE_PAIR = (torch.float64, torch.float32)
 
 
 @pytest.mark.parametrize("loss", ["l2", "softmax", "direct"])
@@ -184,21 +210,11 @@ def test_only_z_and_alpha_change_and_the_teacher_stays_intact(tiny, tiny_ids, lo
     teacher_hash = tensors_hash(tiny)
     start = make_student(tiny, "prf", [8, 3], 2)
     before = {n: t.clone() for n, t in start.state_dict().items()}
+    settings = S(steps=3, batch=2, ctx=32, data_seed=2)
     if loss == "direct":
-        student = train_direct(start, tiny_ids, steps=3, batch=2, ctx=32, data_seed=2, log=quiet)
+        student = train_direct(start, tiny_ids, settings, log=quiet)
     else:
-        student = distill(
-            tiny,
-            [8, 3],
-            tiny_ids,
-            loss=loss,
-            steps=3,
-            batch=2,
-            ctx=32,
-            feature_seed=2,
-            data_seed=2,
-            log=quiet,
-        )
+        student = distill(tiny, [8, 3], tiny_ids, settings, loss=loss, feature_seed=2, log=quiet)
     after = student.state_dict()
     changed = {n for n in before if not torch.equal(before[n], after[n])}
     assert changed == {f"blocks.{i}.attn.features.{p}" for i in range(2) for p in "za"}
@@ -219,15 +235,13 @@ def test_direct_loss_gradients_reach_only_z_and_alpha(tiny, tiny_ids):
 
 
 def test_ten_repeats_of_one_seed_give_bit_identical_students_and_files(tiny, tiny_ids, tmp_path):
-    files = []
+    files, settings = [], S(steps=3, batch=2, ctx=32, data_seed=4)
     for i in range(10):
         path = tmp_path / f"s{i}.safetensors"
-        distill(tiny, [6, 6], tiny_ids, loss="softmax", steps=3, batch=2, ctx=32, feature_seed=4,
-                data_seed=4, out_path=path, log=quiet)  # fmt: skip
+        distill(tiny, [6, 6], tiny_ids, settings, feature_seed=4, out_path=path, log=quiet)
         files.append(path.read_bytes())
     assert len(set(files)) == 1  # tensors and metadata, byte for byte
-    other = trainable(distill(tiny, [6, 6], tiny_ids, loss="softmax", steps=3, batch=2, ctx=32,
-                              feature_seed=5, data_seed=4, log=quiet))  # fmt: skip
+    other = trainable(distill(tiny, [6, 6], tiny_ids, settings, feature_seed=5, log=quiet))
     first = trainable(load_student(tiny, tmp_path / "s0.safetensors"))
     assert not torch.equal(first["blocks.0.attn.features.z"], other["blocks.0.attn.features.z"])
 
@@ -235,19 +249,10 @@ def test_ten_repeats_of_one_seed_give_bit_identical_students_and_files(tiny, tin
 def test_saved_student_reloads_with_bit_identical_logits(tiny, tiny_ids, tmp_path):
     path = tmp_path / "student.safetensors"
     student = distill(
-        tiny,
-        [6, 10],
-        tiny_ids,
-        loss="l2",
-        steps=3,
-        batch=2,
-        ctx=32,
-        feature_seed=3,
-        out_path=path,
-        meta={"lam": 0.0625},
-        log=quiet,
-    )
-    loaded = load_student(tiny, path)
+        tiny, [6, 10], tiny_ids, S(steps=3, batch=2, ctx=32), loss="l2", feature_seed=3,
+        out_path=path, meta={"lam": 0.0625}, log=quiet,
+    )  # fmt: skip
+    loaded = load_student(tiny, path, expect={"dims": (6, 10), "feature_seed": 3, "loss": "l2"})
     assert set(loaded.state_dict()) == set(student.state_dict())
     assert (
         loaded.meta["dims"] == [6, 10]
@@ -255,12 +260,16 @@ def test_saved_student_reloads_with_bit_identical_logits(tiny, tiny_ids, tmp_pat
         and loaded.meta["loss"] == "l2"
     )
     assert loaded.meta["feature_seed"] == 3 and loaded.meta["kind"] == "prf"
+    assert loaded.meta["settings"]["dtype"] == "float32"
     ids = tiny_ids[:64].view(2, 32)
     with torch.no_grad():
         assert torch.equal(loaded(ids), student(ids))
     assert (
         path.stat().st_size < 4096
     )  # only z and a: (6 + 10) features of 4 heads x (8 + 1) floats + header
+    for field, value, stored in [("dims", [6, 9], "[6, 10]"), ("loss", "softmax", "'l2'")]:
+        with pytest.raises(CheckpointError, match=rf"{field} is {re.escape(stored)}.*{value!r}"):
+            load_student(tiny, path, expect={"feature_seed": 3, field: value})
 
 
 def test_load_refuses_a_file_of_another_teacher(tiny, tmp_path):
@@ -286,35 +295,13 @@ def interrupt_at(step):
 
 @pytest.mark.parametrize("loss", ["softmax", "direct"])
 def test_resume_after_interruption_equals_an_uninterrupted_run(tiny, tiny_ids, tmp_path, loss):
+    settings = S(steps=6, batch=2, ctx=32, data_seed=1, save_every=2, log_every=2)
+
     def run(path, log):
         if loss == "direct":
-            return train_direct(
-                make_student(tiny, "prf", [5, 7], 1),
-                tiny_ids,
-                steps=6,
-                batch=2,
-                ctx=32,
-                data_seed=1,
-                out_path=path,
-                save_every=2,
-                log_every=2,
-                log=log,
-            )
-        return distill(
-            tiny,
-            [5, 7],
-            tiny_ids,
-            loss=loss,
-            steps=6,
-            batch=2,
-            ctx=32,
-            feature_seed=1,
-            data_seed=1,
-            out_path=path,
-            save_every=2,
-            log_every=2,
-            log=log,
-        )
+            start = make_student(tiny, "prf", [5, 7], 1)
+            return train_direct(start, tiny_ids, settings, out_path=path, log=log)
+        return distill(tiny, [5, 7], tiny_ids, settings, feature_seed=1, out_path=path, log=log)
 
     whole = trainable(run(tmp_path / "whole.safetensors", quiet))
     path = tmp_path / "resumed.safetensors"
@@ -335,18 +322,23 @@ def test_resume_after_interruption_equals_an_uninterrupted_run(tiny, tiny_ids, t
 
 def test_progress_of_other_settings_is_set_aside_and_training_starts_over(tiny, tiny_ids, tmp_path):
     path = tmp_path / "s.safetensors"
-    settings = dict(loss="l2", steps=4, batch=2, ctx=32, out_path=path, save_every=2, log_every=2)
+    first = S(steps=4, batch=2, ctx=32, save_every=2, log_every=2)
     with pytest.raises(KeyboardInterrupt):
-        distill(tiny, [4, 4], tiny_ids, log=interrupt_at(2), **settings)
+        distill(tiny, [4, 4], tiny_ids, first, loss="l2", out_path=path, log=interrupt_at(2))
     assert path.with_name(path.name + ".progress").exists()
-    lines = []
-    student = distill(tiny, [4, 4], tiny_ids, lr=0.01, log=lines.append, **settings)
-    assert "lr" in lines[0] and "starting over" in lines[0], lines
+    lines, other = [], dataclasses.replace(first, lr=0.01, dtype="float64")
+    student = distill(tiny, [4, 4], tiny_ids, other, loss="l2", out_path=path, log=lines.append)
+    assert "(dtype, lr changed)" in lines[0] and "starting over" in lines[0], lines
     assert not any("resuming" in line for line in lines)
-    fresh = distill(tiny, [4, 4], tiny_ids, lr=0.01, log=quiet, **{**settings, "out_path": None})
+    fresh = distill(tiny, [4, 4], tiny_ids, other, loss="l2", log=quiet)
     assert all(
         torch.equal(a, b) for a, b in zip(trainable(student).values(), trainable(fresh).values())
     )
+
+
+def test_changed_settings_names_every_differing_or_missing_key():
+    assert changed_settings({"lr": 0.1, "b": 1}, {"lr": 0.1, "b": 1}) == ""
+    assert changed_settings({"lr": 0.1, "x": None}, {"lr": 0.2, "b": 1}) == "b, lr, x"
 
 
 @pytest.mark.parametrize(
@@ -359,5 +351,15 @@ def test_progress_of_other_settings_is_set_aside_and_training_starts_over(tiny, 
 )
 def test_bad_settings_are_named(tiny, tiny_ids, kwargs, message):
     settings = {"dims": [4, 4], "loss": "l2", "ctx": 32, **kwargs}
+    dims, loss = settings.pop("dims"), settings.pop("loss")
     with pytest.raises(ValueError, match=message):
-        distill(tiny, settings.pop("dims"), tiny_ids, steps=1, batch=1, log=quiet, **settings)
+        distill(tiny, dims, tiny_ids, S(steps=1, batch=1, **settings), loss=loss, log=quiet)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"steps": 0}, "steps=0"), ({"ctx": 1}, "ctx=1"), ({"dtype": "float16"}, "'float16'")],
+)
+def test_bad_train_settings_are_named_before_any_work(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        S(**kwargs)

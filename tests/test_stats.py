@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dofmini.dof import oracle_allocate
+from dofmini.study.oracle import oracle_allocate
 from dofmini.study.stats import (
     features_needed,
     mean_ci,

@@ -215,7 +215,7 @@ def layer_errors(
         for acc, block, (q, k, v) in zip(sums, student.blocks, capture(teacher, ids)):
             if not hasattr(block.attn, "features"):
                 continue
-            terms = layer_pass(block.attn.features, q, k, v.double(), {"l2", "kl", "err"}, chunk)
+            terms = layer_pass(block.attn.features, q, k, v, {"l2", "kl", "err"}, chunk)
             for name, t in terms.items():
                 acc[name] = acc.get(name, 0) + t * len(ids)  # [H] weighted by windows
     errors = {"kernel_l2": [], "kl": [], "output_rel": []}

@@ -1,0 +1,87 @@
+"""The oracle allocation: per-layer dims with the least summed error on measured error curves.
+
+A study tool, not part of Algorithm 1: it needs every layer's error curve, measured by training
+students at several feature dims, which Algorithm 1 exists to avoid.
+"""
+
+import math
+
+import torch
+
+
+def oracle_allocate(curves, budget, ms=None):
+    """Per-layer dims in [ms[0], ms[-1]] summing to exactly L·budget with the least summed error.
+
+    curves[l][k] is layer l's error with ms[k] features (ms: strictly increasing integers >= 1, at
+    least two; None means 1, 2, ..., K, a curve measured at every M). Between measured points the
+    error is taken as the power of M through them (linear in log M and log error): measured error
+    curves fall by a near-constant factor per doubling of M, and a straight line in M between
+    points would overstate every error between them, pinning the optimum to the measured Ms
+    (with M = 8, 16, 32, ... it keeps a uniform allocation unless two layers' errors differ
+    four-fold). Errors must therefore be positive. Every integer M in range has an error. The
+    minimum is found
+    exactly by dynamic programming over layers (the least summed error of layers 0..l for every
+    total), not by a greedy on marginal gains: the greedy is optimal only when every curve is
+    convex, and measured curves need not be. On exact ties the earlier layers get the features.
+    Cost: L·(ms[-1] − ms[0] + 1) vector steps of length L·(budget − ms[0]) + 1.
+    """
+    try:
+        errors = torch.as_tensor(curves, dtype=torch.float64)  # [L, K]
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"oracle_allocate: curves must be an [L, K] table of numbers: {err}"
+        ) from err
+    if errors.dim() != 2 or errors.shape[0] < 1 or errors.shape[1] < 2:
+        raise ValueError(
+            f"oracle_allocate: curves must be [L, K] with L >= 1 and K >= 2 measured points, got "
+            f"shape {tuple(errors.shape)}"
+        )
+    if not torch.isfinite(errors).all() or not (errors > 0).all():
+        raise ValueError(
+            "oracle_allocate: curves must hold finite positive errors (they are interpolated as a "
+            "power of M)"
+        )
+    ms = list(range(1, errors.shape[1] + 1)) if ms is None else list(ms)
+    if (
+        len(ms) != errors.shape[1]
+        or any(int(m) != m for m in ms)
+        or ms[0] < 1
+        or any(b <= a for a, b in zip(ms, ms[1:]))
+    ):
+        raise ValueError(
+            f"oracle_allocate: ms must be {errors.shape[1]} strictly increasing integers >= 1 (one "
+            f"per column of curves), got {ms}"
+        )
+    lo, hi = int(ms[0]), int(ms[-1])
+    if int(budget) != budget or not lo <= budget <= hi:
+        raise ValueError(
+            f"oracle_allocate: budget must be an integer in [{lo}, {hi}], got {budget}"
+        )
+    knots = torch.tensor(ms, dtype=torch.float64)  # [K]
+    grid = torch.arange(lo, hi + 1, dtype=torch.float64)  # [R] every integer M in range
+    seg = (torch.searchsorted(knots, grid, right=True) - 1).clamp(max=len(ms) - 2)  # [R]
+    log_knots, log_errors = knots.log(), errors.log()  # [K], [L, K]
+    frac = (grid.log() - log_knots[seg]) / (log_knots[seg + 1] - log_knots[seg])  # [R]
+    dense = torch.exp(
+        log_errors[:, seg] + frac * (log_errors[:, seg + 1] - log_errors[:, seg])
+    )  # [L, R]
+    extra = len(errors) * (int(budget) - lo)  # features handed out above lo in every layer
+    best = torch.full((extra + 1,), math.inf, dtype=torch.float64)  # [E+1] by total extra
+    best[0] = 0.0
+    picks = []
+    for row in dense:  # [R]
+        new = torch.full_like(best, math.inf)  # [E+1]
+        pick = torch.zeros(extra + 1, dtype=torch.long)  # [E+1] this layer's extra at the optimum
+        for x in range(min(len(row), extra + 1)):
+            cand = best[: extra + 1 - x] + row[x]  # [E+1-x]
+            # strict: on a tie this layer keeps the smallest x, leaving features to earlier layers
+            better = cand < new[x:]  # [E+1-x]
+            new[x:] = torch.where(better, cand, new[x:])
+            pick[x:] = torch.where(better, x, pick[x:])
+        best = new
+        picks.append(pick)
+    dims = []
+    for pick in reversed(picks):
+        dims.append(lo + int(pick[extra]))
+        extra -= dims[-1] - lo
+    return dims[::-1]
