@@ -191,10 +191,8 @@ def check(cfg: RunConfig) -> RunConfig:
     for budget in cfg.budgets or ():
         if not 1 <= budget <= MAX_FEATURES:
             _fail(f"--budgets {budget}: expected 1..{MAX_FEATURES} features per layer")
-    device = torch.device(cfg.device) if cfg.device in ("cpu", "cuda") else None
-    if cfg.device.startswith("cuda:") and cfg.device[5:].isdigit():
-        device = torch.device(cfg.device)
-    if device is None or (device.type == "cuda" and device.index or 0) >= torch.cuda.device_count():
+    index = cfg.device[5:] if cfg.device.startswith("cuda:") else "0" * (cfg.device == "cuda")
+    if cfg.device != "cpu" and not (index.isdigit() and int(index) < torch.cuda.device_count()):
         seen = f"torch sees {torch.cuda.device_count()} CUDA device(s)"
         _fail(f"--device {cfg.device} is not available here ({seen}); expected cpu, cuda, cuda:N")
     try:
@@ -553,7 +551,7 @@ def train_student(run: Run, spec: Student):
     and record; a finished one with the same settings is loaded instead, and an interrupted one
     resumes from distill's progress file."""
     key, path = train_key(run, spec), spec.path(run.cfg.out)
-    if runs.saved(path, key, read=lambda p: read_tensors(p)[1].get("key")):
+    if trained(path, key):
         log(f"skip: {path} done")
         return load_student(run.teacher, path, {"key": key}), read_tensors(path)[1]["info"]
     log(f"{spec.name}: dims {list(spec.dims)}")
@@ -583,6 +581,12 @@ def train_student(run: Run, spec: Student):
     return load_student(run.teacher, path, {"key": key}), info
 
 
+def trained(path: Path, key: dict) -> bool:
+    """Whether `path` holds a finished student (its record has "info") trained with `key`."""
+    meta = read_tensors(path)[1] if path.is_file() else {}
+    return meta.get("key") == runs.as_json(key) and "info" in meta
+
+
 def trained_twin(run: Run, spec: Student, key: dict):
     """A finished student of another PRF variant trained with exactly this one's settings (`key`
     but for the variant's name), else None. The oracle often allocates Fix's uniform dims, and
@@ -591,11 +595,7 @@ def trained_twin(run: Run, spec: Student, key: dict):
         return None
     for variant in TRAINED_PRF:
         twin = dataclasses.replace(spec, variant=variant)
-        if variant != spec.variant and runs.saved(
-            twin.path(run.cfg.out),
-            {**key, "variant": variant},
-            read=lambda p: read_tensors(p)[1].get("key"),
-        ):
+        if variant != spec.variant and trained(twin.path(run.cfg.out), {**key, "variant": variant}):
             return twin
     return None
 
