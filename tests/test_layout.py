@@ -11,9 +11,9 @@ PACKAGE = REPO / "dofmini"
 # the method: infrastructure, then the paper's steps; generate serves any model
 CORE = (
     "files",
-    "checkpoint",
-    "config",
     "model",
+    "checkpoint",
+    "hub",
     "dof",
     "linear_attention",
     "dijiang",
@@ -24,7 +24,18 @@ CORE = (
 # the study harness around it: data, evaluation, stages, then what the results become
 STUDY = tuple(
     f"study.{name}"
-    for name in ("data", "tasks", "evaluate", "runs", "stats", "plots", "compare", "report")
+    for name in (
+        "data",
+        "tasks",
+        "evaluate",
+        "runs",
+        "oracle",
+        "stages",
+        "stats",
+        "plots",
+        "compare",
+        "report",
+    )
 )
 ORDER = CORE + STUDY
 

@@ -40,6 +40,10 @@ TASK_SIZES = {
 }
 
 
+class RunError(Exception):
+    """A setting that proves impossible once the model and the data are seen."""
+
+
 def log(message: str):
     """All progress goes to one stream, stdout."""
     print(message, flush=True)

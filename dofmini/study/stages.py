@@ -1,0 +1,309 @@
+"""The stages of reproduce.py's comparison, one function each: the teacher's evaluation, DoF and the
+allocation, the sweep, the error curves and the oracle, then every student's training and
+evaluation, and results.json. Each saves its result under the run's folder with the key of the
+settings and inputs that made it (runs.stage); the keys are built here, once each.
+"""
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .. import dof
+from ..distill import TrainSettings, distill, train_direct
+from ..students import load_student, make_student, read_tensors, save_student, save_tensors
+from . import evaluate, runs
+from .oracle import oracle_allocate
+from .runs import log
+
+TRAINED_PRF = ("fix", "dof", "dof_clip", "oracle")  # variants whose draw is trained
+CALIBRATION = "wikitext-2-raw/wiki.valid.raw"  # DoF calibration text, in the data store
+
+
+@dataclass(frozen=True)
+class Student:
+    variant: str
+    loss: str
+    budget: int
+    seed: int
+    dims: tuple
+
+    @property
+    def name(self) -> str:
+        return f"{self.variant}/{self.loss}/b{self.budget}/s{self.seed}"
+
+    @property
+    def stem(self) -> str:
+        return self.name.replace("/", "-")
+
+    def path(self, out: Path) -> Path:
+        """The student's one file: its tensors, with its key and training record as metadata."""
+        return out / "students" / f"{self.stem}.safetensors"
+
+
+@dataclass
+class Run:
+    """What the stages share: the settings (reproduce.RunConfig), the teacher, the texts, the
+    inputs every key holds (teacher, tokenizer, device, data file hashes) and the clock."""
+
+    cfg: object
+    teacher: object
+    tokenizer: object
+    ctx: int
+    lam: float
+    budgets: tuple
+    inputs: dict
+    texts: dict = field(default_factory=dict)  # name -> token ids
+    clock: runs.Clock = field(default_factory=lambda: runs.Clock([]))
+
+    def stage(self, name: str, path: Path, key: dict, compute):
+        """runs.stage, counted toward the progress clock's pace."""
+        self.clock.begin(name)
+        return runs.stage(path, key, self.clock.timed(compute))
+
+
+def student_keys(run: Run) -> list:
+    """(variant, loss, budget, seed) of every student, in run order, known before DoF is estimated.
+    The oracle needs every layer's error curve first: Fix students at each of curve_dims."""
+    cfg, keys = run.cfg, []
+    if "oracle" in cfg.variants:
+        keys += [("fix", "softmax", m, seed) for seed in cfg.seeds for m in cfg.curve_dims]
+    for seed in cfg.seeds:
+        if "dijiang" in cfg.variants:
+            keys.append(("dijiang", "direct", run.teacher.config.head_dim, seed))
+        if "performer" in cfg.variants:
+            keys += [("performer", "none", b, seed) for b in run.budgets]
+        for loss, b in cfg.loss_budgets(run.budgets):
+            keys += [(v, loss, b, seed) for v in cfg.variants if v in TRAINED_PRF]
+    return list(dict.fromkeys(keys))
+
+
+def fixed_dims(run: Run, variant: str, budget: int, allocation):
+    """A student's dims when known before any training: uniform, or DoF's once estimated."""
+    if variant in ("dof", "dof_clip"):
+        return None if allocation is None else tuple(allocation["dims"][str(budget)][variant])
+    return None if variant == "oracle" else (budget,) * run.teacher.config.n_layer
+
+
+def eval_key(run: Run) -> dict:
+    """What an evaluation's numbers depend on besides the model."""
+    cfg, inputs = run.cfg, run.inputs
+    key = dict(ctx=run.ctx, eval_windows=cfg.eval_windows, limit=cfg.limit)
+    key.update(error_windows=cfg.error_windows, tokenizer=inputs["tokenizer"])
+    return dict(key, device=inputs["device"], data={k: v for k, v in inputs.items() if "/" in k})
+
+
+def allocation_key(run: Run) -> dict:
+    cfg = run.cfg
+    key = dict(teacher=run.inputs["teacher"], lam=run.lam, J=cfg.J, seed=cfg.seeds[0])
+    key.update(normalize=not cfg.raw_gram, ctx=run.ctx, calib_windows=cfg.calib_windows)
+    return dict(
+        key, budgets=run.budgets, calib=run.inputs[CALIBRATION], device=run.inputs["device"]
+    )
+
+
+def settings(run: Run, seed: int) -> TrainSettings:
+    cfg = run.cfg
+    steps = cfg.steps or max(1, len(run.texts["train"]) // (cfg.batch * run.ctx))
+    return TrainSettings(steps, cfg.batch, run.ctx, cfg.lr, cfg.lr_a, data_seed=seed)
+
+
+def train_key(run: Run, spec: Student) -> dict:
+    """What a student's tensors depend on."""
+    key = dict(teacher=run.inputs["teacher"], variant=spec.variant, loss=spec.loss)
+    key.update(dims=spec.dims, seed=spec.seed, **settings(run, spec.seed).record())
+    key.update(train_chars=run.cfg.train_chars, tokenizer=run.inputs["tokenizer"])
+    corpus = {k: v for k, v in run.inputs.items() if k.startswith("corpus/")}
+    return dict(key, device=run.inputs["device"], train=corpus)
+
+
+def student_eval_key(run: Run, spec: Student) -> dict:
+    return {"student": train_key(run, spec), **eval_key(run)}
+
+
+def done_stages(run: Run) -> set:
+    """The plan names of the stages already saved with this run's keys: the teacher's evaluation,
+    DoF, and each student whose dims are known before anything is trained."""
+    out, found = run.cfg.out, set()
+    if runs.saved(out / "teacher.json", {"teacher": run.inputs["teacher"], **eval_key(run)}):
+        found.add("teacher evaluation")
+    allocation = runs.saved(out / "allocation.json", allocation_key(run))
+    found |= {"DoF estimate"} if allocation else set()
+    for variant, loss, budget, seed in student_keys(run):
+        dims = fixed_dims(run, variant, budget, allocation)
+        spec = Student(variant, loss, budget, seed, dims)
+        if dims and runs.saved(out / "eval" / f"{spec.stem}.json", student_eval_key(run, spec)):
+            found.add(spec.name)
+    return found
+
+
+def evaluate_model(run: Run, model) -> dict:
+    cfg = run.cfg
+    texts = {name: run.texts[name] for name in evaluate.PPL_TEXTS}
+    tasks = () if cfg.limit == 0 else tuple(evaluate.TASKS)
+    return evaluate.evaluate_model(
+        model, run.tokenizer, texts, run.ctx, cfg.data, cfg.eval_windows, cfg.limit, tasks
+    )
+
+
+def evaluate_teacher(run: Run) -> dict:
+    key = {"teacher": run.inputs["teacher"], **eval_key(run)}
+    compute = lambda: evaluate_model(run, run.teacher)
+    result = run.stage("teacher evaluation", run.cfg.out / "teacher.json", key, compute)
+    log(f"teacher: WikiText-2 perplexity {result['wikitext2_ppl']:.2f} (ctx {run.ctx})")
+    return result
+
+
+def estimate_allocation(run: Run) -> dict:
+    """Per-head DoF on calibration text, and each variant's dims at each budget (Algorithm 1)."""
+    cfg, n_layer, cap = run.cfg, run.teacher.config.n_layer, run.teacher.config.head_dim
+
+    def compute():
+        t0, calib = time.time(), run.texts["calib"]
+        normalize = not cfg.raw_gram
+        seed = cfg.seeds[0]
+        per_head = dof.estimate_dof(run.teacher, calib, run.lam, cfg.J, seed, normalize, run.ctx)
+        if not (per_head > 0).all():
+            raise runs.RunError(f"--lam {run.lam}: a layer's DoF is 0 at this λ; use a smaller λ")
+        dims = {
+            str(b): {
+                "fix": [b] * n_layer,
+                "dof": dof.allocate(per_head, b),
+                "dof_clip": dof.allocate(per_head, b, cap=cap),
+            }
+            for b in run.budgets
+        }
+        found = dict(lam=run.lam, J=cfg.J, seed=cfg.seeds[0], normalize=normalize, dims=dims)
+        found["calibration"] = f"{CALIBRATION}: first {len(calib)} tokens, ctx {run.ctx}"
+        found.update(per_head=per_head.tolist(), warning=dof.saturation_warning(per_head, cfg.J))
+        return dict(found, seconds=time.time() - t0)
+
+    return run.stage("DoF estimate", cfg.out / "allocation.json", allocation_key(run), compute)
+
+
+def sweep(run: Run) -> list:
+    """How the DoF allocation moves with λ and J, and with the raw Gram instead of G/J."""
+    cfg, budget = run.cfg, run.teacher.config.head_dim
+    key = {**allocation_key(run), "lams": cfg.sweep_lams, "Js": cfg.sweep_Js}
+
+    def compute():
+        # rows come in draw order, so x[..., :J, :] is the size-J draw: one pass serves every J
+        calib, J = run.texts["calib"], max(cfg.sweep_Js)
+        x = dof.sample_queries_keys(run.teacher, calib, J, cfg.seeds[0], run.ctx)  # [L, H, J, d]
+        rows = []
+        for normalize in (True, False):
+            for lam in cfg.sweep_lams:
+                for J in cfg.sweep_Js:
+                    layer = dof.degrees_of_freedom(x[:, :, :J], lam, normalize).amax(-1)  # [L]
+                    row = {"normalize": normalize, "lam": lam, "J": J, "layer_dof": layer.tolist()}
+                    rows.append({**row, "dims": dof.allocate(layer, budget)})
+        return rows
+
+    return run.stage("DoF sweep", cfg.out / "sweep.json", key, compute)
+
+
+def trained(path: Path, key: dict) -> bool:
+    """Whether `path` holds a finished student (its record has "info") trained with `key`."""
+    meta = read_tensors(path)[1] if path.is_file() else {}
+    return meta.get("key") == runs.as_json(key) and "info" in meta
+
+
+def train_student(run: Run, spec: Student):
+    """Train one student (or draw it, for the untrained Performer) into its one file; a finished
+    one with the same key is loaded instead, and an interrupted one resumes from its progress
+    file. A finished student of another PRF variant trained with exactly this key (the oracle
+    often allocates Fix's dims) gives its tensors instead of training them again."""
+    run.clock.begin(spec.name)
+    key, path, out = train_key(run, spec), spec.path(run.cfg.out), run.cfg.out
+    others = TRAINED_PRF if spec.variant in TRAINED_PRF else ()
+    twins = [dataclasses.replace(spec, variant=v) for v in others if v != spec.variant]
+    twins = [t for t in twins if trained(t.path(out), {**key, "variant": t.variant})]
+    if trained(path, key):
+        log(f"skip: {path} done")
+    elif twins:
+        tensors, meta = read_tensors(twins[0].path(out))
+        info = {**meta["info"], "same_training_as": twins[0].name}
+        save_tensors(tensors, path, {**meta, "variant": spec.variant, "key": key, "info": info})
+        log(f"{spec.name}: the same training as {twins[0].name} (same dims, loss and seed): copied")
+    else:
+        log(f"{spec.name}: dims {list(spec.dims)}")
+        meta, tokens = {"variant": spec.variant, "key": key}, run.texts["train"]
+        train = settings(run, spec.seed)
+        common = dict(out_path=path, log=log, meta=meta)
+        if spec.variant == "dijiang":
+            student = make_student(run.teacher, "dijiang", spec.dims, spec.seed)
+            student = train_direct(student, tokens, train, **common)
+        elif spec.variant == "performer":
+            student = performer(run, spec)
+            student.train_seconds, student.loss_curve = 0.0, []
+        elif spec.loss == "direct":
+            student = train_direct(performer(run, spec), tokens, train, **common)
+        else:
+            options = dict(loss=spec.loss, feature_seed=spec.seed, **common)
+            student = distill(run.teacher, spec.dims, tokens, train, **options)
+        info = {"train_seconds": student.train_seconds, "loss_curve": student.loss_curve}
+        save_student(student, path, {**meta, "info": info})
+    return load_student(run.teacher, path, {"key": key}), read_tensors(path)[1]["info"]
+
+
+def error_curves(run: Run) -> dict:
+    """Every layer's held-out KL at each of curve_dims features (Fix students: one distillation
+    per M trains all layers at once), on the held-out windows after those the reported errors use;
+    and the oracle allocation they imply at each budget."""
+    cfg, n_layer = run.cfg, run.teacher.config.n_layer
+    kl, curve_only_seconds = {}, 0.0
+    for seed in cfg.seeds:
+        for m in cfg.curve_dims:
+            spec = Student("fix", "softmax", m, seed, (m,) * n_layer)
+            student, info = train_student(run, spec)
+            key = {**student_eval_key(run, spec), "windows": cfg.curve_windows}
+            path = cfg.out / "eval" / f"{spec.stem}-curve.json"
+            compute = lambda: layer_errors(run, student, cfg.curve_windows, cfg.error_windows)  # noqa: B023 (called at once)
+            kl.setdefault(str(seed), []).append(run.stage(spec.name, path, key, compute)["kl"])
+            if m not in run.budgets:  # the others are Fix students, timed with the students
+                curve_only_seconds += info["train_seconds"]
+    mean = np.mean([kl[str(s)] for s in cfg.seeds], axis=0).T.tolist()  # [layer][M]
+    oracle = {str(b): oracle_allocate(mean, b, ms=list(cfg.curve_dims)) for b in run.budgets}
+    found = dict(dims=list(cfg.curve_dims), kl=kl, mean_kl=mean, oracle=oracle)
+    return dict(found, curve_only_train_seconds=curve_only_seconds)
+
+
+def specs(run: Run, allocation: dict, curves) -> list:
+    """Every student with its dims, in run order (the curve-only Fix students are done already)."""
+    found = []
+    for variant, loss, budget, seed in student_keys(run):
+        if variant != "fix" or budget in run.budgets:
+            dims = fixed_dims(run, variant, budget, allocation) or curves["oracle"][str(budget)]
+            found.append(Student(variant, loss, budget, seed, tuple(dims)))
+    return found
+
+
+def train_and_evaluate(run: Run, spec: Student) -> dict:
+    """One student's training record, layer errors before and after training, perplexity, tasks."""
+    cfg = run.cfg
+    student, info = train_student(run, spec)
+    path = cfg.out / "eval" / f"{spec.stem}.json"
+    compute = lambda: {"layer_error": layer_errors(run, student), **evaluate_model(run, student)}
+    result = {**run.stage(spec.name, path, student_eval_key(run, spec), compute), **info}
+    result.update(dataclasses.asdict(spec), dims=list(spec.dims))
+    if spec.variant in TRAINED_PRF:  # the draw training started from (a Performer of these dims)
+        key = {"teacher": run.inputs["teacher"], "dims": spec.dims, "seed": spec.seed}
+        path = cfg.out / "eval" / f"untrained-{'-'.join(map(str, spec.dims))}-s{spec.seed}.json"
+        compute = lambda: layer_errors(run, performer(run, spec))
+        result["layer_error_before"] = runs.stage(path, {**key, **eval_key(run)}, compute)
+    kl = result["layer_error"]["kl"]
+    kl_text = "—" if None in kl else f"{np.mean(kl):.4g}"
+    log(f"{spec.name}: WikiText-2 perplexity {result['wikitext2_ppl']:.2f}, mean KL {kl_text}")
+    return result
+
+
+def performer(run: Run, spec: Student):
+    """The untrained draw of a student's dims and seed: where its training started."""
+    return make_student(run.teacher, "prf", spec.dims, spec.seed)
+
+
+def layer_errors(run: Run, student, windows=None, offset=0) -> dict:
+    windows, heldout = windows or run.cfg.error_windows, run.texts["heldout"]
+    return evaluate.layer_errors(run.teacher, student, heldout, run.ctx, windows, offset)
