@@ -107,7 +107,7 @@ def parse_args(argv) -> RunConfig:
                    help="quick: a smoke run; default (the default): one seed, one budget;\n"
                    "study: seeds 0-2, budgets 16/32/64, Fix/DoF/oracle, softmax and l2@64;\n"
                    "paper: the paper's sizes, meant for a GPU")  # fmt: skip
-    p.add_argument("--out", type=Path, help="output folder (default runs/<model>-<profile>)")
+    p.add_argument("--out", help="output folder (default runs/<model>-<profile>)")
     p.add_argument("--data", type=Path, help="data store (default $DOFMINI_DATA, else the cache)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--variants", help=f"comma-separated, from {', '.join(VARIANTS)}; none: only\n"
@@ -125,7 +125,10 @@ def parse_args(argv) -> RunConfig:
     p.add_argument("--plan-only", action="store_true",
                    help="print the plan (downloads, stages, estimated times) and stop")  # fmt: skip
     args = p.parse_args(argv)
-    fields = dict(PROFILES[args.profile], model=args.model, profile=args.profile, out=args.out)
+    if args.out == "":
+        _fail("--out '': expected a folder")
+    out = Path(args.out) if args.out else None
+    fields = dict(PROFILES[args.profile], model=args.model, profile=args.profile, out=out)
     fields.update(data=args.data, device=args.device, raw_gram=args.raw_gram, sweep=args.sweep)
     fields.update(plan_only=args.plan_only)
     if args.variants:
@@ -195,8 +198,6 @@ def check(cfg: RunConfig) -> RunConfig:
         close = difflib.get_close_matches(cfg.model, hub.HUB_REPOS, n=1)
         _fail(f"{err}" + (f"; did you mean {close[0]!r}?" if close else ""))
     out = cfg.out or Path("runs") / f"{Path(cfg.model).name}-{cfg.profile}"
-    if not str(out).strip():
-        _fail("--out '': expected a folder")
     runs.check_writable(out, "--out", _fail)
     return dataclasses.replace(cfg, out=out, data=data.store_dir(cfg.data))
 
@@ -311,7 +312,7 @@ def plan_run(run: stages.Run):
     cfg, ctx = run.cfg, run.ctx
     costs = runs.probe(run.teacher, ctx, cfg.J)
     sizes = runs.stage_sizes(cfg, ctx, data.files("corpus"))
-    done = stages.done_stages(run)
+    done = done_stages(run)
     plan = [("teacher evaluation", sizes["evaluation"] * costs["forward"])]
     plan.append(("DoF estimate", cfg.calib_windows * costs["forward"] + costs["dof"]))
     if cfg.sweep:
@@ -323,6 +324,24 @@ def plan_run(run: stages.Run):
         plan.append((name, seconds + plan[0][1]))
     run.clock.plan = [(name, 0.0 if name in done else seconds) for name, seconds in plan]
     runs.print_plan(run.clock.plan, costs, sizes, cfg, ctx, done)
+
+
+def done_stages(run: stages.Run) -> set:
+    """The plan names of the stages already saved with this run's keys: the teacher's evaluation,
+    DoF, and each student whose dims are known before anything is trained."""
+    out, found = run.cfg.out, set()
+    if runs.saved(out / "teacher.json", stages.teacher_key(run)):
+        found.add("teacher evaluation")
+    allocation = runs.saved(out / "allocation.json", stages.allocation_key(run))
+    found |= {"DoF estimate"} if allocation else set()
+    for variant, loss, budget, seed in stages.student_keys(run):
+        dims = stages.fixed_dims(run, variant, budget, allocation)
+        spec = stages.Student(variant, loss, budget, seed, dims)
+        if dims and runs.saved(
+            out / "eval" / f"{spec.stem}.json", stages.student_eval_key(run, spec)
+        ):
+            found.add(spec.name)
+    return found
 
 
 def collect(run: stages.Run, teacher_result, allocation, sweep_rows, curves, students) -> dict:

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dofmini.files import sha256_file
-from dofmini.study import data
+from dofmini.study import data, sources
 from dofmini.study.evaluate import PPL_TEXTS
 from dofmini.study.tasks import TASKS, load_task
 
@@ -262,10 +262,10 @@ def test_a_folder_or_a_non_utf8_source_is_named(monkeypatch, tmp_path):
 def test_a_bad_registry_row_is_named(tmp_path):
     registry = tmp_path / "files.tsv"
     registry.write_text("group\tpath\tbytes\tsha256\turl\npiqa\tx.txt\t12\tabc\thttps://h/x\n")
-    with pytest.raises(data.DataError, match=r"files.tsv line 2: .*expected group, path, bytes"):
+    with pytest.raises(data.DataError, match=r"files.tsv line 2: .*expected a group \(wikitext2"):
         data.read_registry(registry)
     registry.write_text(f"h\nhellaswag\tx.txt\t12\t{'0' * 64}\thttps://h/x\n")
-    with pytest.raises(data.DataError, match="group 'hellaswag'; known: wikitext2"):
+    with pytest.raises(data.DataError, match="line 2: 'hellaswag.*expected a group \\(wikitext2"):
         data.read_registry(registry)
 
 
@@ -278,14 +278,14 @@ def test_source_check_prints_a_table_and_fails_on_a_mismatch(data_mirror, monkey
     (served / heldout.path).write_bytes(shared_as_wikiextractor(heldout))  # as its source serves it
     monkeypatch.setenv("DOFMINI_DATA_MIRROR", data_mirror(served).url)
     lines = []
-    assert data.check_sources(["piqa", "heldout"], log=lines.append)
+    assert sources.check_sources(["piqa", "heldout"], log=lines.append)
     assert len(lines) == 4 and all(line.endswith("| yes |") for line in lines[1:])
     (served / "piqa" / "valid-labels.lst").write_bytes(b"0\n1\n")
     lines.clear()
-    assert not data.check_sources(["piqa", "heldout"], log=lines.append)
+    assert not sources.check_sources(["piqa", "heldout"], log=lines.append)
     (bad,) = [line for line in lines if "**no**" in line]
     assert bad.startswith("| piqa/valid-labels.lst |") and "| **no**: piqa/valid-labels.lst" in bad
     assert not list(tmp_path.glob("**/.*.tmp"))
     with pytest.raises(SystemExit) as exited:
-        data.main(["--check-sources", "--groups", "piqa"])
+        sources.main(["--groups", "piqa"])
     assert exited.value.code == 1

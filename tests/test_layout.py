@@ -26,6 +26,7 @@ STUDY = tuple(
     f"study.{name}"
     for name in (
         "data",
+        "sources",
         "tasks",
         "evaluate",
         "runs",

@@ -4,6 +4,7 @@ touches, one-line errors for bad values before any model work, and the vendorabi
 the README says can be copied alone."""
 
 import ast
+import fcntl
 import hashlib
 import json
 import os
@@ -169,6 +170,15 @@ def test_changed_flag_recomputes_what_it_touches(grid_run, tmp_path):
     (["{tiny}", "--budgets", "0"], "--budgets 0: expected a positive number"),
     (["{tiny}", "--budgets", "8,x"], "--budgets '8,x': expected comma-separated integers"),
     (["{tiny}", "--out", "{file}"], "exists and is not a directory"),
+    (["{tiny}", "--out", ""], "--out '': expected a folder"),
+    (["gtp2"], "unknown model 'gtp2'"),
+    (["gtp2"], "did you mean 'gpt2'?"),
+    (["{tiny}", "--seed", "3", "--seeds", "1"], "--seed 3 and --seeds 1: give one of them"),
+    (["{tiny}", "--loss", "softmax:32"], "names budgets, but --budgets does not"),
+    (["{tiny}", "--budgets", "100000000"], "--budgets 100000000: expected 1..4096"),
+    (["{tiny}", "--J", "1"], "--J 1: expected 2 or more"),
+    (["{tiny}", "--device", "cuda:7"], "--device cuda:7 is not available here"),
+    (["{tiny}", "--device", "tpu"], "--device tpu is not available here"),
 ])  # fmt: skip
 def test_bad_values_give_one_line_before_model_work(tmp_path, args, message):
     (tmp_path / "file").write_text("x")
@@ -219,16 +229,67 @@ def test_quick_run_fills_an_empty_store_through_a_mirror(data_mirror, tmp_path):
     assert all(path in results["inputs"] for path in mirror.requests)
 
 
-def test_offline_run_stops_within_ten_seconds_naming_every_missing_file(tmp_path):
+def closed_port_url() -> str:
     with socket.socket() as closed:  # a port nobody listens on
         closed.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        return f"http://127.0.0.1:{closed.getsockname()[1]}"
+
+
+def offline_env(tmp_path) -> dict:
+    """A first run with nothing downloaded and every source unreachable: the hub and the data."""
+    url = closed_port_url()
+    env = {**os.environ, "DOFMINI_DATA": str(tmp_path / "store"), "DOFMINI_DATA_MIRROR": url}
+    return {**env, "DOFMINI_WEIGHTS": str(tmp_path / "weights"), "HF_ENDPOINT": closed_port_url()}
+
+
+def test_offline_first_run_names_weights_and_data_in_one_message(tmp_path):
+    env, out = offline_env(tmp_path), tmp_path / "out"
+    t0 = time.time()
+    result = reproduce("gpt2", "--out", out, env=env, timeout=60)
+    assert result.returncode != 0 and time.time() - t0 < 10
+    assert "Traceback" not in result.stderr and result.stderr.count("reproduce.py: error:") == 1
+    hub_url = f"{env['HF_ENDPOINT']}/openai-community/gpt2/resolve/main"
+    for url, dest in [(f"{hub_url}/model.safetensors", tmp_path / "weights/gpt2/model.safetensors"),
+                      (f"{hub_url}/tokenizer.json", tmp_path / "weights/gpt2/tokenizer.json"),
+                      (f"{env['DOFMINI_DATA_MIRROR']}/wikitext-2-raw/wiki.test.raw",
+                       tmp_path / "store/wikitext-2-raw/wiki.test.raw"),
+                      (f"{env['DOFMINI_DATA_MIRROR']}/piqa/valid.jsonl",
+                       tmp_path / "store/piqa/valid.jsonl")]:  # fmt: skip
+        assert f"{url}\n      -> {dest}" in result.stderr
+    assert not out.exists() and not (tmp_path / "store").exists()
+
+
+def test_plan_only_with_nothing_downloaded_lists_what_is_missing(tmp_path):
+    env, out = offline_env(tmp_path), tmp_path / "out"
+    result = reproduce("gpt2", "--plan-only", "--out", out, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "not here yet:" in result.stdout and "weights, 3 file(s)" in result.stdout
+    assert "data, 86 file(s), 31.2 MB" in result.stdout and "86 to download" not in result.stderr
+    assert not out.exists()
+
+
+def test_a_second_run_into_the_same_folder_stops_naming_the_first(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(out / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.write("4242")
+        lock.flush()
+        result = reproduce(FIXTURES / "gpt2-tiny", "--out", out, env=offline_env(tmp_path))
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert f"--out {out} is in use by another run (PID 4242)" in result.stderr
+
+
+def test_offline_run_stops_within_ten_seconds_naming_every_missing_file(tmp_path):
+    url = closed_port_url()
     store = tmp_path / "store"
     env = {**os.environ, "DOFMINI_DATA": str(store), "DOFMINI_DATA_MIRROR": url}
     t0 = time.time()
-    result = reproduce(FIXTURES / "gpt2-tiny", "--profile", "quick", env=env, timeout=60)
+    out = tmp_path / "out"
+    result = reproduce(FIXTURES / "gpt2-tiny", "--profile", "quick", "--out", out, env=env)
     assert result.returncode != 0 and time.time() - t0 < 10
     assert "Traceback" not in result.stderr
     for path in (f"{url}/wikitext-2-raw/wiki.test.raw", str(store / "piqa" / "valid.jsonl")):
         assert path in result.stderr
     assert not store.exists() or not any(p.is_file() for p in store.rglob("*"))
+    assert not out.exists()

@@ -8,15 +8,13 @@ registry (same format: your own texts under the same paths, or a test's). Wikipe
 WikiExtractor output (`<doc>` records); the store keeps the articles `data_articles.txt` names, as
 plain text, by one rule for every such file (`articles_from_wikiextractor`).
 
-    python -m dofmini.study.data --check-sources    # for maintainers: every source against its pin
+`python -m dofmini.study.sources` checks every source against its pin (for maintainers).
 """
 
-import argparse
 import http.client
 import os
 import re
 import sys
-import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -67,13 +65,16 @@ def read_registry(file: Path) -> tuple:
     rows = []
     for number, line in enumerate(_lines(file)[1:], start=2):
         cells = line.split("\t")
-        if len(cells) != 5 or not cells[2].isdigit() or not re.fullmatch(r"[0-9a-f]{64}", cells[3]):
+        if (
+            len(cells) != 5
+            or cells[0] not in GROUPS
+            or not cells[2].isdigit()
+            or not re.fullmatch(r"[0-9a-f]{64}", cells[3])
+        ):
             raise DataError(
-                f"{file} line {number}: {line!r}; expected group, path, bytes, sha256 (64 hex) "
-                "and URL, tab-separated"
+                f"{file} line {number}: {line!r}; expected a group ({', '.join(GROUPS)}), path, "
+                "bytes, sha256 (64 hex) and URL, tab-separated"
             )
-        if cells[0] not in GROUPS:
-            raise DataError(f"{file} line {number}: group {cells[0]!r}; known: {', '.join(GROUPS)}")
         rows.append(DataFile(cells[0], cells[1], int(cells[2]), cells[3], cells[4]))
     return tuple(rows)
 
@@ -148,22 +149,15 @@ def offline_listing(rows, root) -> str:
 def ensure(groups, root, log=None) -> dict:
     """{path in the store: sha256} of every file of `groups` under `root`, missing ones downloaded.
 
-    Temporaries left by a killed download are removed first; present files are checked (size,
-    then sha256). When a missing file's host takes no TCP connection within CONNECT_SECONDS, one
-    DataError lists every missing file, its URL and where to put it, before any download. Else
-    every missing file is attempted; each is checked before it is kept, what verified stays, and
-    one DataError then names every failure."""
+    Temporaries of killed downloads are removed first. When a missing file's host takes no TCP
+    connection within CONNECT_SECONDS, one DataError lists every missing file, its URL and where
+    to put it. Else every present file is checked (size, then sha256) and every missing one is
+    downloaded and checked; what verified stays, and one DataError names every failure."""
     log = log or (lambda message: print(message, flush=True))
     root = Path(root)
     needed = files(groups)
     _remove_stale_temporaries(root, needed)
     absent = missing(groups, root)
-    failures = []
-    for f in (f for f in needed if f not in absent):
-        try:
-            _verify(root / f.path, f, "delete it to download it again")
-        except DataError as err:
-            failures.append(str(err))
     hosts = unreachable([source(f) for f in absent])
     if hosts:
         raise DataError(
@@ -172,9 +166,13 @@ def ensure(groups, root, log=None) -> dict:
             f"Wikipedia file as served: it is converted on the next run), or point --data or "
             f"DOFMINI_DATA_MIRROR at a copy of the store:{offline_listing(absent, root)}"
         )
-    for f in absent:
+    failures = []
+    for f in needed:
         try:
-            _download(f, root / f.path, log)
+            if f in absent:
+                _download(f, root / f.path, log)
+            else:
+                verify(root / f.path, f, "delete it to download it again")
         except DataError as err:
             failures.append(str(err))
     if failures:
@@ -187,22 +185,15 @@ def ensure(groups, root, log=None) -> dict:
 
 def _remove_stale_temporaries(root: Path, rows) -> None:
     """Delete `.NAME.PID.tmp` files that atomic_write left beside store files when its process was
-    killed; those of a process still running are its downloads in progress."""
-    for folder in {(root / f.path).parent for f in rows}:
-        for tmp in folder.glob(".*.tmp") if folder.is_dir() else ():
-            pid = tmp.name.rsplit(".", 2)[-2]
-            if pid.isdigit() and not _running(int(pid)):
-                tmp.unlink(missing_ok=True)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+    killed; those of a process still running (its downloads in progress) stay."""
+    for tmp in (t for d in {(root / f.path).parent for f in rows} for t in d.glob(".*.tmp")):
+        pid = tmp.name.rsplit(".", 2)[-2]
+        try:
+            os.kill(int(pid), 0) if pid.isdigit() else None
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except PermissionError:  # another user's process: running
+            pass
 
 
 def articles_from_wikiextractor(raw: bytes, titles: list, file="the source") -> bytes:
@@ -229,7 +220,7 @@ def _mb(rows) -> str:
     return f"{sum(f.size for f in rows) / 1e6:.1f} MB"
 
 
-def _verify(path: Path, f: DataFile, advice: str) -> None:
+def verify(path: Path, f: DataFile, advice: str) -> None:
     """Raise DataError unless `path` holds the pinned bytes, comparing sizes before hashing. A
     Wikipedia file in its source form (WikiExtractor output) is converted in place first."""
     if not path.is_file():
@@ -247,7 +238,7 @@ def _verify(path: Path, f: DataFile, advice: str) -> None:
         )
 
 
-def _fetch(url: str, what: str, tmp: Path, bar: bool = True) -> None:
+def fetch(url: str, what: str, tmp: Path, bar: bool = True) -> None:
     """Stream `url` into `tmp`, under a progress bar if `bar`; a DataError says whether to retry."""
     try:
         with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as out:
@@ -271,47 +262,6 @@ def _download(f: DataFile, dest: Path, log) -> None:
     then rename it to `dest`: a failure leaves neither `dest` nor a temporary."""
     url = source(f)
     log(f"downloading {f.path} ({_mb([f])}, licence {GROUPS[f.group][1]}) from {url}")
-
-    def fetch(tmp: Path):
-        _fetch(url, f.path, tmp)
-        _verify(tmp, f, f"nothing was kept from {url}")
-
-    atomic_write(dest, fetch)
-
-
-def check_sources(groups, log=print) -> bool:
-    """Download every source of `groups` (not the store) into a temporary folder, convert it as
-    the store does, compare it with its pin, and print a table; True when every file matches."""
-    log("| file | source | bytes | sha256 | matches its pin |\n|---|---|---|---|---|")
-    ok = True
-    with tempfile.TemporaryDirectory() as scratch:
-        for f in files(groups):
-            tmp = Path(scratch) / f.path
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                _fetch(source(f), f.path, tmp, bar=False)
-                _verify(tmp, f, "")
-                row = f"{f.size} | {f.sha256[:16]}… | yes"
-            except DataError as err:
-                ok = False
-                got = (tmp.stat().st_size, sha256_file(tmp)[:16]) if tmp.is_file() else ("—", "—")
-                row = f"{got[0]} | {got[1]}… | **no**: {str(err).split('; ')[0]}"
-            log(f"| {f.path} | {source(f)} | {row} |")
-    return ok
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m dofmini.study.data", description=__doc__)
-    p.add_argument("--check-sources", action="store_true", required=True,
-                   help="download every source, convert, compare with the pins")  # fmt: skip
-    p.add_argument("--groups", default=",".join(GROUPS), help="comma-separated data groups")
-    args = p.parse_args(argv)
-    try:
-        ok = check_sources(args.groups.split(","))
-    except DataError as err:
-        raise SystemExit(f"python -m dofmini.study.data: error: {err}") from None
-    raise SystemExit(0 if ok else 1)
-
-
-if __name__ == "__main__":
-    main()
+    atomic_write(
+        dest, lambda tmp: fetch(url, f.path, tmp) or verify(tmp, f, f"nothing kept from {url}")
+    )

@@ -25,19 +25,7 @@ from ..files import atomic_write, changed_settings, write_text
 from ..students import make_student
 from . import data
 from .evaluate import PPL_TEXTS
-
-# Examples per task and tokens one example puts through the model (its choices summed; MMLU's four
-# letters share one input), with the GPT-2 tokenizer: the plan's time estimate uses them.
-TASK_SIZES = {
-    "piqa": (1838, 74),
-    "arc_easy": (2376, 131),
-    "arc_challenge": (1172, 145),
-    "winogrande": (1267, 44),
-    "wsc273": (273, 43),
-    "mmlu": (14042, 112),
-    "logiqa": (651, 814),
-    "lambada": (5153, 85),
-}
+from .tasks import TASK_SIZES
 
 
 class RunError(Exception):

@@ -1,10 +1,9 @@
-"""The stages of reproduce.py's comparison, one function each: the teacher's evaluation, DoF and the
-allocation, the sweep, the error curves and the oracle, then every student's training and
-evaluation, and results.json. Each saves its result under the run's folder with the key of the
-settings and inputs that made it (runs.stage); the keys are built here, once each.
-"""
+"""The stages of reproduce.py's comparison, one function each: the teacher's evaluation, DoF, the
+sweep, the error curves and the oracle, each student's training and evaluation. Each saves its
+result with the key of the settings and inputs that made it (runs.stage), built here once each."""
 
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,12 +95,14 @@ def eval_key(run: Run) -> dict:
 
 
 def allocation_key(run: Run) -> dict:
-    cfg = run.cfg
-    key = dict(teacher=run.inputs["teacher"], lam=run.lam, J=cfg.J, seed=cfg.seeds[0])
-    key.update(normalize=not cfg.raw_gram, ctx=run.ctx, calib_windows=cfg.calib_windows)
-    return dict(
-        key, budgets=run.budgets, calib=run.inputs[CALIBRATION], device=run.inputs["device"]
-    )
+    cfg, inputs = run.cfg, run.inputs
+    key = dict(teacher=inputs["teacher"], lam=run.lam, J=cfg.J, seed=cfg.seeds[0], ctx=run.ctx)
+    key.update(normalize=not cfg.raw_gram, calib_windows=cfg.calib_windows, budgets=run.budgets)
+    return dict(key, calib=inputs[CALIBRATION], device=inputs["device"])
+
+
+def teacher_key(run: Run) -> dict:
+    return {"teacher": run.inputs["teacher"], **eval_key(run)}
 
 
 def settings(run: Run, seed: int) -> TrainSettings:
@@ -123,35 +124,18 @@ def student_eval_key(run: Run, spec: Student) -> dict:
     return {"student": train_key(run, spec), **eval_key(run)}
 
 
-def done_stages(run: Run) -> set:
-    """The plan names of the stages already saved with this run's keys: the teacher's evaluation,
-    DoF, and each student whose dims are known before anything is trained."""
-    out, found = run.cfg.out, set()
-    if runs.saved(out / "teacher.json", {"teacher": run.inputs["teacher"], **eval_key(run)}):
-        found.add("teacher evaluation")
-    allocation = runs.saved(out / "allocation.json", allocation_key(run))
-    found |= {"DoF estimate"} if allocation else set()
-    for variant, loss, budget, seed in student_keys(run):
-        dims = fixed_dims(run, variant, budget, allocation)
-        spec = Student(variant, loss, budget, seed, dims)
-        if dims and runs.saved(out / "eval" / f"{spec.stem}.json", student_eval_key(run, spec)):
-            found.add(spec.name)
-    return found
-
-
 def evaluate_model(run: Run, model) -> dict:
-    cfg = run.cfg
-    texts = {name: run.texts[name] for name in evaluate.PPL_TEXTS}
+    cfg, texts = run.cfg, {name: run.texts[name] for name in evaluate.PPL_TEXTS}
     tasks = () if cfg.limit == 0 else tuple(evaluate.TASKS)
-    return evaluate.evaluate_model(
-        model, run.tokenizer, texts, run.ctx, cfg.data, cfg.eval_windows, cfg.limit, tasks
-    )
+    options = (cfg.data, cfg.eval_windows, cfg.limit, tasks)
+    return evaluate.evaluate_model(model, run.tokenizer, texts, run.ctx, *options)
 
 
 def evaluate_teacher(run: Run) -> dict:
-    key = {"teacher": run.inputs["teacher"], **eval_key(run)}
     compute = lambda: evaluate_model(run, run.teacher)
-    result = run.stage("teacher evaluation", run.cfg.out / "teacher.json", key, compute)
+    result = run.stage(
+        "teacher evaluation", run.cfg.out / "teacher.json", teacher_key(run), compute
+    )
     log(f"teacher: WikiText-2 perplexity {result['wikitext2_ppl']:.2f} (ctx {run.ctx})")
     return result
 
@@ -186,19 +170,18 @@ def estimate_allocation(run: Run) -> dict:
 def sweep(run: Run) -> list:
     """How the DoF allocation moves with λ and J, and with the raw Gram instead of G/J."""
     cfg, budget = run.cfg, run.teacher.config.head_dim
-    key = {**allocation_key(run), "lams": cfg.sweep_lams, "Js": cfg.sweep_Js}
+    key = {k: v for k, v in allocation_key(run).items() if k not in ("lam", "J", "normalize")}
+    key.update(lams=cfg.sweep_lams, Js=cfg.sweep_Js)
 
     def compute():
         # rows come in draw order, so x[..., :J, :] is the size-J draw: one pass serves every J
         calib, J = run.texts["calib"], max(cfg.sweep_Js)
         x = dof.sample_queries_keys(run.teacher, calib, J, cfg.seeds[0], run.ctx)  # [L, H, J, d]
         rows = []
-        for normalize in (True, False):
-            for lam in cfg.sweep_lams:
-                for J in cfg.sweep_Js:
-                    layer = dof.degrees_of_freedom(x[:, :, :J], lam, normalize).amax(-1)  # [L]
-                    row = {"normalize": normalize, "lam": lam, "J": J, "layer_dof": layer.tolist()}
-                    rows.append({**row, "dims": dof.allocate(layer, budget)})
+        for normalize, lam, J in itertools.product((True, False), cfg.sweep_lams, cfg.sweep_Js):
+            layer = dof.degrees_of_freedom(x[:, :, :J], lam, normalize).amax(-1)  # [L]
+            row = {"normalize": normalize, "lam": lam, "J": J, "layer_dof": layer.tolist()}
+            rows.append({**row, "dims": dof.allocate(layer, budget)})
         return rows
 
     return run.stage("DoF sweep", cfg.out / "sweep.json", key, compute)
@@ -299,8 +282,7 @@ def train_and_evaluate(run: Run, spec: Student) -> dict:
     return result
 
 
-def performer(run: Run, spec: Student):
-    """The untrained draw of a student's dims and seed: where its training started."""
+def performer(run: Run, spec: Student):  # the untrained draw: where its training started
     return make_student(run.teacher, "prf", spec.dims, spec.seed)
 
 

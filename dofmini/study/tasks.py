@@ -190,3 +190,17 @@ def load_task(name: str, data_dir, limit=None) -> list:
     if name == "mmlu":
         return load_mmlu(data_dir, limit and -(-limit // 57))[:limit]
     return TASKS[name](data_dir)[:limit]
+
+
+# Examples per task and tokens one example puts through the model (its choices summed; MMLU's four
+# letters share one input), with the GPT-2 tokenizer: the run plan's time estimate uses them.
+TASK_SIZES = {
+    "piqa": (1838, 74),
+    "arc_easy": (2376, 131),
+    "arc_challenge": (1172, 145),
+    "winogrande": (1267, 44),
+    "wsc273": (273, 43),
+    "mmlu": (14042, 112),
+    "logiqa": (651, 814),
+    "lambada": (5153, 85),
+}
