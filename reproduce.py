@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import difflib
 import errno
+import itertools
 import json
 import math
 import sys
@@ -327,20 +328,27 @@ def plan_run(run: stages.Run):
 
 
 def done_stages(run: stages.Run) -> set:
-    """The plan names of the stages already saved with this run's keys: the teacher's evaluation,
-    DoF, and each student whose dims are known before anything is trained."""
-    out, found = run.cfg.out, set()
+    """The plan names of the stages already saved with this run's keys. A student's key needs its
+    dims: DoF's come from a saved allocation, the oracle's from the saved curves."""
+    out, cfg, found = run.cfg.out, run.cfg, set()
     if runs.saved(out / "teacher.json", stages.teacher_key(run)):
         found.add("teacher evaluation")
     allocation = runs.saved(out / "allocation.json", stages.allocation_key(run))
     found |= {"DoF estimate"} if allocation else set()
+    kl, curves = {}, None
+    for seed, m in itertools.product(cfg.seeds, cfg.curve_dims if "oracle" in cfg.variants else ()):
+        spec = stages.Student("fix", "softmax", m, seed, (m,) * run.teacher.config.n_layer)
+        errors = runs.saved(*stages.curve_stage(run, spec)[::-1])
+        kl.setdefault(str(seed), []).append(errors and errors["kl"])
+    if kl and all(None not in by_m for by_m in kl.values()):
+        curves = stages.curves_from(run, kl, 0.0)
     for variant, loss, budget, seed in stages.student_keys(run):
-        dims = stages.fixed_dims(run, variant, budget, allocation)
+        dims = stages.dims_of(run, variant, budget, allocation, curves)
         spec = stages.Student(variant, loss, budget, seed, dims)
-        if dims and runs.saved(
-            out / "eval" / f"{spec.stem}.json", stages.student_eval_key(run, spec)
-        ):
-            found.add(spec.name)
+        key, path = stages.student_eval_key(run, spec), out / "eval" / f"{spec.stem}.json"
+        if variant == "fix" and budget not in run.budgets:  # a student of the curves only
+            key, path = stages.curve_stage(run, spec)
+        found |= {spec.name} if dims and runs.saved(path, key) else set()
     return found
 
 

@@ -37,8 +37,7 @@ class Student:
     def stem(self) -> str:
         return self.name.replace("/", "-")
 
-    def path(self, out: Path) -> Path:
-        """The student's one file: its tensors, with its key and training record as metadata."""
+    def path(self, out: Path) -> Path:  # its tensors, with its key and record as metadata
         return out / "students" / f"{self.stem}.safetensors"
 
 
@@ -57,15 +56,14 @@ class Run:
     texts: dict = field(default_factory=dict)  # name -> token ids
     clock: runs.Clock = field(default_factory=lambda: runs.Clock([]))
 
-    def stage(self, name: str, path: Path, key: dict, compute):
-        """runs.stage, counted toward the progress clock's pace."""
+    def stage(self, name: str, path: Path, key: dict, compute):  # runs.stage, on the clock
         self.clock.begin(name)
         return runs.stage(path, key, self.clock.timed(compute))
 
 
 def student_keys(run: Run) -> list:
-    """(variant, loss, budget, seed) of every student, in run order, known before DoF is estimated.
-    The oracle needs every layer's error curve first: Fix students at each of curve_dims."""
+    """(variant, loss, budget, seed) of every student in run order; the oracle's curves first
+    (Fix students at each of curve_dims)."""
     cfg, keys = run.cfg, []
     if "oracle" in cfg.variants:
         keys += [("fix", "softmax", m, seed) for seed in cfg.seeds for m in cfg.curve_dims]
@@ -79,11 +77,13 @@ def student_keys(run: Run) -> list:
     return list(dict.fromkeys(keys))
 
 
-def fixed_dims(run: Run, variant: str, budget: int, allocation):
-    """A student's dims when known before any training: uniform, or DoF's once estimated."""
+def dims_of(run: Run, variant: str, budget: int, allocation, curves=None):
+    """A student's dims: uniform; DoF's once estimated; the oracle's once the curves are in."""
     if variant in ("dof", "dof_clip"):
         return None if allocation is None else tuple(allocation["dims"][str(budget)][variant])
-    return None if variant == "oracle" else (budget,) * run.teacher.config.n_layer
+    if variant == "oracle":
+        return None if curves is None else tuple(curves["oracle"][str(budget)])
+    return (budget,) * run.teacher.config.n_layer
 
 
 def eval_key(run: Run) -> dict:
@@ -122,6 +122,12 @@ def train_key(run: Run, spec: Student) -> dict:
 
 def student_eval_key(run: Run, spec: Student) -> dict:
     return {"student": train_key(run, spec), **eval_key(run)}
+
+
+def curve_stage(run: Run, spec: Student) -> tuple:
+    """The key and path of a curve student's errors, on the windows after the reported ones."""
+    key = {**student_eval_key(run, spec), "windows": run.cfg.curve_windows}
+    return key, run.cfg.out / "eval" / f"{spec.stem}-curve.json"
 
 
 def evaluate_model(run: Run, model) -> dict:
@@ -194,10 +200,9 @@ def trained(path: Path, key: dict) -> bool:
 
 
 def train_student(run: Run, spec: Student):
-    """Train one student (or draw it, for the untrained Performer) into its one file; a finished
-    one with the same key is loaded instead, and an interrupted one resumes from its progress
-    file. A finished student of another PRF variant trained with exactly this key (the oracle
-    often allocates Fix's dims) gives its tensors instead of training them again."""
+    """Train one student (draw it, for the Performer) into its file, or load it if finished with
+    this key, or copy a finished twin: another PRF variant trained with exactly this key (the
+    oracle often allocates Fix's dims). An interrupted training resumes from its progress file."""
     run.clock.begin(spec.name)
     key, path, out = train_key(run, spec), spec.path(run.cfg.out), run.cfg.out
     others = TRAINED_PRF if spec.variant in TRAINED_PRF else ()
@@ -233,23 +238,28 @@ def train_student(run: Run, spec: Student):
 
 def error_curves(run: Run) -> dict:
     """Every layer's held-out KL at each of curve_dims features (Fix students: one distillation
-    per M trains all layers at once), on the held-out windows after those the reported errors use;
-    and the oracle allocation they imply at each budget."""
+    per M trains all layers at once), on the held-out windows after the reported errors' ones."""
     cfg, n_layer = run.cfg, run.teacher.config.n_layer
     kl, curve_only_seconds = {}, 0.0
     for seed in cfg.seeds:
         for m in cfg.curve_dims:
             spec = Student("fix", "softmax", m, seed, (m,) * n_layer)
             student, info = train_student(run, spec)
-            key = {**student_eval_key(run, spec), "windows": cfg.curve_windows}
-            path = cfg.out / "eval" / f"{spec.stem}-curve.json"
+            key, path = curve_stage(run, spec)
             compute = lambda: layer_errors(run, student, cfg.curve_windows, cfg.error_windows)  # noqa: B023 (called at once)
             kl.setdefault(str(seed), []).append(run.stage(spec.name, path, key, compute)["kl"])
             if m not in run.budgets:  # the others are Fix students, timed with the students
                 curve_only_seconds += info["train_seconds"]
-    mean = np.mean([kl[str(s)] for s in cfg.seeds], axis=0).T.tolist()  # [layer][M]
-    oracle = {str(b): oracle_allocate(mean, b, ms=list(cfg.curve_dims)) for b in run.budgets}
-    found = dict(dims=list(cfg.curve_dims), kl=kl, mean_kl=mean, oracle=oracle)
+    return curves_from(run, kl, curve_only_seconds)
+
+
+def curves_from(run: Run, kl: dict, curve_only_seconds: float) -> dict:
+    """The curves' record from each seed's per-layer KL [M][layer], with the oracle allocation
+    their mean over seeds implies at each budget."""
+    ms = list(run.cfg.curve_dims)
+    mean = np.mean([kl[str(s)] for s in run.cfg.seeds], axis=0).T.tolist()  # [layer][M]
+    oracle = {str(b): oracle_allocate(mean, b, ms=ms) for b in run.budgets}
+    found = dict(dims=ms, kl=kl, mean_kl=mean, oracle=oracle)
     return dict(found, curve_only_train_seconds=curve_only_seconds)
 
 
@@ -258,8 +268,8 @@ def specs(run: Run, allocation: dict, curves) -> list:
     found = []
     for variant, loss, budget, seed in student_keys(run):
         if variant != "fix" or budget in run.budgets:
-            dims = fixed_dims(run, variant, budget, allocation) or curves["oracle"][str(budget)]
-            found.append(Student(variant, loss, budget, seed, tuple(dims)))
+            dims = dims_of(run, variant, budget, allocation, curves)
+            found.append(Student(variant, loss, budget, seed, dims))
     return found
 
 
