@@ -189,8 +189,9 @@ def check(cfg: RunConfig) -> RunConfig:
     for budget in cfg.budgets or ():
         if not 1 <= budget <= MAX_FEATURES:
             _fail(f"--budgets {budget}: expected 1..{MAX_FEATURES} features per layer")
-    index = cfg.device[5:] if cfg.device.startswith("cuda:") else "0" * (cfg.device == "cuda")
-    if cfg.device != "cpu" and not (index.isdigit() and int(index) < torch.cuda.device_count()):
+    index = cfg.device.removeprefix("cuda:")
+    available = cfg.device == "cpu" or (cfg.device == "cuda" and torch.cuda.is_available())
+    if not available and not (index.isdigit() and int(index) < torch.cuda.device_count()):
         seen = f"torch sees {torch.cuda.device_count()} CUDA device(s)"
         _fail(f"--device {cfg.device} is not available here ({seen}); expected cpu, cuda, cuda:N")
     try:

@@ -156,8 +156,12 @@ def provenance(model) -> dict:
         dirty = bool(git("status", "--porcelain", "dofmini", "reproduce.py"))
     except (OSError, subprocess.SubprocessError):
         commit, dirty = None, False
-    device = next(model.parameters()).device
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    device, gpu = next(model.parameters()).device, None
+    if device.type == "cuda":
+        try:
+            gpu = torch.cuda.get_device_name(device)
+        except (RuntimeError, AssertionError) as err:  # a simulated device has no name
+            gpu = f"unknown ({err})"
     return {
         "dofmini": __version__,
         "git_commit": commit,
@@ -205,7 +209,7 @@ def probe(teacher, ctx: int, J: int) -> dict:
 
 
 def _synchronize(device):
-    if device.type == "cuda":
+    if device.type == "cuda" and torch.cuda.is_initialized():  # else no kernel has been launched
         torch.cuda.synchronize(device)
 
 
