@@ -12,7 +12,6 @@ the settings and inputs that made it; running again reuses a stage only when the
 import argparse
 import dataclasses
 import difflib
-import errno
 import itertools
 import json
 import math
@@ -201,7 +200,10 @@ def check(cfg: RunConfig) -> RunConfig:
         _fail(f"{err}" + (f"; did you mean {close[0]!r}?" if close else ""))
     out = cfg.out or Path("runs") / f"{Path(cfg.model).name}-{cfg.profile}"
     runs.check_writable(out, "--out", _fail)
-    return dataclasses.replace(cfg, out=out, data=data.store_dir(cfg.data))
+    store = data.store_dir(cfg.data)
+    if store.exists() and not store.is_dir():
+        _fail(f"--data {store} is a file; expected the data store's folder")
+    return dataclasses.replace(cfg, out=out, data=store)
 
 
 def main(argv=None):
@@ -215,10 +217,8 @@ def main(argv=None):
         raise SystemExit(
             "reproduce.py: interrupted; run the same command again to resume"
         ) from None
-    except OSError as err:
-        if err.errno != errno.ENOSPC:
-            raise
-        raise SystemExit(f"reproduce.py: error: no space left writing {err.filename}") from None
+    except OSError as err:  # a full disk, a read-only folder: files.atomic_write names the file
+        _fail(err.strerror or str(err))
 
 
 def _main(cfg: RunConfig):

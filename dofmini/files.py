@@ -1,6 +1,7 @@
 """File helpers every stage shares: whole-or-nothing writes, content hashes, and a quick check that
 the hosts a download needs take a connection."""
 
+import contextlib
 import hashlib
 import os
 import socket
@@ -22,15 +23,20 @@ def atomic_write(path, write) -> Path:
     """Create or replace `path` whole or not at all.
 
     `write(tmp)` fills a temporary file beside `path`, which then replaces it in one rename: a kill
-    at any moment leaves the old file (or none), never a truncated one."""
+    at any moment leaves the old file (or none), never a truncated one. An OSError (a full disk, a
+    read-only folder) comes back naming `path`."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         write(tmp)
         os.replace(tmp, path)
+    except OSError as err:
+        reason = err.strerror or str(err)
+        raise OSError(err.errno, f"cannot write {path}: {reason}", str(path)) from None
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # in a read-only folder even this fails
+            tmp.unlink(missing_ok=True)
     return path
 
 

@@ -1,6 +1,7 @@
 """Every file a run writes goes through files.atomic_write: a write killed half-way leaves the old
 file (or none) and no temporary; the content hash is the file's sha256."""
 
+import errno
 import hashlib
 
 import numpy as np
@@ -40,3 +41,18 @@ def test_write_text_replaces_whole_and_hash_is_sha256(tmp_path):
     write_text(path, "second")
     assert path.read_text() == "second"
     assert sha256_file(path) == hashlib.sha256(b"second").hexdigest()
+
+
+def test_a_full_disk_is_named_with_the_file_and_leaves_nothing(tmp_path):
+    """/dev/full answers every write with ENOSPC, as a full disk does."""
+    target = tmp_path / "results.json"
+
+    def write(tmp):
+        tmp.write_bytes(b"partial")
+        with open("/dev/full", "wb") as full:
+            full.write(b"x" * 4096)
+
+    with pytest.raises(OSError, match=f"cannot write {target}: No space left on device") as err:
+        atomic_write(target, write)
+    assert err.value.errno == errno.ENOSPC and err.value.filename == str(target)
+    assert list(tmp_path.iterdir()) == []

@@ -179,6 +179,7 @@ def test_changed_flag_recomputes_what_it_touches(grid_run, tmp_path):
     (["{tiny}", "--J", "1"], "--J 1: expected 2 or more"),
     (["{tiny}", "--device", "cuda:7"], "--device cuda:7 is not available here"),
     (["{tiny}", "--device", "tpu"], "--device tpu is not available here"),
+    (["{tiny}", "--data", "{file}"], "is a file; expected the data store's folder"),
 ])  # fmt: skip
 def test_bad_values_give_one_line_before_model_work(tmp_path, args, message):
     (tmp_path / "file").write_text("x")

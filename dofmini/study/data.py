@@ -175,6 +175,8 @@ def ensure(groups, root, log=None) -> dict:
                 verify(root / f.path, f, "delete it to download it again")
         except DataError as err:
             failures.append(str(err))
+        except OSError as err:  # a read-only store, a full disk: atomic_write names the file
+            failures.append(f"{f.path}: {err.strerror or err}")
     if failures:
         raise DataError(
             f"{len(failures)} of {len(needed)} data file(s) failed; the other "

@@ -195,6 +195,11 @@ def probe(teacher, ctx: int, J: int) -> dict:
         "direct": lambda: train_direct(student, flat, settings, **quiet),
         "dof": lambda: torch.linalg.cholesky(torch.eye(J, dtype=torch.float64)),
     }
+    if not torch.isfinite(teacher(ids)).all():
+        raise RunError(
+            "the teacher's logits on random tokens are not finite: its weights overflow "
+            f"{next(teacher.parameters()).dtype} in the forward pass"
+        )
     costs = {}
     for name, run in work.items():
         run()  # warm-up

@@ -155,7 +155,7 @@ def estimate_allocation(run: Run) -> dict:
         normalize = not cfg.raw_gram
         seed = cfg.seeds[0]
         per_head = dof.estimate_dof(run.teacher, calib, run.lam, cfg.J, seed, normalize, run.ctx)
-        if not (per_head > 0).all():
+        if not (per_head.amax(-1) > 0).all():
             raise runs.RunError(f"--lam {run.lam}: a layer's DoF is 0 at this λ; use a smaller λ")
         dims = {
             str(b): {
