@@ -1,0 +1,33 @@
+"""The method's steps on a CUDA device, simulated where no GPU exists: ../shared/tools/simcuda_run.py
+gives tensors that report cuda:0 and checks every op against eager CUDA's device rules (a CPU
+tensor or generator mixed into a CUDA op fails as it would on a GPU), counting host syncs and float64
+ops. On a machine with a GPU the same script runs on the real device."""
+
+import ast
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO, shared_path
+
+
+def run_steps(*prefix, device="cuda"):
+    script = REPO / "tests" / "gpu_steps.py"
+    command = [sys.executable, *map(str, prefix), str(script), device]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
+
+
+def test_every_step_runs_on_a_simulated_cuda_device_without_float64():
+    done = run_steps(shared_path("tools", "simcuda_run.py"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "every step ran on cuda" in done.stdout
+    stats = ast.literal_eval(done.stdout.split("STATS ", 1)[1].splitlines()[0])
+    f64_sites = done.stdout.split("top f64 sites ", 1)[1].splitlines()[0]
+    assert stats.get("f64_ops", 0) == 0, f"float64 on the device at {f64_sites}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_every_step_runs_on_a_real_cuda_device():
+    done = run_steps()
+    assert done.returncode == 0, done.stderr[-3000:]
