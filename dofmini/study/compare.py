@@ -1,17 +1,32 @@
-"""The study's statistics, variant against variant: students grouped by (variant, loss, budget),
-each metric as the mean over seeds with a 95% Student-t interval, DoF and the oracle against Fix
-seed by seed (a paired design: a seed draws the same data order for every variant), the per-layer
-errors, the error-against-features curves with the oracle allocation they imply, and whether
-training had flattened.
-"""
+"""The study's statistics, student against student: students grouped by (variant, loss, budget),
+each metric as the mean over seeds with a 95% t-interval, DoF and the oracle against Fix seed by
+seed (a paired design: a seed draws the same data order for every variant), the per-layer errors,
+the error-against-features curves with the oracle allocation they imply, and whether training had
+flattened."""
+
+import math
 
 import numpy as np
 
 from ..files import write_text
 from . import plots, stats
 
-ERROR_METRICS = ("kl", "output_rel", "kernel_l2")
-PPL_METRICS = (("wikitext2_ppl", "WikiText-2 ppl"), ("heldout_ppl", "held-out ppl"))
+# (label, key, view): view reduces a student's per-layer errors to one number per seed, None reads
+# a perplexity. The worst layer stands beside the mean, as a gain on average can hide a worse layer.
+METRICS = (
+    ("mean KL", "kl", np.mean), ("worst-layer KL", "kl", max),
+    ("mean output error", "output_rel", np.mean), ("worst-layer output error", "output_rel", max),
+    ("mean kernel L2", "kernel_l2", np.mean),
+    ("WikiText-2 ppl", "wikitext2_ppl", None), ("held-out ppl", "heldout_ppl", None),
+)  # fmt: skip
+ERRORS = ("kl", "output_rel", "kernel_l2")
+PERMUTATIONS, PERMUTATION_SEED = 10000, 0  # for the permutation p-value of a rank correlation
+
+
+def md_table(header, rows) -> list:
+    """A markdown table's lines: the header, its rule, then one line per row (cells str()ed)."""
+    line = lambda cells: "| " + " | ".join(map(str, cells)) + " |"  # noqa: E731
+    return [line(header), "|---" * len(header) + "|", *map(line, rows)]
 
 
 def groups(students: dict) -> dict:
@@ -22,51 +37,57 @@ def groups(students: dict) -> dict:
     return out
 
 
-def metric(student: dict, name: str):
-    """A student's mean-over-layers error, or its perplexity; None where it has none."""
-    if name in ("wikitext2_ppl", "heldout_ppl"):
-        return student[name]
-    values = student["layer_error"][name]
-    return None if None in values else float(np.mean(values))
+def metric(student: dict, key: str, view):
+    """One seed's value of a METRICS row; None where the student has no such error."""
+    if view is None:
+        return student[key]
+    errors = student["layer_error"][key]
+    return None if None in errors else float(view(errors))
+
+
+def _pm(mean, half, sign="") -> str:
+    """'mean ± half width', or the mean alone where there is no interval (one seed: nan)."""
+    return f"{mean:{sign}.4g}" + (f" ± {half:.2g}" if math.isfinite(half) else "")
 
 
 def _ci(values) -> str:
     values = [v for v in values if v is not None]
-    if not values:
-        return "—"
-    mean, half = stats.mean_ci(values)
-    if len(values) == 1:
-        return f"{mean:.4g}"
-    return f"{mean:.4g} ± {half:.2g}"
+    return _pm(*stats.mean_ci(values)) if values else "—"
 
 
 def summary_table(grouped: dict, teacher: dict) -> str:
-    names = ["mean KL", "mean output error", "mean kernel L2", "WikiText-2 ppl", "held-out ppl"]
-    lines = [
-        "| variant | loss | budget | seeds | " + " | ".join(names) + " | train s |",
-        "|---" * (len(names) + 5) + "|",
-    ]
-    lines.append(
-        "| teacher | — | — | — | — | — | — | "
-        f"{teacher['wikitext2_ppl']:.2f} | {teacher['heldout_ppl']:.2f} | — |"
-    )
+    labels = [label for label, _, _ in METRICS]
+    teacher_cells = ["—" if view else f"{teacher[key]:.2f}" for _, key, view in METRICS]
+    rows = [["teacher", "—", "—", "—", *teacher_cells, "—"]]
     for (variant, loss, budget), by_seed in grouped.items():
         runs = list(by_seed.values())
-        cells = [_ci([metric(s, m) for s in runs]) for m in ERROR_METRICS]
-        cells += [_ci([s[m] for s in runs]) for m, _ in PPL_METRICS]
+        cells = [_ci([metric(s, key, view) for s in runs]) for _, key, view in METRICS]
         train = np.mean([s["train_seconds"] for s in runs])
-        lines.append(
-            f"| {variant} | {loss} | {budget} | {len(runs)} | "
-            + " | ".join(cells)
-            + f" | {train:.0f} |"
-        )
-    return "\n".join(lines)
+        rows.append([variant, loss, budget, len(runs), *cells, f"{train:.0f}"])
+    header = ["variant", "loss", "budget", "seeds", *labels, "train s"]
+    return "\n".join(md_table(header, rows))
+
+
+def against_fix(fix: dict, other: dict) -> list:
+    """Other against Fix over the seeds both have: (label, Fix's (mean, half width), other's,
+    other − Fix paired seed by seed, relative change of the mean) for every metric both have.
+
+    The view is taken per seed, then averaged: the worst-layer KL is the mean over seeds of each
+    seed's largest layer KL, not the largest layer of the seed-averaged errors.
+    """
+    seeds = sorted(set(fix) & set(other))
+    rows = []
+    for label, key, view in METRICS:
+        f, o = ([metric(runs[s], key, view) for s in seeds] for runs in (fix, other))
+        if None not in f + o:
+            ci_f, ci_o = stats.mean_ci(f), stats.mean_ci(o)
+            rows.append((label, ci_f, ci_o, stats.paired_diff(o, f), ci_o[0] / ci_f[0] - 1))
+    return rows
 
 
 def comparisons(grouped: dict, teacher: dict) -> list:
-    """DoF − Fix and oracle − Fix per seed, per loss and budget, for every metric; and the share of
-    Fix's perplexity degradation removed, where Fix is worse than the teacher beyond its
-    interval."""
+    """Per loss and budget, DoF (and the oracle) against Fix in every metric, and the share of
+    Fix's perplexity degradation removed where Fix is worse than the teacher beyond noise."""
     lines = []
     for (variant, loss, budget), by_seed in grouped.items():
         fix = grouped.get(("fix", loss, budget))
@@ -74,100 +95,64 @@ def comparisons(grouped: dict, teacher: dict) -> list:
             continue
         seeds = sorted(set(by_seed) & set(fix))
         lines.append(f"\n**{variant} − fix, {loss} loss, budget {budget} ({len(seeds)} seeds)**\n")
-        lines += [
-            "| metric | fix | " + variant + " | difference (95% CI) | relative |",
-            "|---|---|---|---|---|",
+        rows = [
+            (label, _pm(*f), _pm(*o), _pm(*d, "+"), f"{100 * rel:+.1f}%")
+            for label, f, o, d, rel in against_fix(fix, by_seed)
         ]
-        for name in (*ERROR_METRICS, *(m for m, _ in PPL_METRICS)):
-            f = [metric(fix[s], name) for s in seeds]
-            d = [metric(by_seed[s], name) for s in seeds]
-            if None in f or None in d:
-                continue
-            lines.append(
-                f"| {name} | {_ci(f)} | {_ci(d)} | {_paired(d, f)} | "
-                f"{100 * (np.mean(d) / np.mean(f) - 1):+.1f}% |"
-            )
-        for name, label in PPL_METRICS:
-            f = [fix[s][name] for s in seeds]
-            d = [by_seed[s][name] for s in seeds]
-            share = stats.share_removed(teacher[name], f, d)
-            lines.append(f"- {label}: {_share_text(share)}")
+        header = ["metric", "fix", variant, f"{variant} − fix, paired (95% CI)", "relative"]
+        lines += md_table(header, rows)
+        for label, key, view in METRICS:
+            if view is None:
+                f, o = ([runs[s][key] for s in seeds] for runs in (fix, by_seed))
+                lines.append(f"- {label}: {_share_text(stats.share_removed(teacher[key], f, o))}")
     return lines
-
-
-def _paired(a, b) -> str:
-    if len(a) < 2:
-        return f"{a[0] - b[0]:+.4g} (one seed: no interval)"
-    mean, half = stats.paired_diff(a, b)
-    return f"{mean:+.4g} ± {half:.2g}"
 
 
 def _share_text(share) -> str:
     interval, reason = share
     if interval is None:
         return f"share of Fix's degradation removed: not defined ({reason})"
-    mean, half = interval
-    return f"share of Fix's degradation removed {100 * mean:.1f}% ± {100 * half:.1f}%"
+    return f"share of Fix's degradation removed {100 * interval[0]:.1f}% ± {100 * interval[1]:.1f}%"
 
 
 def layer_tables(grouped: dict, out) -> tuple:
-    """Per-layer error tables (mean over seeds, before and after training), a chart per metric."""
+    """Per-layer error tables (mean over seeds, after and before training), a chart per error."""
     lines, charts = [], []
-    for name in ERROR_METRICS:
+    for name in ERRORS:
         series, rows = {}, []
         for (variant, loss, budget), by_seed in grouped.items():
             runs = list(by_seed.values())
             if None in runs[0]["layer_error"][name]:
                 continue
             label = f"{variant}/{loss}/b{budget}"
-            after = np.mean([s["layer_error"][name] for s in runs], axis=0)
-            series[label] = after.tolist()
-            rows.append((label, after))
+            series[label] = np.mean([s["layer_error"][name] for s in runs], axis=0).tolist()
+            rows.append((label, series[label]))
             if "layer_error_before" in runs[0]:
                 before = np.mean([s["layer_error_before"][name] for s in runs], axis=0)
                 rows.append((f"{label} before training", before))
         if not rows:
             continue
-        n_layer = len(rows[0][1])
-        lines += [
-            f"\n**{name}**\n",
-            "| student | " + " | ".join(f"L{i}" for i in range(n_layer)) + " | mean |",
-            "|---" * (n_layer + 2) + "|",
-        ]
-        for label, values in rows:
-            cells = " | ".join(f"{x:.4g}" for x in values)
-            lines.append(f"| {label} | {cells} | {np.mean(values):.4g} |")
-        file = f"error_{name}.svg"
+        layers = [f"L{i}" for i in range(len(rows[0][1]))]
+        rows = [[label, *(f"{x:.4g}" for x in v), f"{np.mean(v):.4g}"] for label, v in rows]
+        lines += [f"\n**{name}**\n", *md_table(["student", *layers, "mean"], rows)]
         svg = plots.line_chart(series, f"per-layer {name} by student", name, name != "output_rel")
-        write_text(out / file, svg)
-        charts.append(f"![{name}]({file})")
+        write_text(out / f"error_{name}.svg", svg)
+        charts.append(f"![{name}](error_{name}.svg)")
     return lines, charts
 
 
 def budget_chart(grouped: dict, out, name: str = "kl") -> str:
     """Mean-layer error against budget, one line per variant and loss, with 95% CI bars."""
-    lines = {}
+    points = {}
     for (variant, loss, budget), by_seed in grouped.items():
-        values = [metric(s, name) for s in by_seed.values()]
-        if None in values or variant == "performer":
-            continue
-        mean, half = stats.mean_ci(values)
-        lines.setdefault(f"{variant}/{loss}", []).append((budget, mean, half))
-    lines = {k: v for k, v in lines.items() if len(v) > 1}
-    if not lines:
+        values = [metric(s, name, np.mean) for s in by_seed.values()]
+        if None not in values and variant != "performer":
+            points.setdefault(f"{variant}/{loss}", []).append((budget, *stats.mean_ci(values)))
+    series = {k: tuple(map(list, zip(*sorted(v)))) for k, v in points.items() if len(v) > 1}
+    if not series:
         return ""
-    series = {}
-    for label, points in lines.items():
-        points.sort()
-        series[label] = tuple(list(column) for column in zip(*points))
-    svg = plots.xy_chart(
-        series,
-        f"mean-layer {name} against budget",
-        "features per layer (budget)",
-        name,
-        log_x=True,
-        log_y=True,
-    )
+    title, xlabel = f"mean-layer {name} against budget", "features per layer (budget)"
+    svg = plots.xy_chart(series, title, xlabel, name, log_x=True, log_y=True)
     write_text(out / f"budget_{name}.svg", svg)
     return f"![{name} against budget](budget_{name}.svg)"
 
@@ -180,23 +165,26 @@ def curves_section(results: dict, out) -> list:
     ms, mean = curves["dims"], curves["mean_kl"]  # mean[layer][k]
     layer_dof = [max(h) for h in results["dof"]["per_head"]]
     series = {
-        f"layer {i} (DoF {d:.0f})": (ms, errs, None)
-        for i, (d, errs) in enumerate(zip(layer_dof, mean))
+        f"layer {i} (DoF {d:.0f})": (ms, e, None) for i, (d, e) in enumerate(zip(layer_dof, mean))
     }
-    svg = plots.xy_chart(
-        series,
-        "held-out KL per layer against its features",
-        "features M",
-        "KL",
-        log_x=True,
-        log_y=True,
-    )
-    write_text(out / "curves_kl.svg", svg)
+    title = "held-out KL per layer against its features"
+    write_text(out / "curves_kl.svg", plots.xy_chart(series, title, "features M", "KL", True, True))
     target = float(np.median([errs[len(ms) // 2] for errs in mean]))
     needed = [stats.features_needed(ms, errs, target) for errs in mean]
     # a layer that never reaches the target within the measured Ms ranks above every one that does
-    rho = stats.spearman(layer_dof, [min(n, ms[-1] + 1) for n in needed])
-    lines = [
+    ranked = [min(n, ms[-1] + 1) for n in needed]
+    rho = stats.spearman(layer_dof, ranked)
+    p = stats.permutation_p(layer_dof, ranked, seed=PERMUTATION_SEED, n=PERMUTATIONS)
+    rows = [
+        [i, f"{d:.1f}", *(f"{x:.4g}" for x in errs), f"{n:.1f}"]
+        for i, (d, errs, n) in enumerate(zip(layer_dof, mean, needed))
+    ]
+    oracle = [
+        [b, " ".join(map(str, results["dof"]["dims"][b]["dof"])), " ".join(map(str, dims))]
+        for b, dims in curves["oracle"].items()
+    ]
+    header = ["layer", "layer DoF", *(f"M={m}" for m in ms), f"M to reach KL {target:.3g}"]
+    return [
         "",
         "## Per-layer error against features, and the oracle allocation",
         "",
@@ -206,29 +194,18 @@ def curves_section(results: dict, out) -> list:
         "",
         "![curves](curves_kl.svg)",
         "",
-        "| layer | layer DoF | "
-        + " | ".join(f"M={m}" for m in ms)
-        + f" | M to reach KL {target:.3g} |",
-        "|---" * (len(ms) + 3) + "|",
-    ]
-    for i, (d, errs, n) in enumerate(zip(layer_dof, mean, needed)):
-        cells = " | ".join(f"{x:.4g}" for x in errs)
-        lines.append(f"| {i} | {d:.1f} | {cells} | {n:.1f} |")
-    lines += [
+        *md_table(header, rows),
         "",
         f"Spearman rank correlation between layer DoF and the M a layer needs to reach "
-        f"KL {target:.3g}: {rho:+.2f} (a layer still above it at M = {ms[-1]} ranks last).",
+        f"KL {target:.3g}: {rho:+.2f} (a layer still above it at M = {ms[-1]} ranks last); "
+        f"two-sided permutation p = {p:.3g} (every order of the layers when there are at most "
+        f"{PERMUTATIONS}, else {PERMUTATIONS} drawn with seed {PERMUTATION_SEED}).",
         "",
         "The oracle allocation minimises the summed KL of these curves at each budget, "
         "each taken as the power of M through its measured points:",
         "",
-        "| budget | DoF dims | oracle dims |",
-        "|---|---|---|",
+        *md_table(["budget", "DoF dims", "oracle dims"], oracle),
     ]
-    for budget, dims in curves["oracle"].items():
-        dof_dims = results["dof"]["dims"][budget]["dof"]
-        lines.append(f"| {budget} | {' '.join(map(str, dof_dims))} | {' '.join(map(str, dims))} |")
-    return lines
 
 
 def loss_chart(grouped: dict, out) -> str:
@@ -237,25 +214,19 @@ def loss_chart(grouped: dict, out) -> str:
     for (variant, loss, budget), by_seed in grouped.items():
         curve = by_seed[min(by_seed)].get("loss_curve") or []
         if len(curve) > 1:
-            steps, values = zip(*curve)
-            series[f"{variant}/{loss}/b{budget}"] = (list(steps), list(values), None)
+            series[f"{variant}/{loss}/b{budget}"] = (*map(list, zip(*curve)), None)
     if not series:
         return ""
-    svg = plots.xy_chart(
-        series, "training loss (mean over layers), first seed", "step", "loss", log_y=True
-    )
-    write_text(out / "training_loss.svg", svg)
+    title = "training loss (mean over layers), first seed"
+    write_text(out / "training_loss.svg", plots.xy_chart(series, title, "step", "loss", log_y=True))
     return "![training loss](training_loss.svg)"
 
 
 def flattening_table(grouped: dict) -> list:
     """Whether training had flattened: each group's logged loss (mean over layers and seeds) at the
-    first log, half way and the end, and the share of the decrease between the first log and the
-    end that came in the second half (near 0%: flat)."""
-    lines = [
-        "| student | first log | half way | end | share of the decrease in the second half |",
-        "|---|---|---|---|---|",
-    ]
+    first log, half way and the end, and the share of the decrease from the first log to the end
+    that came in the second half (near 0%: flat)."""
+    rows = []
     for (variant, loss, budget), by_seed in grouped.items():
         curves = [s.get("loss_curve") or [] for s in by_seed.values()]
         if any(len(c) < 3 for c in curves):
@@ -263,8 +234,13 @@ def flattening_table(grouped: dict) -> list:
         points = [(c[0], c[len(c) // 2 - 1], c[-1]) for c in curves]  # [seed][3] of (step, loss)
         first, half, end = np.mean([[value for _, value in p] for p in points], axis=0)
         steps = "/".join(str(step) for step, _ in points[0])
-        lines.append(
-            f"| {variant}/{loss}/b{budget} (steps {steps}) | {first:.4f} | {half:.4f} | "
-            f"{end:.4f} | {100 * (half - end) / (first - end):.1f}% |"
+        share = f"{100 * (half - end) / (first - end):.1f}%"
+        rows.append(
+            [
+                f"{variant}/{loss}/b{budget} (steps {steps})",
+                *(f"{v:.4f}" for v in (first, half, end)),
+                share,
+            ]
         )
-    return lines if len(lines) > 2 else []
+    header = ["student", "first log", "half way", "end", "share of the decrease in the second half"]
+    return md_table(header, rows) if rows else []

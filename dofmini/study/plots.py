@@ -1,5 +1,5 @@
-"""Hand-written SVG charts (no plotting dependency): per-layer allocation with per-head DoF,
-lines by layer, and lines over a numeric x with error bars."""
+"""Hand-written SVG charts, standard library only: per-layer allocation with per-head DoF, lines by
+layer, and lines over a numeric x with error bars."""
 
 import math
 from xml.sax.saxutils import escape
@@ -8,13 +8,8 @@ W, H, LEFT, RIGHT, TOP, BOTTOM = 640, 360, 64, 64, 40, 48  # canvas and margins,
 COLORS = ("#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb")
 # Marker outlines relative to the point (circle, square, triangle, diamond, inverted triangle):
 # hollow and of a different shape per series, so points of coinciding lines all stay visible.
-SHAPES = (
-    "m-4,0a4,4 0 1 0 8,0a4,4 0 1 0 -8,0z",
-    "m-3.5,-3.5h7v7h-7z",
-    "m0,-5l4.5,8h-9z",
-    "m0,-5l5,5l-5,5l-5,-5z",
-    "m0,5l4.5,-8h-9z",
-)
+SHAPES = ("m-4,0a4,4 0 1 0 8,0a4,4 0 1 0 -8,0z", "m-3.5,-3.5h7v7h-7z", "m0,-5l4.5,8h-9z")
+SHAPES += ("m0,-5l5,5l-5,5l-5,-5z", "m0,5l4.5,-8h-9z")
 
 
 def _ticks(lo, hi, log):

@@ -1,11 +1,11 @@
 """Every table and chart of a run: the allocation, the λ/J sweep, and report.md with its SVG charts
-(the statistics across seeds come from compare).
-"""
+(the statistics across seeds come from compare)."""
 
 import numpy as np
 
 from ..files import write_text
 from . import compare, plots
+from .compare import md_table
 
 
 def allocation_table(result: dict) -> str:
@@ -13,15 +13,14 @@ def allocation_table(result: dict) -> str:
     the same order whether the result was just computed or reloaded from sorted JSON."""
     budgets = sorted(result["dims"], key=int)
     columns = [(b, v) for b in budgets for v in sorted(result["dims"][b])]
-    head = " | ".join(f"{v} b{b}" for b, v in columns)
-    lines = [f"| layer | DoF per head | layer DoF | {head} |", "|---" * (3 + len(columns)) + "|"]
-    for layer, heads in enumerate(result["per_head"]):
-        cells = " | ".join(str(result["dims"][b][v][layer]) for b, v in columns)
-        per_head = " ".join(f"{x:.1f}" for x in heads)
-        lines.append(f"| {layer} | {per_head} | {max(heads):.1f} | {cells} |")
-    sums = " | ".join(str(sum(result["dims"][b][v])) for b, v in columns)
-    lines.append(f"| sum | | | {sums} |")
-    return "\n".join(lines)
+    rows = [
+        [layer, " ".join(f"{x:.1f}" for x in heads), f"{max(heads):.1f}"]
+        + [result["dims"][b][v][layer] for b, v in columns]
+        for layer, heads in enumerate(result["per_head"])
+    ]
+    rows.append(["sum", "", "", *(sum(result["dims"][b][v]) for b, v in columns)])
+    header = ["layer", "DoF per head", "layer DoF", *(f"{v} b{b}" for b, v in columns)]
+    return "\n".join(md_table(header, rows))
 
 
 def write_allocation(out, result: dict, log):
@@ -40,40 +39,32 @@ def write_allocation(out, result: dict, log):
 
 
 def write_sweep(out, rows: list, log):
-    lines = ["| Σ̂ | λ | J | layer DoF | dof dims |", "|---|---|---|---|---|"]
-    for r in rows:
-        layer = " ".join(f"{x:.0f}" for x in r["layer_dof"])
-        dims = " ".join(map(str, r["dims"]))
-        gram = "G/J" if r["normalize"] else "G"
-        lines.append(f"| {gram} | 2^{np.log2(r['lam']):.0f} | {r['J']} | {layer} | {dims} |")
-    write_text(out / "sweep.md", "\n".join(lines) + "\n")
-    log("\n".join(lines))
+    """sweep.md: the layer DoF and DoF dims at every λ, J and Gram normalisation swept."""
+    table = md_table(
+        ["Σ̂", "λ", "J", "layer DoF", "dof dims"],
+        [
+            ["G/J" if r["normalize"] else "G", f"2^{np.log2(r['lam']):.0f}", r["J"]]
+            + [" ".join(f"{x:.0f}" for x in r["layer_dof"]), " ".join(map(str, r["dims"]))]
+            for r in rows
+        ],
+    )
+    write_text(out / "sweep.md", "\n".join(table) + "\n")
+    log("\n".join(table))
 
 
 def tasks_table(students: dict, teacher: dict) -> str:
-    rows = {"teacher": teacher["tasks"], **{k: s["tasks"] for k, s in students.items()}}
     tasks = list(teacher["tasks"])
     if not tasks:
         return (
             "Tasks skipped (--limit 0): these teachers sit at chance on them, so perplexity and "
             "the per-layer errors are what separate the variants."
         )
-    counts = [teacher["tasks"][t]["n"] for t in tasks]
-    lines = [
-        "| model | " + " | ".join(f"{t} (n={n})" for t, n in zip(tasks, counts)) + " | average |",
-        "|---" * (len(tasks) + 2) + "|",
-    ]
-    for name, result in rows.items():
-        values = [result[t].get("acc_norm", result[t]["acc"]) for t in tasks]
-        cells = " | ".join(f"{v:.4f}" for v in values)
-        lines.append(f"| {name} | {cells} | {np.mean(values):.4f} |")
-    return "acc_norm where a task has it, else acc:\n\n" + "\n".join(lines)
-
-
-def _train_time(student: dict) -> str:
-    if "same_training_as" in student:  # its tensors were copied, not trained again
-        return f"— (same training as {student['same_training_as']})"
-    return f"{student['train_seconds']:.1f}"
+    rows = []
+    for name, result in {"teacher": teacher, **students}.items():
+        values = [result["tasks"][t].get("acc_norm", result["tasks"][t]["acc"]) for t in tasks]
+        rows.append([name, *(f"{v:.4f}" for v in values), f"{np.mean(values):.4f}"])
+    header = ["model", *(f"{t} (n={teacher['tasks'][t]['n']})" for t in tasks), "average"]
+    return "acc_norm where a task has it, else acc:\n\n" + "\n".join(md_table(header, rows))
 
 
 def write(out, results: dict) -> str:
@@ -82,26 +73,23 @@ def write(out, results: dict) -> str:
     cfg, grouped = results["config"], compare.groups(students)
     summary = compare.summary_table(grouped, teacher)
     errors, charts = compare.layer_tables(grouped, out)
-    charts += [
-        c for c in (compare.budget_chart(grouped, out), compare.loss_chart(grouped, out)) if c
-    ]
-    times = [
-        "| student | train s | evaluation s |",
-        "|---|---|---|",
-        f"| teacher | — | {teacher['eval_seconds']:.1f} |",
-    ]
-    times += [f"| {k} | {_train_time(s)} | {s['eval_seconds']:.1f} |" for k, s in students.items()]
+    charts += filter(None, (compare.budget_chart(grouped, out), compare.loss_chart(grouped, out)))
+    times = [["teacher", "—", f"{teacher['eval_seconds']:.1f}"]]
+    for name, s in students.items():  # a copied student's tensors were not trained again
+        copied = "same_training_as" in s
+        train = f"— (same training as {s.get('same_training_as')})" if copied else None
+        times.append([name, train or f"{s['train_seconds']:.1f}", f"{s['eval_seconds']:.1f}"])
     gram = "G/J" if dof_result["normalize"] else "raw G"
     text = "\n".join(
         [
             f"# dofmini report: {teacher['name']} ({cfg['profile']} profile)",
             "",
-            f"ctx {cfg['ctx']}, seeds {cfg['seeds']}, budgets {cfg['budgets']}, "
-            f"{cfg['steps']} steps "
-            f"of {cfg['batch']} windows, DoF λ={dof_result['lam']:g}, J={dof_result['J']}, {gram}; "
-            f"the stages took {results['timings']['stages_seconds']:.0f} s in all.",
+            f"ctx {cfg['ctx']}, seeds {cfg['seeds']}, budgets {cfg['budgets']}, {cfg['steps']} "
+            f"steps of {cfg['batch']} windows, DoF λ={dof_result['lam']:g}, J={dof_result['J']}, "
+            f"{gram}; the stages took {results['timings']['stages_seconds']:.0f} s in all.",
             "",
-            "Means over seeds with 95% Student-t intervals (± half width).",
+            "Means over seeds with 95% Student-t intervals (± half width). An error is taken per "
+            "layer; each seed's mean over layers and its worst layer are the two views of it.",
             "",
             "## Feature dimensions per layer",
             "",
@@ -119,8 +107,7 @@ def write(out, results: dict) -> str:
             "## Per-layer approximation error (teacher inputs, held-out text, mean over heads)",
             "",
             "kernel_l2 compares unnormalised kernel values. The softmax and direct losses leave "
-            "each "
-            "row's scale free,",
+            "each row's scale free,",
             "so for students trained with them kl and output_rel are the errors that count.",
             *errors,
             "",
@@ -137,7 +124,7 @@ def write(out, results: dict) -> str:
             "",
             "## Times",
             "",
-            "\n".join(times),
+            *md_table(["student", "train s", "evaluation s"], times),
             "",
         ]
     )
