@@ -20,7 +20,7 @@ def allocation_table(result: dict) -> str:
     ]
     rows.append(["sum", "", "", *(sum(result["dims"][b][v]) for b, v in columns)])
     header = ["layer", "DoF per head", "layer DoF", *(f"{v} b{b}" for b, v in columns)]
-    return "\n".join(md_table(header, rows))
+    return md_table(header, rows)
 
 
 def write_allocation(out, result: dict, log):
@@ -48,8 +48,8 @@ def write_sweep(out, rows: list, log):
             for r in rows
         ],
     )
-    write_text(out / "sweep.md", "\n".join(table) + "\n")
-    log("\n".join(table))
+    write_text(out / "sweep.md", table + "\n")
+    log(table)
 
 
 def tasks_table(students: dict, teacher: dict) -> str:
@@ -64,69 +64,63 @@ def tasks_table(students: dict, teacher: dict) -> str:
         values = [result["tasks"][t].get("acc_norm", result["tasks"][t]["acc"]) for t in tasks]
         rows.append([name, *(f"{v:.4f}" for v in values), f"{np.mean(values):.4f}"])
     header = ["model", *(f"{t} (n={teacher['tasks'][t]['n']})" for t in tasks), "average"]
-    return "acc_norm where a task has it, else acc:\n\n" + "\n".join(md_table(header, rows))
+    return "acc_norm where a task has it, else acc:\n\n" + md_table(header, rows)
 
 
 def write(out, results: dict) -> str:
     """report.md and its charts; returns the summary table for the terminal."""
-    teacher, students, dof_result = results["teacher"], results["students"], results["dof"]
-    cfg, grouped = results["config"], compare.groups(students)
-    summary = compare.summary_table(grouped, teacher)
+    teacher, students, dof, cfg = (results[k] for k in ("teacher", "students", "dof", "config"))
+    grouped = compare.groups(students)
+    summary, budget_chart = compare.students(grouped, teacher, out)
     errors, charts = compare.layer_tables(grouped, out)
-    charts += filter(None, (compare.budget_chart(grouped, out), compare.loss_chart(grouped, out)))
+    loss_chart, flattening = compare.training(grouped, out)
     times = [["teacher", "—", f"{teacher['eval_seconds']:.1f}"]]
     for name, s in students.items():  # a copied student's tensors were not trained again
-        copied = "same_training_as" in s
-        train = f"— (same training as {s.get('same_training_as')})" if copied else None
-        times.append([name, train or f"{s['train_seconds']:.1f}", f"{s['eval_seconds']:.1f}"])
-    gram = "G/J" if dof_result["normalize"] else "raw G"
-    text = "\n".join(
-        [
-            f"# dofmini report: {teacher['name']} ({cfg['profile']} profile)",
-            "",
-            f"ctx {cfg['ctx']}, seeds {cfg['seeds']}, budgets {cfg['budgets']}, {cfg['steps']} "
-            f"steps of {cfg['batch']} windows, DoF λ={dof_result['lam']:g}, J={dof_result['J']}, "
-            f"{gram}; the stages took {results['timings']['stages_seconds']:.0f} s in all.",
-            "",
-            "Means over seeds with 95% Student-t intervals (± half width). An error is taken per "
-            "layer; each seed's mean over layers and its worst layer are the two views of it.",
-            "",
-            "## Feature dimensions per layer",
-            "",
-            allocation_table(dof_result),
-            "",
-            "![allocation](allocation.svg)",
-            "",
-            "## Students",
-            "",
-            summary,
-            "",
-            "## DoF and the oracle against Fix, seed by seed",
-            *compare.comparisons(grouped, teacher),
-            "",
-            "## Per-layer approximation error (teacher inputs, held-out text, mean over heads)",
-            "",
-            "kernel_l2 compares unnormalised kernel values. The softmax and direct losses leave "
-            "each row's scale free,",
-            "so for students trained with them kl and output_rel are the errors that count.",
-            *errors,
-            "",
-            " ".join(charts),
-            "",
-            "## Did training flatten?",
-            "",
-            *compare.flattening_table(grouped),
-            *compare.curves_section(results, out),
-            "",
-            "## Zero-shot tasks",
-            "",
-            tasks_table(students, teacher),
-            "",
-            "## Times",
-            "",
-            *md_table(["student", "train s", "evaluation s"], times),
-            "",
-        ]
-    )
+        copied = f"— (same training as {s.get('same_training_as')})"
+        train = copied if "same_training_as" in s else f"{s['train_seconds']:.1f}"
+        times.append([name, train, f"{s['eval_seconds']:.1f}"])
+    text = f"""# dofmini report: {teacher["name"]} ({cfg["profile"]} profile)
+
+ctx {cfg["ctx"]}, seeds {cfg["seeds"]}, budgets {cfg["budgets"]}, {cfg["steps"]} steps of
+{cfg["batch"]} windows, DoF λ={dof["lam"]:g}, J={dof["J"]}, {("raw G", "G/J")[dof["normalize"]]};
+the stages took {results["timings"]["stages_seconds"]:.0f} s in all.
+
+Means over seeds with 95% Student-t intervals (± half width). An error is measured per layer; each
+seed's mean over layers and its worst layer are its two views.
+
+## Feature dimensions per layer
+
+{allocation_table(dof)}
+
+![allocation](allocation.svg)
+
+## Students
+
+{summary}
+
+## DoF and the oracle against Fix, seed by seed
+{compare.comparisons(grouped, teacher)}
+
+## Per-layer approximation error (teacher inputs, held-out text, mean over heads)
+
+kernel_l2 compares unnormalised kernel values. The softmax and direct losses leave each row's
+scale free, so for students trained with them kl and output_rel are the errors that count.
+{errors}
+
+{" ".join(c for c in (*charts, budget_chart, loss_chart) if c)}
+
+## Did training flatten?
+
+{flattening}
+{compare.curves_section(results, out)}
+
+## Zero-shot tasks
+
+{tasks_table(students, teacher)}
+
+## Times
+
+{md_table(["student", "train s", "evaluation s"], times)}
+"""
     write_text(out / "report.md", text)
     return summary

@@ -10,15 +10,12 @@ from bisect import bisect_left, bisect_right
 
 
 def t_critical(level, df):
-    """The t with P(|T| <= t) = level for Student's t with integer df >= 1 (3.18245 for 0.95, 3).
-
-    P(|T| <= t) is an exact finite sum in θ = atan(t/√df) (Abramowitz & Stegun 26.7.3 for odd df,
-    26.7.4 for even) that rises with t, so bisection inverts it to double precision.
-    """
-    if not 0 < level < 1:
-        raise ValueError(f"t_critical: level must lie in (0, 1), got {level}")
-    if int(df) != df or df < 1:
-        raise ValueError(f"t_critical: df must be an integer >= 1, got {df}")
+    """The t with P(|T| <= t) = level for integer df >= 1 (3.18245 for 0.95, 3): P(|T| <= t) is
+    an exact finite sum in θ = atan(t/√df) (Abramowitz & Stegun 26.7.3-4), inverted by bisection."""
+    if not 0 < level < 1 or int(df) != df or df < 1:
+        raise ValueError(
+            f"t_critical: need a level in (0, 1) and integer df >= 1, got {level}, {df}"
+        )
 
     def central_mass(t):
         theta = math.atan(t / math.sqrt(df))
@@ -27,9 +24,9 @@ def t_critical(level, df):
         for k in range(1, df // 2):  # cos² powers weighted 2·4/(3·5)… for odd df, 1·3/(2·4)… even
             term *= cos2 * (2 * k + odd - 1) / (2 * k + odd)
             total += term
-        if not odd:
-            return math.sin(theta) * total
-        return 2 / math.pi * (theta + (df > 1) * math.sin(theta) * math.cos(theta) * total)
+        if odd:  # df = 1 has no sum term
+            return 2 / math.pi * (theta + (df > 1) * math.sin(theta) * math.cos(theta) * total)
+        return math.sin(theta) * total
 
     lo, hi = 0.0, 1.0
     while central_mass(hi) < level:
@@ -62,12 +59,9 @@ def paired_diff(a, b, level=0.95):
 
 def share_removed(teacher, fix, dof, level=0.95):
     """((mean, half_width) of (fix_s − dof_s)/(fix_s − teacher) over seeds s, None), or (None,
-    why not). Errors are lower-better (negate a higher-better score); the teacher has no seed.
-
-    A ratio is given only when Fix is worse than the teacher beyond noise: the t-interval of
-    fix_s − teacher lies above 0 and so does every seed's own gap (a seed at or below the teacher
-    would divide by ~0 or flip its ratio's sign). One seed has no interval, so never a ratio.
-    """
+    why not): lower-better errors, the teacher's without seed. Only when Fix is worse than the
+    teacher beyond noise: the t-interval of fix_s − teacher, and every seed's own gap (else a
+    ratio divides by ~0 or flips sign), lie above 0. One seed has no interval, so never a ratio."""
     teacher = _finite("share_removed: teacher", [teacher])[0]
     fix, dof = _finite("share_removed: fix", fix), _finite("share_removed: dof", dof)
     if len(fix) != len(dof):
@@ -104,12 +98,9 @@ def _ranks(values):
 
 
 def permutation_p(x, y, statistic=spearman, seed=0, n=10000):
-    """Two-sided permutation p-value of statistic(x, y): the share of orders of y whose
-    |statistic| reaches the observed one (less 1e-12, so rounding does not split equal values).
-
-    Every order of y when len(y)! <= n (exact: x = y = 1..6 gives 2/720); otherwise the observed
-    order and n orders drawn by random.Random(seed), so p = (1 + hits)/(n + 1), never 0. nan when
-    the statistic is nan.
+    """Two-sided: the share of orders of y whose |statistic(x, y)| reaches the observed one (less
+    1e-12, so rounding does not split equal values); nan where the statistic is. Every order when
+    len(y)! <= n (exact), else the observed and n drawn by random.Random(seed): (1 + hits)/(1 + n)
     """
     if int(n) != n or n < 1:
         raise ValueError(f"permutation_p: n must be an integer >= 1, got {n}")
@@ -131,12 +122,11 @@ def features_needed(ms, errors, target):
     ms[k-1]·(ms[k]/ms[k-1])^f, f the share of the drop that reaches target. ms[0] when the first
     point already reaches it (read "ms[0] or fewer"); math.inf when no measured point does."""
     ms, errors = _finite("features_needed: ms", ms), _finite("features_needed: errors", errors)
-    if len(ms) != len(errors) or not ms:
+    if len(ms) != len(errors) or ms[0] <= 0 or any(b <= a for a, b in zip(ms, ms[1:])):
         raise ValueError(
-            f"features_needed: ms ({len(ms)}) and errors ({len(errors)}) need equal nonzero lengths"
+            f"features_needed: ms must be positive and strictly increasing, ms {ms} and errors "
+            f"{errors} of equal nonzero lengths"
         )
-    if ms[0] <= 0 or any(b <= a for a, b in zip(ms, ms[1:])):
-        raise ValueError(f"features_needed: ms must be positive and strictly increasing, got {ms}")
     target = _finite("features_needed: target", [target])[0]
     reached = next((k for k, e in enumerate(errors) if e <= target), None)
     if reached is None:
