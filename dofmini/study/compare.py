@@ -137,13 +137,8 @@ def layer_tables(grouped: dict, out) -> tuple:
             layers = [f"L{i}" for i in range(len(rows[0]) - 2)]
             parts += [f"\n**{name}**\n", md_table(["student", *layers, "mean"], rows)]
             title = f"per-layer {name} by student"
-            charts.append(
-                _chart(
-                    out,
-                    f"error_{name}",
-                    plots.line_chart(series, title, name, name != "output_rel"),
-                )
-            )
+            svg = plots.line_chart(series, title, name, log_y=name != "output_rel")
+            charts.append(_chart(out, f"error_{name}", svg))
     return "\n".join(parts), charts
 
 
@@ -153,10 +148,8 @@ def training(grouped: dict, out) -> tuple:
     end, and the share of the decrease after the first log that came in the second half."""
     series, rows = {}, []
     for (variant, loss, budget), by_seed in grouped.items():
-        curves, label = (
-            [s.get("loss_curve") or [] for s in by_seed.values()],
-            f"{variant}/{loss}/b{budget}",
-        )
+        label = f"{variant}/{loss}/b{budget}"
+        curves = [s.get("loss_curve") or [] for s in by_seed.values()]
         if len(first := by_seed[min(by_seed)].get("loss_curve") or []) > 1:
             series[label] = (*map(list, zip(*first)), None)
         if all(len(c) >= 3 for c in curves):

@@ -5,20 +5,19 @@ import numpy as np
 
 from ..files import write_text
 from . import compare, plots
-from .compare import md_table
+from .compare import md_table, spaced
 
 
 def allocation_table(result: dict) -> str:
     """Per layer: each head's DoF, the layer's DoF, and every variant's dims at every budget, in
     the same order whether the result was just computed or reloaded from sorted JSON."""
-    budgets = sorted(result["dims"], key=int)
-    columns = [(b, v) for b in budgets for v in sorted(result["dims"][b])]
+    dims = result["dims"]
+    columns = [(b, v) for b in sorted(dims, key=int) for v in sorted(dims[b])]
     rows = [
-        [layer, " ".join(f"{x:.1f}" for x in heads), f"{max(heads):.1f}"]
-        + [result["dims"][b][v][layer] for b, v in columns]
-        for layer, heads in enumerate(result["per_head"])
+        [i, spaced(heads, ".1f"), f"{max(heads):.1f}", *(dims[b][v][i] for b, v in columns)]
+        for i, heads in enumerate(result["per_head"])
     ]
-    rows.append(["sum", "", "", *(sum(result["dims"][b][v]) for b, v in columns)])
+    rows.append(["sum", "", "", *(sum(dims[b][v]) for b, v in columns)])
     header = ["layer", "DoF per head", "layer DoF", *(f"{v} b{b}" for b, v in columns)]
     return md_table(header, rows)
 
@@ -40,14 +39,11 @@ def write_allocation(out, result: dict, log):
 
 def write_sweep(out, rows: list, log):
     """sweep.md: the layer DoF and DoF dims at every λ, J and Gram normalisation swept."""
-    table = md_table(
-        ["Σ̂", "λ", "J", "layer DoF", "dof dims"],
-        [
-            ["G/J" if r["normalize"] else "G", f"2^{np.log2(r['lam']):.0f}", r["J"]]
-            + [" ".join(f"{x:.0f}" for x in r["layer_dof"]), " ".join(map(str, r["dims"]))]
-            for r in rows
-        ],
-    )
+    cells = []
+    for r in rows:
+        gram, lam = ("G", "G/J")[r["normalize"]], f"2^{np.log2(r['lam']):.0f}"
+        cells.append([gram, lam, r["J"], spaced(r["layer_dof"], ".0f"), spaced(r["dims"])])
+    table = md_table(["Σ̂", "λ", "J", "layer DoF", "dof dims"], cells)
     write_text(out / "sweep.md", table + "\n")
     log(table)
 

@@ -98,10 +98,9 @@ def _ranks(values):
 
 
 def permutation_p(x, y, statistic=spearman, seed=0, n=10000):
-    """Two-sided: the share of orders of y whose |statistic(x, y)| reaches the observed one (less
-    1e-12, so rounding does not split equal values); nan where the statistic is. Every order when
-    len(y)! <= n (exact), else the observed and n drawn by random.Random(seed): (1 + hits)/(1 + n)
-    """
+    """Two-sided: the share of orders of y with |statistic| >= the observed one (less 1e-12, lest
+    rounding split equal values); nan where the statistic is. Every order when len(y)! <= n (exact),
+    else the observed and n drawn by random.Random(seed), so p = (1 + hits)/(1 + n) is never 0."""
     if int(n) != n or n < 1:
         raise ValueError(f"permutation_p: n must be an integer >= 1, got {n}")
     observed = abs(statistic(x, y))
