@@ -1,9 +1,8 @@
 """Degrees of freedom (against independent numpy formulas) and the budget allocator (Hypothesis),
-the estimate on the stand-in teachers, and the SVG charts."""
+and the estimate on the stand-in teachers."""
 
 import math
 import re
-import xml.etree.ElementTree as ET
 
 import numpy as np
 import pytest
@@ -20,10 +19,8 @@ from dofmini.dof import (
     saturation_warning,
 )
 from dofmini.study.oracle import oracle_allocate
-from dofmini.study.plots import allocation_chart, line_chart
 
 FAST = settings(max_examples=60, deadline=None)
-SVG = "{http://www.w3.org/2000/svg}"
 
 
 def points(seed, J, d, scale, dups):
@@ -303,20 +300,6 @@ def test_estimate_dof_is_seeded_and_in_range(standin_gpt2):
     assert torch.equal(first, again) and not torch.equal(first, other)
     with pytest.raises(ValueError, match="fewer than J"):
         estimate_dof(standin_gpt2, ids[:40], 2**-4, J=65, seed=0, ctx=32)  # one window: 64
-
-
-def test_charts_are_svg_with_one_mark_per_value():
-    svg = allocation_chart([30, 98], [[10.0, 44.0], [1.0, 160.0]], "M & DoF <stand-in>")
-    root = ET.fromstring(svg)
-    assert root.tag == SVG + "svg"
-    assert len(root.findall(SVG + "circle")) == 4
-    assert len(root.findall(SVG + "rect")) == 2 + 1  # + background
-    lines = line_chart({"Fix": [0.2, 1.5, 0.7], "DoF": [0.1, 0.9, 0.3]}, "error", "KL", log_y=True)
-    assert len(ET.fromstring(lines).findall(SVG + "polyline")) == 2
-    with pytest.raises(ValueError):
-        line_chart({"Fix": [0.0, 1.0]}, "error", "KL", log_y=True)
-    with pytest.raises(ValueError):
-        allocation_chart([1, 2], [[1.0]], "t")
 
 
 def test_samples_are_nested_in_draw_order(standin_gpt2):

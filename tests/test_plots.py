@@ -1,4 +1,4 @@
-"""The hand-written SVG charts: valid XML, one marker per point, error bars, log-axis checks."""
+"""The hand-written SVG charts: valid XML, one mark per value, error bars, log-axis checks."""
 
 import math
 import re
@@ -8,7 +8,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dofmini.study.plots import BOTTOM, LEFT, RIGHT, TOP, H, W, line_chart, xy_chart
+from dofmini.study.plots import (
+    BOTTOM,
+    LEFT,
+    RIGHT,
+    TOP,
+    H,
+    W,
+    allocation_chart,
+    line_chart,
+    xy_chart,
+)
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -105,3 +115,17 @@ def test_every_point_and_bar_lies_inside_the_plot(lines, log_x, log_y):
     for x, *ys in map(anchor, marks(root, "errbar")):
         assert LEFT - 0.1 <= x <= W - RIGHT + 0.1
         assert all(TOP - 0.1 <= y <= H - BOTTOM + 0.1 for y in ys)
+
+
+def test_charts_are_svg_with_one_mark_per_value():
+    svg = allocation_chart([30, 98], [[10.0, 44.0], [1.0, 160.0]], "M & DoF <stand-in>")
+    root = ET.fromstring(svg)
+    assert root.tag == SVG + "svg"
+    assert len(root.findall(SVG + "circle")) == 4
+    assert len(root.findall(SVG + "rect")) == 2 + 1  # + background
+    lines = line_chart({"Fix": [0.2, 1.5, 0.7], "DoF": [0.1, 0.9, 0.3]}, "error", "KL", log_y=True)
+    assert len(ET.fromstring(lines).findall(SVG + "polyline")) == 2
+    with pytest.raises(ValueError):
+        line_chart({"Fix": [0.0, 1.0]}, "error", "KL", log_y=True)
+    with pytest.raises(ValueError):
+        allocation_chart([1, 2], [[1.0]], "t")

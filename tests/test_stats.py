@@ -8,11 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dofmini.study.compare import against_fix
 from dofmini.study.oracle import oracle_allocate
 from dofmini.study.stats import (
     features_needed,
     mean_ci,
     paired_diff,
+    permutation_p,
     share_removed,
     spearman,
     t_critical,
@@ -100,6 +102,44 @@ def test_spearman_with_ties_by_hand():
 def test_spearman_is_one_under_any_increasing_map(x):
     assert spearman(x, [v**3 + 7 for v in x]) == pytest.approx(1.0)
     assert spearman(x, [-v for v in x]) == pytest.approx(-1.0)
+
+
+def test_permutation_p_by_hand():
+    # 6! = 720 <= 10000 orders: exact. Only the identity and the reversal reach |rho| = 1.
+    assert permutation_p(range(1, 7), range(1, 7)) == 2 / 720
+    assert permutation_p([1, 2, 3], [3, 1, 2]) == 1.0  # rho −0.5; all 6 orders have |rho| >= 0.5
+    assert math.isnan(permutation_p([1, 1, 1], [1, 2, 3]))
+    # 8! > 1000: the observed order and 1000 seeded draws, each at |rho| = 1 with chance 2/8!
+    ordered = permutation_p(range(8), range(8), n=1000, seed=3)
+    assert ordered == permutation_p(range(8), range(8), n=1000, seed=3) and ordered <= 3 / 1001
+    assert ordered >= 1 / 1001  # the observed order always counts, so p is never 0
+    with pytest.raises(ValueError, match="permutation_p: n must be an integer >= 1"):
+        permutation_p([1, 2], [1, 2], n=0)
+
+
+def student(kl, output_rel, ppl):
+    """A student result with per-layer errors (no kernel error) and both perplexities."""
+    errors = {"kl": kl, "output_rel": output_rel, "kernel_l2": [None] * len(kl)}
+    return {"layer_error": errors, "wikitext2_ppl": ppl, "heldout_ppl": ppl}
+
+
+def test_against_fix_takes_each_seeds_worst_layer_then_pairs_seeds():
+    # Fix's layer KLs by seed: worst layers 3, 2, 4 (mean 3, s 1); layer means 2, 2, 2.
+    # DoF's: worst 5, 3, 6, paired differences 2, 1, 2 (mean 5/3, s² 1/3, half t·√(1/3)/√3 = t/3)
+    # The worst layer of the seed-averaged KL (Fix: 7/3) is not what is reported.
+    fix = {s: student(kl, [1, 1], 10.0 + s) for s, kl in enumerate([[1, 3], [2, 2], [4, 0]])}
+    dof = {s: student(kl, [2, 1], 11.0 + s) for s, kl in enumerate([[2, 5], [1, 3], [6, 2]])}
+    dof[7] = student([9, 9], [9, 9], 99.0)  # a seed Fix lacks drops out of the pairing
+    rows = {label: rest for label, *rest in against_fix(fix, dof)}
+    assert list(rows) == ["mean KL", "worst-layer KL", "mean output error"] + [
+        "worst-layer output error", "WikiText-2 ppl", "held-out ppl"]  # fmt: skip
+    fix_ci, dof_ci, diff, relative = rows["worst-layer KL"]
+    assert fix_ci == pytest.approx((3, T_975_2 / math.sqrt(3)))
+    assert dof_ci[0] == pytest.approx(14 / 3) and relative == pytest.approx(14 / 9 - 1)
+    assert diff == pytest.approx((5 / 3, T_975_2 / 3))
+    assert rows["mean KL"][0] == (2.0, 0.0) and rows["mean KL"][1][0] == pytest.approx(19 / 6)
+    assert rows["worst-layer output error"][2] == (1.0, 0.0)  # 2 − 1 on every seed
+    assert rows["held-out ppl"][2] == (1.0, 0.0)
 
 
 def test_features_needed_interpolates_in_log_m():

@@ -1,17 +1,35 @@
-"""The study's statistics, variant against variant: students grouped by (variant, loss, budget),
-each metric as the mean over seeds with a 95% Student-t interval, DoF and the oracle against Fix
-seed by seed (a paired design: a seed draws the same data order for every variant), the per-layer
-errors, the error-against-features curves with the oracle allocation they imply, and whether
-training had flattened.
-"""
+"""The report's sections, student against student: students grouped by (variant, loss, budget),
+each metric as the mean over seeds with a 95% t-interval, DoF and the oracle against Fix seed by
+seed (a paired design: a seed draws the same data order for every variant), the per-layer errors,
+the error-against-features curves with the oracle allocation they imply, and whether training had
+flattened. Each returns markdown; its charts are written under `out`."""
+
+import math
 
 import numpy as np
 
 from ..files import write_text
 from . import plots, stats
 
-ERROR_METRICS = ("kl", "output_rel", "kernel_l2")
-PPL_METRICS = (("wikitext2_ppl", "WikiText-2 ppl"), ("heldout_ppl", "held-out ppl"))
+# (label, key, view): view reduces a student's per-layer errors to one number per seed, None reads
+# a perplexity. The worst layer stands beside the mean, as a gain on average can hide a worse layer.
+METRICS = (
+    ("mean KL", "kl", np.mean), ("worst-layer KL", "kl", max),
+    ("mean output error", "output_rel", np.mean), ("worst-layer output error", "output_rel", max),
+    ("mean kernel L2", "kernel_l2", np.mean),
+    ("WikiText-2 ppl", "wikitext2_ppl", None), ("held-out ppl", "heldout_ppl", None),
+)  # fmt: skip
+PERMUTATIONS, PERMUTATION_SEED = 10000, 0  # for the permutation p-value of a rank correlation
+
+
+def md_table(header, rows) -> str:
+    """A markdown table: the header, its rule, then one line per row (cells str()ed)."""
+    lines = ["| " + " | ".join(map(str, cells)) + " |" for cells in [header, *rows]]
+    return "\n".join([lines[0], "|---" * len(header) + "|", *lines[1:]])
+
+
+def spaced(values, spec="") -> str:
+    return " ".join(format(v, spec) for v in values)
 
 
 def groups(students: dict) -> dict:
@@ -22,249 +40,172 @@ def groups(students: dict) -> dict:
     return out
 
 
-def metric(student: dict, name: str):
-    """A student's mean-over-layers error, or its perplexity; None where it has none."""
-    if name in ("wikitext2_ppl", "heldout_ppl"):
-        return student[name]
-    values = student["layer_error"][name]
-    return None if None in values else float(np.mean(values))
+def metric(student: dict, key: str, view):
+    """One seed's value of a METRICS row; None where the student has no such error."""
+    if view is None:
+        return student[key]
+    errors = student["layer_error"][key]
+    return None if None in errors else float(view(errors))
 
 
-def _ci(values) -> str:
-    values = [v for v in values if v is not None]
-    if not values:
-        return "—"
-    mean, half = stats.mean_ci(values)
-    if len(values) == 1:
-        return f"{mean:.4g}"
-    return f"{mean:.4g} ± {half:.2g}"
+def _chart(out, name: str, svg: str) -> str:
+    """Writes out/name.svg and returns its markdown image link."""
+    write_text(out / f"{name}.svg", svg)
+    return f"![{name}]({name}.svg)"
 
 
-def summary_table(grouped: dict, teacher: dict) -> str:
-    names = ["mean KL", "mean output error", "mean kernel L2", "WikiText-2 ppl", "held-out ppl"]
-    lines = [
-        "| variant | loss | budget | seeds | " + " | ".join(names) + " | train s |",
-        "|---" * (len(names) + 5) + "|",
-    ]
-    lines.append(
-        "| teacher | — | — | — | — | — | — | "
-        f"{teacher['wikitext2_ppl']:.2f} | {teacher['heldout_ppl']:.2f} | — |"
-    )
+def _pm(mean, half, sign="") -> str:
+    """'mean ± half width', or the mean alone where there is no interval (one seed: nan)."""
+    return f"{mean:{sign}.4g}" + (f" ± {half:.2g}" if math.isfinite(half) else "")
+
+
+def students(grouped: dict, teacher: dict, out) -> tuple:
+    """The summary table (every metric, mean ± CI over seeds) and the chart of mean KL against
+    budget, one line per variant and loss."""
+    teacher_row = ["—" if view else f"{teacher[key]:.2f}" for _, key, view in METRICS]
+    rows, points = [["teacher", "—", "—", "—", *teacher_row, "—"]], {}
     for (variant, loss, budget), by_seed in grouped.items():
         runs = list(by_seed.values())
-        cells = [_ci([metric(s, m) for s in runs]) for m in ERROR_METRICS]
-        cells += [_ci([s[m] for s in runs]) for m, _ in PPL_METRICS]
+        cis = [[metric(s, key, view) for s in runs] for _, key, view in METRICS]
+        cis = [stats.mean_ci(c) if None not in c else None for c in cis]
         train = np.mean([s["train_seconds"] for s in runs])
-        lines.append(
-            f"| {variant} | {loss} | {budget} | {len(runs)} | "
-            + " | ".join(cells)
-            + f" | {train:.0f} |"
-        )
-    return "\n".join(lines)
+        cells = [_pm(*ci) if ci else "—" for ci in cis]
+        rows.append([variant, loss, budget, len(runs), *cells, f"{train:.0f}"])
+        if cis[0] and variant != "performer":
+            points.setdefault(f"{variant}/{loss}", []).append((budget, *cis[0]))
+    table = md_table(["variant", "loss", "budget", "seeds", *next(zip(*METRICS)), "train s"], rows)
+    series = {k: tuple(map(list, zip(*sorted(v)))) for k, v in points.items() if len(v) > 1}
+    args = "mean-layer kl against budget", "features per layer (budget)", "kl", True, True
+    return table, _chart(out, "budget_kl", plots.xy_chart(series, *args)) if series else ""
 
 
-def comparisons(grouped: dict, teacher: dict) -> list:
-    """DoF − Fix and oracle − Fix per seed, per loss and budget, for every metric; and the share of
-    Fix's perplexity degradation removed, where Fix is worse than the teacher beyond its
-    interval."""
-    lines = []
+def against_fix(fix: dict, other: dict) -> list:
+    """(label, Fix's (mean, half width), other's, other − Fix paired seed by seed, relative change
+    of the mean) over the seeds both have, for every metric both have. A view is taken per seed:
+    the worst-layer KL is the mean over seeds of each seed's largest layer KL."""
+    seeds = sorted(set(fix) & set(other))
+    rows = []
+    for label, key, view in METRICS:
+        f, o = ([metric(runs[s], key, view) for s in seeds] for runs in (fix, other))
+        if None not in f + o:
+            ci_f, ci_o = stats.mean_ci(f), stats.mean_ci(o)
+            rows.append((label, ci_f, ci_o, stats.paired_diff(o, f), ci_o[0] / ci_f[0] - 1))
+    return rows
+
+
+def comparisons(grouped: dict, teacher: dict) -> str:
+    """Per loss and budget, DoF (and the oracle) against Fix in every metric, and the share of
+    Fix's perplexity degradation removed where Fix is worse than the teacher beyond noise."""
+    parts = []
     for (variant, loss, budget), by_seed in grouped.items():
         fix = grouped.get(("fix", loss, budget))
         if variant not in ("dof", "dof_clip", "oracle") or not fix:
             continue
         seeds = sorted(set(by_seed) & set(fix))
-        lines.append(f"\n**{variant} − fix, {loss} loss, budget {budget} ({len(seeds)} seeds)**\n")
-        lines += [
-            "| metric | fix | " + variant + " | difference (95% CI) | relative |",
-            "|---|---|---|---|---|",
+        rows = [
+            (label, _pm(*f), _pm(*o), _pm(*d, "+"), f"{100 * rel:+.1f}%")
+            for label, f, o, d, rel in against_fix(fix, by_seed)
         ]
-        for name in (*ERROR_METRICS, *(m for m, _ in PPL_METRICS)):
-            f = [metric(fix[s], name) for s in seeds]
-            d = [metric(by_seed[s], name) for s in seeds]
-            if None in f or None in d:
-                continue
-            lines.append(
-                f"| {name} | {_ci(f)} | {_ci(d)} | {_paired(d, f)} | "
-                f"{100 * (np.mean(d) / np.mean(f) - 1):+.1f}% |"
-            )
-        for name, label in PPL_METRICS:
-            f = [fix[s][name] for s in seeds]
-            d = [by_seed[s][name] for s in seeds]
-            share = stats.share_removed(teacher[name], f, d)
-            lines.append(f"- {label}: {_share_text(share)}")
-    return lines
-
-
-def _paired(a, b) -> str:
-    if len(a) < 2:
-        return f"{a[0] - b[0]:+.4g} (one seed: no interval)"
-    mean, half = stats.paired_diff(a, b)
-    return f"{mean:+.4g} ± {half:.2g}"
-
-
-def _share_text(share) -> str:
-    interval, reason = share
-    if interval is None:
-        return f"share of Fix's degradation removed: not defined ({reason})"
-    mean, half = interval
-    return f"share of Fix's degradation removed {100 * mean:.1f}% ± {100 * half:.1f}%"
+        header = ["metric", "fix", variant, f"{variant} − fix, paired (95% CI)", "relative"]
+        parts.append(f"\n**{variant} − fix, {loss} loss, budget {budget} ({len(seeds)} seeds)**\n")
+        parts.append(md_table(header, rows))
+        for label, key, view in METRICS:
+            if view is None:
+                f, o = ([runs[s][key] for s in seeds] for runs in (fix, by_seed))
+                share, reason = stats.share_removed(teacher[key], f, o)
+                share = share and f"{100 * share[0]:.1f}% ± {100 * share[1]:.1f}%"
+                share = share or f"not defined ({reason})"
+                parts.append(f"- {label}: share of Fix's degradation removed: {share}")
+    return "\n".join(parts)
 
 
 def layer_tables(grouped: dict, out) -> tuple:
-    """Per-layer error tables (mean over seeds, before and after training), a chart per metric."""
-    lines, charts = [], []
-    for name in ERROR_METRICS:
+    """Per-layer error tables (mean over seeds, after and before training), and a chart of each."""
+    parts, charts = [], []
+    for name in ("kl", "output_rel", "kernel_l2"):
         series, rows = {}, []
         for (variant, loss, budget), by_seed in grouped.items():
-            runs = list(by_seed.values())
-            if None in runs[0]["layer_error"][name]:
-                continue
-            label = f"{variant}/{loss}/b{budget}"
-            after = np.mean([s["layer_error"][name] for s in runs], axis=0)
-            series[label] = after.tolist()
-            rows.append((label, after))
-            if "layer_error_before" in runs[0]:
+            runs, label = list(by_seed.values()), f"{variant}/{loss}/b{budget}"
+            if None not in runs[0]["layer_error"][name]:
+                series[label] = np.mean([s["layer_error"][name] for s in runs], axis=0).tolist()
+                rows.append([label, *series[label]])
+            if label in series and "layer_error_before" in runs[0]:
                 before = np.mean([s["layer_error_before"][name] for s in runs], axis=0)
-                rows.append((f"{label} before training", before))
-        if not rows:
-            continue
-        n_layer = len(rows[0][1])
-        lines += [
-            f"\n**{name}**\n",
-            "| student | " + " | ".join(f"L{i}" for i in range(n_layer)) + " | mean |",
-            "|---" * (n_layer + 2) + "|",
-        ]
-        for label, values in rows:
-            cells = " | ".join(f"{x:.4g}" for x in values)
-            lines.append(f"| {label} | {cells} | {np.mean(values):.4g} |")
-        file = f"error_{name}.svg"
-        svg = plots.line_chart(series, f"per-layer {name} by student", name, name != "output_rel")
-        write_text(out / file, svg)
-        charts.append(f"![{name}]({file})")
-    return lines, charts
+                rows.append([f"{label} before training", *before])
+        if rows:
+            rows = [[label, *(f"{x:.4g}" for x in v), f"{np.mean(v):.4g}"] for label, *v in rows]
+            layers = [f"L{i}" for i in range(len(rows[0]) - 2)]
+            parts += [f"\n**{name}**\n", md_table(["student", *layers, "mean"], rows)]
+            title = f"per-layer {name} by student"
+            svg = plots.line_chart(series, title, name, log_y=name != "output_rel")
+            charts.append(_chart(out, f"error_{name}", svg))
+    return "\n".join(parts), charts
 
 
-def budget_chart(grouped: dict, out, name: str = "kl") -> str:
-    """Mean-layer error against budget, one line per variant and loss, with 95% CI bars."""
-    lines = {}
+def training(grouped: dict, out) -> tuple:
+    """The loss curve (mean over layers) of each group's first seed, charted, and whether training
+    had flattened: the logged loss (mean over layers and seeds) at the first log, half way and the
+    end, and the share of the decrease after the first log that came in the second half."""
+    series, rows = {}, []
     for (variant, loss, budget), by_seed in grouped.items():
-        values = [metric(s, name) for s in by_seed.values()]
-        if None in values or variant == "performer":
-            continue
-        mean, half = stats.mean_ci(values)
-        lines.setdefault(f"{variant}/{loss}", []).append((budget, mean, half))
-    lines = {k: v for k, v in lines.items() if len(v) > 1}
-    if not lines:
-        return ""
-    series = {}
-    for label, points in lines.items():
-        points.sort()
-        series[label] = tuple(list(column) for column in zip(*points))
-    svg = plots.xy_chart(
-        series,
-        f"mean-layer {name} against budget",
-        "features per layer (budget)",
-        name,
-        log_x=True,
-        log_y=True,
-    )
-    write_text(out / f"budget_{name}.svg", svg)
-    return f"![{name} against budget](budget_{name}.svg)"
+        label = f"{variant}/{loss}/b{budget}"
+        curves = [s.get("loss_curve") or [] for s in by_seed.values()]
+        if len(first := by_seed[min(by_seed)].get("loss_curve") or []) > 1:
+            series[label] = (*map(list, zip(*first)), None)
+        if all(len(c) >= 3 for c in curves):
+            points = [(c[0], c[len(c) // 2 - 1], c[-1]) for c in curves]  # [seed][3] (step, loss)
+            start, half, end = np.mean([[value for _, value in p] for p in points], axis=0)
+            label += f" (steps {'/'.join(str(step) for step, _ in points[0])})"
+            share = f"{100 * (half - end) / (start - end):.1f}%"
+            rows.append([label, *(f"{v:.4f}" for v in (start, half, end)), share])
+    args = "training loss (mean over layers), first seed", "step", "loss"
+    chart = series and _chart(out, "training_loss", plots.xy_chart(series, *args, log_y=True))
+    header = ["student", "first log", "half way", "end", "share of the decrease in the second half"]
+    return chart, md_table(header, rows) if rows else ""
 
 
-def curves_section(results: dict, out) -> list:
+def curves_section(results: dict, out) -> str:
     """The per-layer error curves, how well layer DoF predicts them, and the oracle allocation."""
     curves = results.get("curves")
     if not curves:
-        return []
+        return ""
     ms, mean = curves["dims"], curves["mean_kl"]  # mean[layer][k]
     layer_dof = [max(h) for h in results["dof"]["per_head"]]
     series = {
-        f"layer {i} (DoF {d:.0f})": (ms, errs, None)
-        for i, (d, errs) in enumerate(zip(layer_dof, mean))
+        f"layer {i} (DoF {d:.0f})": (ms, e, None) for i, (d, e) in enumerate(zip(layer_dof, mean))
     }
-    svg = plots.xy_chart(
-        series,
-        "held-out KL per layer against its features",
-        "features M",
-        "KL",
-        log_x=True,
-        log_y=True,
-    )
-    write_text(out / "curves_kl.svg", svg)
+    args = "held-out KL per layer against its features", "features M", "KL", True, True
+    chart = _chart(out, "curves_kl", plots.xy_chart(series, *args))
     target = float(np.median([errs[len(ms) // 2] for errs in mean]))
     needed = [stats.features_needed(ms, errs, target) for errs in mean]
     # a layer that never reaches the target within the measured Ms ranks above every one that does
-    rho = stats.spearman(layer_dof, [min(n, ms[-1] + 1) for n in needed])
-    lines = [
-        "",
-        "## Per-layer error against features, and the oracle allocation",
-        "",
-        f"Fix students at M = {', '.join(map(str, ms))} features in every layer, seeds "
-        f"{', '.join(curves['kl'])}; held-out KL on windows disjoint from those of the tables "
-        "above, mean over seeds.",
-        "",
-        "![curves](curves_kl.svg)",
-        "",
-        "| layer | layer DoF | "
-        + " | ".join(f"M={m}" for m in ms)
-        + f" | M to reach KL {target:.3g} |",
-        "|---" * (len(ms) + 3) + "|",
+    ranked = [min(n, ms[-1] + 1) for n in needed]
+    rho = stats.spearman(layer_dof, ranked)
+    p = stats.permutation_p(layer_dof, ranked, seed=PERMUTATION_SEED, n=PERMUTATIONS)
+    header = ["layer", "layer DoF", *(f"M={m}" for m in ms), f"M to reach KL {target:.3g}"]
+    rows = [
+        [i, f"{d:.1f}", *(f"{x:.4g}" for x in errs), f"{n:.1f}"]
+        for i, (d, errs, n) in enumerate(zip(layer_dof, mean, needed))
     ]
-    for i, (d, errs, n) in enumerate(zip(layer_dof, mean, needed)):
-        cells = " | ".join(f"{x:.4g}" for x in errs)
-        lines.append(f"| {i} | {d:.1f} | {cells} | {n:.1f} |")
-    lines += [
-        "",
-        f"Spearman rank correlation between layer DoF and the M a layer needs to reach "
-        f"KL {target:.3g}: {rho:+.2f} (a layer still above it at M = {ms[-1]} ranks last).",
-        "",
-        "The oracle allocation minimises the summed KL of these curves at each budget, "
-        "each taken as the power of M through its measured points:",
-        "",
-        "| budget | DoF dims | oracle dims |",
-        "|---|---|---|",
-    ]
-    for budget, dims in curves["oracle"].items():
-        dof_dims = results["dof"]["dims"][budget]["dof"]
-        lines.append(f"| {budget} | {' '.join(map(str, dof_dims))} | {' '.join(map(str, dims))} |")
-    return lines
+    dof_dims = results["dof"]["dims"]
+    oracle = [[b, spaced(dof_dims[b]["dof"]), spaced(dims)] for b, dims in curves["oracle"].items()]
+    return f"""
+## Per-layer error against features, and the oracle allocation
 
+Fix students at M = {", ".join(map(str, ms))} features in every layer, seeds
+{", ".join(curves["kl"])}; held-out KL on windows disjoint from those of the tables above, mean
+over seeds.
 
-def loss_chart(grouped: dict, out) -> str:
-    """The training-loss curve (mean over layers) of each trained group's first seed."""
-    series = {}
-    for (variant, loss, budget), by_seed in grouped.items():
-        curve = by_seed[min(by_seed)].get("loss_curve") or []
-        if len(curve) > 1:
-            steps, values = zip(*curve)
-            series[f"{variant}/{loss}/b{budget}"] = (list(steps), list(values), None)
-    if not series:
-        return ""
-    svg = plots.xy_chart(
-        series, "training loss (mean over layers), first seed", "step", "loss", log_y=True
-    )
-    write_text(out / "training_loss.svg", svg)
-    return "![training loss](training_loss.svg)"
+{chart}
 
+{md_table(header, rows)}
 
-def flattening_table(grouped: dict) -> list:
-    """Whether training had flattened: each group's logged loss (mean over layers and seeds) at the
-    first log, half way and the end, and the share of the decrease between the first log and the
-    end that came in the second half (near 0%: flat)."""
-    lines = [
-        "| student | first log | half way | end | share of the decrease in the second half |",
-        "|---|---|---|---|---|",
-    ]
-    for (variant, loss, budget), by_seed in grouped.items():
-        curves = [s.get("loss_curve") or [] for s in by_seed.values()]
-        if any(len(c) < 3 for c in curves):
-            continue
-        points = [(c[0], c[len(c) // 2 - 1], c[-1]) for c in curves]  # [seed][3] of (step, loss)
-        first, half, end = np.mean([[value for _, value in p] for p in points], axis=0)
-        steps = "/".join(str(step) for step, _ in points[0])
-        lines.append(
-            f"| {variant}/{loss}/b{budget} (steps {steps}) | {first:.4f} | {half:.4f} | "
-            f"{end:.4f} | {100 * (half - end) / (first - end):.1f}% |"
-        )
-    return lines if len(lines) > 2 else []
+Spearman rank correlation between layer DoF and the M a layer needs to reach KL {target:.3g}:
+{rho:+.2f} (a layer still above it at M = {ms[-1]} ranks last); two-sided permutation p =
+{p:.3g} (every order of the layers when there are at most {PERMUTATIONS}, else {PERMUTATIONS}
+orders drawn with seed {PERMUTATION_SEED}).
+
+The oracle allocation minimises the summed KL of these curves at each budget, each taken as the
+power of M through its measured points:
+
+{md_table(["budget", "DoF dims", "oracle dims"], oracle)}"""

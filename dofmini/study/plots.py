@@ -1,5 +1,5 @@
-"""Hand-written SVG charts (no plotting dependency): per-layer allocation with per-head DoF,
-lines by layer, and lines over a numeric x with error bars."""
+"""Hand-written SVG charts, standard library only: per-layer allocation with per-head DoF, lines by
+layer, and lines over a numeric x with error bars."""
 
 import math
 from xml.sax.saxutils import escape
@@ -8,13 +8,8 @@ W, H, LEFT, RIGHT, TOP, BOTTOM = 640, 360, 64, 64, 40, 48  # canvas and margins,
 COLORS = ("#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb")
 # Marker outlines relative to the point (circle, square, triangle, diamond, inverted triangle):
 # hollow and of a different shape per series, so points of coinciding lines all stay visible.
-SHAPES = (
-    "m-4,0a4,4 0 1 0 8,0a4,4 0 1 0 -8,0z",
-    "m-3.5,-3.5h7v7h-7z",
-    "m0,-5l4.5,8h-9z",
-    "m0,-5l5,5l-5,5l-5,-5z",
-    "m0,5l4.5,-8h-9z",
-)
+SHAPES = ("m-4,0a4,4 0 1 0 8,0a4,4 0 1 0 -8,0z", "m-3.5,-3.5h7v7h-7z", "m0,-5l4.5,8h-9z")
+SHAPES += ("m0,-5l5,5l-5,5l-5,-5z", "m0,5l4.5,-8h-9z")
 
 
 def _ticks(lo, hi, log):
@@ -40,72 +35,56 @@ def _scale(ticks, log, start, end):
     return lambda v: start + (end - start) * (f(v) - lo) / ((hi - lo) or 1)
 
 
+def _text(x, y, label, anchor="middle", attrs="") -> str:
+    return f'<text x="{x}" y="{y}" text-anchor="{anchor}"{attrs}>{label}</text>'
+
+
+def _rule(x1, y1, x2, y2) -> str:
+    return f'<line x1="{x1}" y1="{y1}" x2="{x2}" y2="{y2}" stroke="#000"/>'
+
+
 def _y_axis(ticks, log, x, label, anchor):
-    """A vertical axis at x; returns its SVG and the value -> pixel map."""
-    y = _scale(ticks, log, H - BOTTOM, TOP)
-    side = -6 if anchor == "end" else 6
-    lx = x + (-48 if anchor == "end" else 48)
-    return [
-        f'<line x1="{x}" y1="{TOP}" x2="{x}" y2="{H - BOTTOM}" stroke="#000"/>',
-        *(
-            f'<text x="{x + side}" y="{y(t) + 4:.1f}" text-anchor="{anchor}">{t:g}</text>'
-            for t in ticks
-        ),
-        f'<text transform="translate({lx},{H / 2}) rotate(-90)" text-anchor="middle">'
-        f"{escape(label)}</text>",
-    ], y
+    """A vertical axis at x, labelled on the side `anchor` names; its SVG and value -> pixel map."""
+    y, side = _scale(ticks, log, H - BOTTOM, TOP), -1 if anchor == "end" else 1
+    parts = [_rule(x, TOP, x, H - BOTTOM)]
+    parts += [_text(x + 6 * side, f"{y(t) + 4:.1f}", f"{t:g}", anchor) for t in ticks]
+    parts.append(
+        f'<text transform="translate({x + 48 * side},{H / 2}) rotate(-90)" text-anchor="middle">'
+        f"{escape(label)}</text>"
+    )
+    return parts, y
 
 
-def _x_axis(ticks, label, log=False, centres=None):
-    """The bottom axis; returns its SVG and the value -> pixel map.
-
-    centres=n instead makes n equal slots labelled 0..n-1 (layers), value i mapping to slot i's
-    centre, so bars and lines over layers line up.
-    """
-    if centres is None:
+def _x_axis(ticks, label, log=False, slots=None):
+    """The bottom axis; its SVG and value -> pixel map. slots=n instead makes n equal slots labelled
+    0..n-1 (layers), value i at slot i's centre, so bars and lines over layers line up."""
+    if slots is None:
         x = _scale(ticks, log, LEFT, W - RIGHT)
     else:
-        ticks = range(centres)
-        x = lambda i: LEFT + (W - LEFT - RIGHT) * (i + 0.5) / centres
-    return [
-        f'<line x1="{LEFT}" y1="{H - BOTTOM}" x2="{W - RIGHT}" y2="{H - BOTTOM}" stroke="#000"/>',
-        *(
-            f'<text x="{x(t):.1f}" y="{H - BOTTOM + 16}" text-anchor="middle">{t:g}</text>'
-            for t in ticks
-        ),
-        f'<text x="{W / 2}" y="{H - 8}" text-anchor="middle">{escape(label)}</text>',
-    ], x
+        ticks, x = range(slots), lambda i: LEFT + (W - LEFT - RIGHT) * (i + 0.5) / slots
+    parts = [_rule(LEFT, H - BOTTOM, W - RIGHT, H - BOTTOM)]
+    parts += [_text(f"{x(t):.1f}", H - BOTTOM + 16, f"{t:g}") for t in ticks]
+    return parts + [_text(W / 2, H - 8, escape(label))], x
 
 
 def _svg(title, parts, width=W) -> str:
+    size = f'width="{width:.0f}" height="{H}"'
     head = (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{H}" '
-        f'font-family="sans-serif" font-size="11">'
+        f'<svg xmlns="http://www.w3.org/2000/svg" {size} font-family="sans-serif" font-size="11">'
     )
-    parts = [
-        f'<rect width="{width:.0f}" height="{H}" fill="#fff"/>',
-        *parts,
-        f'<text x="{W / 2}" y="{TOP - 16}" text-anchor="middle" font-size="15">'
-        f"{escape(title)}</text>",
-    ]
-    return head + "\n" + "\n".join(parts) + "\n</svg>\n"
+    title = _text(W / 2, TOP - 16, escape(title), attrs=' font-size="15"')
+    return "\n".join([head, f'<rect {size} fill="#fff"/>', *parts, title, "</svg>\n"])
 
 
 def allocation_chart(dims, per_head_dof, title) -> str:
     """Bars: feature dims per layer (left axis); dots: every head's DoF (right axis)."""
     n = len(dims)
     if len(per_head_dof) != n:
-        raise ValueError(
-            f"allocation_chart: {n} layer dims but per_head_dof has {len(per_head_dof)} layers"
-        )
+        raise ValueError(f"allocation_chart: {n} layer dims but {len(per_head_dof)} layers of DoF")
     left, y_dim = _y_axis(_ticks(0, max(dims), False), False, LEFT, "feature dim M (bars)", "end")
-    top_dof = max(max(h) for h in per_head_dof)
-    right, y_dof = _y_axis(
-        _ticks(0, top_dof, False), False, W - RIGHT, "DoF per head (dots)", "start"
-    )
-    bottom, _ = _x_axis(None, "layer", centres=n)
-    slot = (W - LEFT - RIGHT) / n
-    parts = left + right + bottom
+    dof_ticks = _ticks(0, max(max(h) for h in per_head_dof), False)
+    right, y_dof = _y_axis(dof_ticks, False, W - RIGHT, "DoF per head (dots)", "start")
+    parts, slot = left + right + _x_axis(None, "layer", slots=n)[0], (W - LEFT - RIGHT) / n
     for i, (m, heads) in enumerate(zip(dims, per_head_dof)):
         x0 = LEFT + slot * i
         parts.append(
@@ -121,20 +100,17 @@ def allocation_chart(dims, per_head_dof, title) -> str:
 
 
 def line_chart(series, title, ylabel, log_y=False) -> str:
-    """One line per named series over layers 0..L-1, a marker on every value; log_y needs
-    positive values."""
-    n = max(len(vs) for vs in series.values())
+    """One line per named series over layers 0..L-1, a marker on every value."""
     lines = {name: (range(len(vs)), vs, None) for name, vs in series.items()}
-    return _lines("line_chart", lines, title, ylabel, log_y, _x_axis(None, "layer", centres=n))
+    axis = _x_axis(None, "layer", slots=max(len(vs) for vs in series.values()))
+    return _lines("line_chart", lines, title, ylabel, log_y, axis)
 
 
 def xy_chart(series, title, xlabel, ylabel, log_x=False, log_y=False) -> str:
-    """Lines over a numeric x: series maps a name to (xs, ys, half_widths or None).
-
-    Every point gets a marker and, where its half width is a number (not None or nan), a vertical
-    error bar ys ± half width (a mean ± CI). A log axis needs positive values; on a log y axis a
-    bar's lower end at or below 0 is cut at the axis bottom.
-    """
+    """Lines over a numeric x, series mapping a name to (xs, ys, half_widths or None): a marker on
+    every point and, where its half width is a number (not None or nan), an error bar y ± half
+    width. A log axis needs positive values; a bar's end at or below 0 on a log y axis is cut at the
+    axis bottom."""
     xs = [float(x) for xs, _, _ in series.values() for x in xs]
     if not xs or not all(map(math.isfinite, xs)) or (log_x and min(xs) <= 0):
         raise ValueError(
@@ -166,11 +142,10 @@ def _lines(chart, series, title, ylabel, log_y, x_axis) -> str:
     ends = [e for e in ends if math.isfinite(e) and (e > 0 or not log_y)]
     ticks = _ticks(min(ends), max(ends), log_y)
     parts, y = _y_axis(ticks, log_y, LEFT, ylabel, "end")
-    axis_parts, x = x_axis
-    parts += axis_parts
+    parts, x = parts + x_axis[0], x_axis[1]
     bars, marks = [], []
     for k, (name, xs, ys, hws) in enumerate(checked):
-        color, shape = COLORS[k % len(COLORS)], SHAPES[k % len(SHAPES)]
+        color, shape, key_y = COLORS[k % len(COLORS)], SHAPES[k % len(SHAPES)], TOP + 14 * k + 6
         pts = [(x(a), y(b)) for a, b in zip(xs, ys)]
         parts.append(
             f'<polyline points="{" ".join(f"{px:.1f},{py:.1f}" for px, py in pts)}" fill="none" '
@@ -188,7 +163,6 @@ def _lines(chart, series, title, ylabel, log_y, x_axis) -> str:
                     f'<path class="errbar" d="M{px:.1f},{lo:.1f}V{hi:.1f}M{px - 3:.1f},{lo:.1f}h6'
                     f'M{px - 3:.1f},{hi:.1f}h6" stroke="{color}"/>'
                 )
-        key_y = TOP + 14 * k + 6
         parts += [
             f'<path class="key" d="M{W - RIGHT + 16},{key_y - 4}{shape}" fill="#fff" '
             f'stroke="{color}" stroke-width="1.5"/>',

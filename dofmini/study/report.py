@@ -1,27 +1,25 @@
 """Every table and chart of a run: the allocation, the λ/J sweep, and report.md with its SVG charts
-(the statistics across seeds come from compare).
-"""
+(the statistics across seeds come from compare)."""
 
 import numpy as np
 
 from ..files import write_text
 from . import compare, plots
+from .compare import md_table, spaced
 
 
 def allocation_table(result: dict) -> str:
     """Per layer: each head's DoF, the layer's DoF, and every variant's dims at every budget, in
     the same order whether the result was just computed or reloaded from sorted JSON."""
-    budgets = sorted(result["dims"], key=int)
-    columns = [(b, v) for b in budgets for v in sorted(result["dims"][b])]
-    head = " | ".join(f"{v} b{b}" for b, v in columns)
-    lines = [f"| layer | DoF per head | layer DoF | {head} |", "|---" * (3 + len(columns)) + "|"]
-    for layer, heads in enumerate(result["per_head"]):
-        cells = " | ".join(str(result["dims"][b][v][layer]) for b, v in columns)
-        per_head = " ".join(f"{x:.1f}" for x in heads)
-        lines.append(f"| {layer} | {per_head} | {max(heads):.1f} | {cells} |")
-    sums = " | ".join(str(sum(result["dims"][b][v])) for b, v in columns)
-    lines.append(f"| sum | | | {sums} |")
-    return "\n".join(lines)
+    dims = result["dims"]
+    columns = [(b, v) for b in sorted(dims, key=int) for v in sorted(dims[b])]
+    rows = [
+        [i, spaced(heads, ".1f"), f"{max(heads):.1f}", *(dims[b][v][i] for b, v in columns)]
+        for i, heads in enumerate(result["per_head"])
+    ]
+    rows.append(["sum", "", "", *(sum(dims[b][v]) for b, v in columns)])
+    header = ["layer", "DoF per head", "layer DoF", *(f"{v} b{b}" for b, v in columns)]
+    return md_table(header, rows)
 
 
 def write_allocation(out, result: dict, log):
@@ -40,106 +38,85 @@ def write_allocation(out, result: dict, log):
 
 
 def write_sweep(out, rows: list, log):
-    lines = ["| Σ̂ | λ | J | layer DoF | dof dims |", "|---|---|---|---|---|"]
+    """sweep.md: the layer DoF and DoF dims at every λ, J and Gram normalisation swept."""
+    cells = []
     for r in rows:
-        layer = " ".join(f"{x:.0f}" for x in r["layer_dof"])
-        dims = " ".join(map(str, r["dims"]))
-        gram = "G/J" if r["normalize"] else "G"
-        lines.append(f"| {gram} | 2^{np.log2(r['lam']):.0f} | {r['J']} | {layer} | {dims} |")
-    write_text(out / "sweep.md", "\n".join(lines) + "\n")
-    log("\n".join(lines))
+        gram, lam = ("G", "G/J")[r["normalize"]], f"2^{np.log2(r['lam']):.0f}"
+        cells.append([gram, lam, r["J"], spaced(r["layer_dof"], ".0f"), spaced(r["dims"])])
+    table = md_table(["Σ̂", "λ", "J", "layer DoF", "dof dims"], cells)
+    write_text(out / "sweep.md", table + "\n")
+    log(table)
 
 
 def tasks_table(students: dict, teacher: dict) -> str:
-    rows = {"teacher": teacher["tasks"], **{k: s["tasks"] for k, s in students.items()}}
     tasks = list(teacher["tasks"])
     if not tasks:
         return (
             "Tasks skipped (--limit 0): these teachers sit at chance on them, so perplexity and "
             "the per-layer errors are what separate the variants."
         )
-    counts = [teacher["tasks"][t]["n"] for t in tasks]
-    lines = [
-        "| model | " + " | ".join(f"{t} (n={n})" for t, n in zip(tasks, counts)) + " | average |",
-        "|---" * (len(tasks) + 2) + "|",
-    ]
-    for name, result in rows.items():
-        values = [result[t].get("acc_norm", result[t]["acc"]) for t in tasks]
-        cells = " | ".join(f"{v:.4f}" for v in values)
-        lines.append(f"| {name} | {cells} | {np.mean(values):.4f} |")
-    return "acc_norm where a task has it, else acc:\n\n" + "\n".join(lines)
-
-
-def _train_time(student: dict) -> str:
-    if "same_training_as" in student:  # its tensors were copied, not trained again
-        return f"— (same training as {student['same_training_as']})"
-    return f"{student['train_seconds']:.1f}"
+    rows = []
+    for name, result in {"teacher": teacher, **students}.items():
+        values = [result["tasks"][t].get("acc_norm", result["tasks"][t]["acc"]) for t in tasks]
+        rows.append([name, *(f"{v:.4f}" for v in values), f"{np.mean(values):.4f}"])
+    header = ["model", *(f"{t} (n={teacher['tasks'][t]['n']})" for t in tasks), "average"]
+    return "acc_norm where a task has it, else acc:\n\n" + md_table(header, rows)
 
 
 def write(out, results: dict) -> str:
     """report.md and its charts; returns the summary table for the terminal."""
-    teacher, students, dof_result = results["teacher"], results["students"], results["dof"]
-    cfg, grouped = results["config"], compare.groups(students)
-    summary = compare.summary_table(grouped, teacher)
+    teacher, students, dof, cfg = (results[k] for k in ("teacher", "students", "dof", "config"))
+    grouped = compare.groups(students)
+    summary, budget_chart = compare.students(grouped, teacher, out)
     errors, charts = compare.layer_tables(grouped, out)
-    charts += [
-        c for c in (compare.budget_chart(grouped, out), compare.loss_chart(grouped, out)) if c
-    ]
-    times = [
-        "| student | train s | evaluation s |",
-        "|---|---|---|",
-        f"| teacher | — | {teacher['eval_seconds']:.1f} |",
-    ]
-    times += [f"| {k} | {_train_time(s)} | {s['eval_seconds']:.1f} |" for k, s in students.items()]
-    gram = "G/J" if dof_result["normalize"] else "raw G"
-    text = "\n".join(
-        [
-            f"# dofmini report: {teacher['name']} ({cfg['profile']} profile)",
-            "",
-            f"ctx {cfg['ctx']}, seeds {cfg['seeds']}, budgets {cfg['budgets']}, "
-            f"{cfg['steps']} steps "
-            f"of {cfg['batch']} windows, DoF λ={dof_result['lam']:g}, J={dof_result['J']}, {gram}; "
-            f"the stages took {results['timings']['stages_seconds']:.0f} s in all.",
-            "",
-            "Means over seeds with 95% Student-t intervals (± half width).",
-            "",
-            "## Feature dimensions per layer",
-            "",
-            allocation_table(dof_result),
-            "",
-            "![allocation](allocation.svg)",
-            "",
-            "## Students",
-            "",
-            summary,
-            "",
-            "## DoF and the oracle against Fix, seed by seed",
-            *compare.comparisons(grouped, teacher),
-            "",
-            "## Per-layer approximation error (teacher inputs, held-out text, mean over heads)",
-            "",
-            "kernel_l2 compares unnormalised kernel values. The softmax and direct losses leave "
-            "each "
-            "row's scale free,",
-            "so for students trained with them kl and output_rel are the errors that count.",
-            *errors,
-            "",
-            " ".join(charts),
-            "",
-            "## Did training flatten?",
-            "",
-            *compare.flattening_table(grouped),
-            *compare.curves_section(results, out),
-            "",
-            "## Zero-shot tasks",
-            "",
-            tasks_table(students, teacher),
-            "",
-            "## Times",
-            "",
-            "\n".join(times),
-            "",
-        ]
-    )
+    loss_chart, flattening = compare.training(grouped, out)
+    times = [["teacher", "—", f"{teacher['eval_seconds']:.1f}"]]
+    for name, s in students.items():  # a copied student's tensors were not trained again
+        copied = f"— (same training as {s.get('same_training_as')})"
+        train = copied if "same_training_as" in s else f"{s['train_seconds']:.1f}"
+        times.append([name, train, f"{s['eval_seconds']:.1f}"])
+    text = f"""# dofmini report: {teacher["name"]} ({cfg["profile"]} profile)
+
+ctx {cfg["ctx"]}, seeds {cfg["seeds"]}, budgets {cfg["budgets"]}, {cfg["steps"]} steps of
+{cfg["batch"]} windows, DoF λ={dof["lam"]:g}, J={dof["J"]}, {("raw G", "G/J")[dof["normalize"]]};
+the stages took {results["timings"]["stages_seconds"]:.0f} s in all.
+
+Means over seeds with 95% Student-t intervals (± half width). An error is measured per layer; each
+seed's mean over layers and its worst layer are its two views.
+
+## Feature dimensions per layer
+
+{allocation_table(dof)}
+
+![allocation](allocation.svg)
+
+## Students
+
+{summary}
+
+## DoF and the oracle against Fix, seed by seed
+{compare.comparisons(grouped, teacher)}
+
+## Per-layer approximation error (teacher inputs, held-out text, mean over heads)
+
+kernel_l2 compares unnormalised kernel values. The softmax and direct losses leave each row's
+scale free, so for students trained with them kl and output_rel are the errors that count.
+{errors}
+
+{" ".join(c for c in (*charts, budget_chart, loss_chart) if c)}
+
+## Did training flatten?
+
+{flattening}
+{compare.curves_section(results, out)}
+
+## Zero-shot tasks
+
+{tasks_table(students, teacher)}
+
+## Times
+
+{md_table(["student", "train s", "evaluation s"], times)}
+"""
     write_text(out / "report.md", text)
     return summary

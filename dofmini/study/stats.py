@@ -1,57 +1,45 @@
-"""Statistics over seeds for the report: t-intervals, paired differences, the share of Fix's
-degradation that DoF removes, rank correlation, and the features a layer needs for a target error.
+"""Statistics over seeds for the report, standard library only: two-sided Student t-intervals
+(mean ± t·s/√n, s with n − 1 in the denominator, t for n − 1 degrees of freedom), paired
+differences, the share of Fix's degradation that DoF removes, Spearman's rank correlation with a
+permutation p-value, and the features a layer needs to reach a target error."""
 
-Standard library only. Every interval is a two-sided Student t-interval over seeds, mean ± t·s/√n
-with s the sample standard deviation (n − 1 in the denominator) and t the quantile for n − 1
-degrees of freedom, computed here rather than read from a table (see t_critical).
-"""
-
+import itertools
 import math
+import random
+from bisect import bisect_left, bisect_right
 
 
 def t_critical(level, df):
-    """Two-sided Student t critical value: the t with P(|T| <= t) = level for integer df >= 1.
+    """The t with P(|T| <= t) = level for integer df >= 1 (3.18245 for 0.95, 3): P(|T| <= t) is
+    an exact finite sum in θ = atan(t/√df) (Abramowitz & Stegun 26.7.3-4), inverted by bisection."""
+    if not 0 < level < 1 or int(df) != df or df < 1:
+        raise ValueError(
+            f"t_critical: need a level in (0, 1) and integer df >= 1, got {level}, {df}"
+        )
 
-    Computed, not tabulated: P(|T| <= t) for integer df has an exact finite sum in θ = atan(t/√df)
-    (Abramowitz & Stegun 26.7.3 for odd df, 26.7.4 for even df); it rises monotonically in t, so
-    bisection inverts it to double precision. t_critical(0.95, 3) = 3.18245, as in the tables.
-    """
-    if not 0 < level < 1:
-        raise ValueError(f"t_critical: level must lie in (0, 1), got {level}")
-    if int(df) != df or df < 1:
-        raise ValueError(f"t_critical: df must be an integer >= 1, got {df}")
+    def central_mass(t):
+        theta = math.atan(t / math.sqrt(df))
+        odd, cos2 = df % 2, math.cos(theta) ** 2
+        term = total = 1.0
+        for k in range(1, df // 2):  # cos² powers weighted 2·4/(3·5)… for odd df, 1·3/(2·4)… even
+            term *= cos2 * (2 * k + odd - 1) / (2 * k + odd)
+            total += term
+        if odd:  # df = 1 has no sum term
+            return 2 / math.pi * (theta + (df > 1) * math.sin(theta) * math.cos(theta) * total)
+        return math.sin(theta) * total
+
     lo, hi = 0.0, 1.0
-    while _t_central_mass(hi, df) < level:
+    while central_mass(hi) < level:
         lo, hi = hi, 2 * hi
     while hi - lo > 1e-13 * hi:
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if _t_central_mass(mid, df) < level else (lo, mid)
+        lo, hi = (mid, hi) if central_mass(mid) < level else (lo, mid)
     return (lo + hi) / 2
 
 
-def _t_central_mass(t, df):
-    """P(|T| <= t) for Student's t with integer df, by the finite sums of A&S 26.7.3-4."""
-    theta = math.atan(t / math.sqrt(df))
-    cos2 = math.cos(theta) ** 2
-    term, total = 1.0, 1.0
-    if df % 2:
-        for k in range(1, (df - 1) // 2):
-            term *= cos2 * 2 * k / (2 * k + 1)
-            total += term
-        tail = math.sin(theta) * math.cos(theta) * total if df > 1 else 0.0
-        return 2 / math.pi * (theta + tail)
-    for k in range(1, df // 2):
-        term *= cos2 * (2 * k - 1) / (2 * k)
-        total += term
-    return math.sin(theta) * total
-
-
 def mean_ci(values, level=0.95):
-    """(mean, half_width) of the Student t-interval over the values (one per seed).
-
-    One value gives half_width nan: a single seed carries no estimate of the spread, and a nan
-    prints and plots as "no interval" rather than as a spurious zero.
-    """
+    """(mean, half_width) of the t-interval over the values (one per seed); one value has
+    half_width nan, which prints and plots as "no interval" rather than as a spurious zero."""
     values = _finite("mean_ci: values", values)
     n = len(values)
     mean = math.fsum(values) / n
@@ -70,16 +58,10 @@ def paired_diff(a, b, level=0.95):
 
 
 def share_removed(teacher, fix, dof, level=0.95):
-    """The share of Fix's degradation that DoF removes, (fix − dof)/(fix − teacher).
-
-    Returns (ci, reason). fix[s] and dof[s] are one seed's errors, lower being better (pass a score
-    where higher is better negated); teacher is one number (the teacher has no seed).
-    ci is (mean, half_width), the t-interval over the per-seed ratios, and reason is None; or ci is
-    None and reason says why no ratio is given. The ratio is given only when Fix is worse than the
-    teacher beyond noise: the lower end of the t-interval of fix_s − teacher is above 0, and so is
-    every seed's own fix_s − teacher (a seed at or below the teacher would divide by ~0 or flip the
-    sign of its ratio). One seed has no interval, so it never gives a ratio.
-    """
+    """((mean, half_width) of (fix_s − dof_s)/(fix_s − teacher) over seeds s, None), or (None,
+    why not): lower-better errors, the teacher's without seed. Only when Fix is worse than the
+    teacher beyond noise: the t-interval of fix_s − teacher, and every seed's own gap (else a
+    ratio divides by ~0 or flips sign), lie above 0. One seed has no interval, so never a ratio."""
     teacher = _finite("share_removed: teacher", [teacher])[0]
     fix, dof = _finite("share_removed: fix", fix), _finite("share_removed: dof", dof)
     if len(fix) != len(dof):
@@ -98,53 +80,52 @@ def share_removed(teacher, fix, dof, level=0.95):
 
 
 def spearman(x, y):
-    """Spearman rank correlation: Pearson's r of the ranks, tied values sharing their average rank.
-
-    nan when either sequence is constant (its ranks have no spread, so no correlation is defined).
-    """
+    """Pearson's r of the ranks, tied values sharing their average rank; nan when either sequence
+    is constant (its ranks have no spread)."""
     x, y = _finite("spearman: x", x), _finite("spearman: y", y)
     if len(x) != len(y) or len(x) < 2:
         raise ValueError(f"spearman: x and y need equal lengths >= 2, got {len(x)} and {len(y)}")
-    rx, ry = _ranks(x), _ranks(y)
     mean = (len(x) + 1) / 2  # the mean of ranks 1..n, ties included
-    cov = math.fsum((a - mean) * (b - mean) for a, b in zip(rx, ry))
-    spread = math.sqrt(
-        math.fsum((a - mean) ** 2 for a in rx) * math.fsum((b - mean) ** 2 for b in ry)
-    )
-    return cov / spread if spread > 0 else math.nan
+    rx, ry = ([r - mean for r in _ranks(v)] for v in (x, y))
+    spread = math.sqrt(math.fsum(a * a for a in rx) * math.fsum(b * b for b in ry))
+    return math.fsum(a * b for a, b in zip(rx, ry)) / spread if spread > 0 else math.nan
 
 
 def _ranks(values):
     """1-based ranks, each run of equal values getting the average of the ranks it spans."""
-    order = sorted(range(len(values)), key=values.__getitem__)
-    ranks = [0.0] * len(values)
-    start = 0
-    while start < len(order):
-        end = start
-        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
-            end += 1
-        for i in order[start : end + 1]:
-            ranks[i] = (start + end) / 2 + 1
-        start = end + 1
-    return ranks
+    order = sorted(values)
+    return [(bisect_left(order, v) + bisect_right(order, v) + 1) / 2 for v in values]
+
+
+def permutation_p(x, y, statistic=spearman, seed=0, n=10000):
+    """Two-sided: the share of orders of y with |statistic| >= the observed one (less 1e-12, lest
+    rounding split equal values); nan where the statistic is. Every order when len(y)! <= n (exact),
+    else the observed and n drawn by random.Random(seed), so p = (1 + hits)/(1 + n) is never 0."""
+    if int(n) != n or n < 1:
+        raise ValueError(f"permutation_p: n must be an integer >= 1, got {n}")
+    observed = abs(statistic(x, y))
+    if math.isnan(observed):
+        return math.nan
+    y = list(y)
+    if math.factorial(len(y)) <= n:
+        orders = list(itertools.permutations(y))
+    else:
+        rng = random.Random(seed)
+        orders = [y] + [rng.sample(y, len(y)) for _ in range(n)]
+    return sum(abs(statistic(x, order)) >= observed - 1e-12 for order in orders) / len(orders)
 
 
 def features_needed(ms, errors, target):
-    """The feature count M at which an error curve first reaches target (error <= target).
-
-    errors[k] is the error measured with ms[k] features (ms strictly increasing). Between the last
-    point above target and the first at or below it, the error is taken linear in log M, so the
-    answer is ms[k-1]·(ms[k]/ms[k-1])^f with f the fraction of the error drop that reaches target.
-    Returns ms[0] when the first point already reaches target (nothing below ms[0] was measured, so
-    read it as "ms[0] or fewer"), and math.inf when no measured point reaches it.
-    """
+    """The feature count M at which the curve errors[k] (measured at ms[k], strictly increasing)
+    first reaches error <= target, the error taken linear in log M between the points around it:
+    ms[k-1]·(ms[k]/ms[k-1])^f, f the share of the drop that reaches target. ms[0] when the first
+    point already reaches it (read "ms[0] or fewer"); math.inf when no measured point does."""
     ms, errors = _finite("features_needed: ms", ms), _finite("features_needed: errors", errors)
-    if len(ms) != len(errors) or not ms:
+    if len(ms) != len(errors) or ms[0] <= 0 or any(b <= a for a, b in zip(ms, ms[1:])):
         raise ValueError(
-            f"features_needed: ms ({len(ms)}) and errors ({len(errors)}) need equal nonzero lengths"
+            f"features_needed: ms must be positive and strictly increasing, ms {ms} and errors "
+            f"{errors} of equal nonzero lengths"
         )
-    if ms[0] <= 0 or any(b <= a for a, b in zip(ms, ms[1:])):
-        raise ValueError(f"features_needed: ms must be positive and strictly increasing, got {ms}")
     target = _finite("features_needed: target", [target])[0]
     reached = next((k for k, e in enumerate(errors) if e <= target), None)
     if reached is None:
