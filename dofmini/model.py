@@ -75,24 +75,19 @@ class Attention(nn.Module):
         self.out_b = _weight(cfg.d_model)
 
     def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """Rotary embedding on the first rotary_dim dims, rotating halves (NeoX), with angles in
+        """NeoX's rotary embedding of the first rotary_dim dims (halves turn as pairs), angles in
         fp32."""
-        r = self.rotary_dim
-        pos = torch.arange(start, start + x.shape[2], device=x.device, dtype=torch.float32)  # [T]
-        inv_freq = self.rotary_base ** (
-            -torch.arange(0, r, 2, device=x.device, dtype=torch.float32) / r
-        )  # [r/2]
+        r, f32 = self.rotary_dim, dict(device=x.device, dtype=torch.float32)
+        pos = torch.arange(start, start + x.shape[2], **f32)  # [T]
+        inv_freq = self.rotary_base ** (-torch.arange(0, r, 2, **f32) / r)  # [r/2]
         angles = torch.outer(pos, inv_freq).repeat(1, 2)  # [T, r]
-        cos = angles.cos().to(x.dtype)  # [T, r]
-        sin = angles.sin().to(x.dtype)  # [T, r]
-        x_rot = x[..., :r]  # [B, H, T, r]
-        x_pass = x[..., r:]  # [B, H, T, d - r]
+        x_rot, x_pass = x[..., :r], x[..., r:]  # [B, H, T, r], [B, H, T, d - r]
         half = torch.cat((-x_rot[..., r // 2 :], x_rot[..., : r // 2]), dim=-1)  # [B, H, T, r]
-        return torch.cat((x_rot * cos + half * sin, x_pass), dim=-1)  # [B, H, T, d]
+        turned = x_rot * angles.cos().to(x.dtype) + half * angles.sin().to(x.dtype)  # [B, H, T, r]
+        return torch.cat((turned, x_pass), dim=-1)  # [B, H, T, d]
 
     def project(self, x: torch.Tensor, start: int = 0):
-        """q, k, v [B, H, T, d] exactly as the softmax sees them (after bias, and rotary for
-        NeoX)."""
+        """q, k, v [B, H, T, d] as the softmax sees them (after bias, and NeoX's rotary)."""
         B, T, _ = x.shape
         qkv = x @ self.qkv_w + self.qkv_b  # [B, T, 3D]
         heads = qkv.view(B, T, 3, self.n_head, self.head_dim)  # [B, T, 3, H, d]
@@ -113,18 +108,15 @@ class Attention(nn.Module):
         q, k, v = self.project(x, start)  # [B, H, T, d] each
         if capture is not None:
             capture.append((q, k, v))
-        if cache is None or cache.length == 0:
-            if cache is not None:
-                cache.append(k, v)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, d]
-        else:
+        past = 0 if cache is None else cache.length
+        if cache is not None:
             k, v = cache.append(k, v)  # [B, H, past + T, d] each
-            T = q.shape[2]
-            L = k.shape[2]
-            # query i sees keys <= past + i
-            mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T)  # [T, L]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, T, d]
-        return self.output(o)
+        if past:  # query i sees keys <= past + i
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)  # [T, L]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.tril(past))  # [B, H, T, d]
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, d]
+        return self.output(o)  # [B, T, D]
 
 
 class Block(nn.Module):
