@@ -1,7 +1,6 @@
-"""A Hugging Face checkpoint folder read without transformers and without network: config.json into
-a checked `Config`, model.safetensors (never unpickled) into checked tensors in our layout.
-Vendorable with model.py: torch, safetensors and the standard library only. Named models,
-downloads, the teacher's fingerprint and the tokenizer are dofmini.hub's.
+"""A Hugging Face checkpoint folder read without transformers or network: config.json into a checked
+`Config`, model.safetensors (never unpickled) into checked tensors in our layout. Vendorable with
+model.py (torch, safetensors, the standard library); named models and downloads are dofmini.hub's.
 """
 
 import json
@@ -15,8 +14,7 @@ from .model import Config, Model
 
 
 class CheckpointError(ValueError):
-    """A checkpoint unusable as it is: the message names the file, field or tensor, and what was
-    expected."""
+    """An unusable checkpoint; the message names the file, field or tensor, and what it expected."""
 
 
 # A config.json field's kind: (what an error says was expected, test, conversion). JSON's true and
@@ -30,8 +28,9 @@ BOOLEAN = ("true or false", lambda v: type(v) is bool, bool)
 OBJECT = ("a JSON object", lambda v: isinstance(v, dict), dict)
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh")  # all but "gelu" use tanh
 ACTIVATION = (f"one of {', '.join(ACTIVATIONS)}", lambda v: v in ACTIVATIONS, lambda v: v != "gelu")
+FAMILIES = {"gpt2": "gpt2", "gpt_neox": "neox"}  # model_type -> Config.family
+FAMILY = ("'gpt2' or 'gpt_neox'", lambda v: type(v) is str and v in FAMILIES, FAMILIES.get)
 REQUIRED = object()
-FAMILIES = {"gpt2": "gpt2", "gpt_neox": "neox"}  # config.json's model_type -> Config.family
 # Our field: (kind, GPT-2's key, its default, NeoX's key, its default); a family without a key
 # always takes the default. "a|b" reads the first of a, b present; "a.b" is key b of the object at
 # a (newer transformers nests NeoX's rotary settings in rope_parameters).
@@ -54,11 +53,11 @@ FIELDS = {
 }
 
 
-def read_field(hf: dict, file: Path, keys: str, kind, default=REQUIRED):
+def read_field(hf: dict, file: Path, keys: str | None, kind, default=REQUIRED):
     """The value in config.json `hf` (read from `file`) of the first of `keys` present and not
     null, checked against `kind` and converted; else `default`."""
     expected, valid, convert = kind
-    for key in keys.split("|"):
+    for key in keys.split("|") if keys else []:
         parent, _, leaf = key.rpartition(".")
         value = (read_field(hf, file, parent, OBJECT, {}) if parent else hf).get(leaf)
         if value is not None:
@@ -71,23 +70,22 @@ def read_field(hf: dict, file: Path, keys: str, kind, default=REQUIRED):
     return default
 
 
-def parse_config(hf: dict, file: Path) -> Config:
-    """The settings of config.json `hf`, read from `file` (whose folder names the model). The width
+def read_config(folder) -> Config:
+    """The checked settings in `folder`/config.json, the folder's name as the model's. The width
     must split into the heads, and NeoX's rotary fraction rotate an even number of dims per head
     (they turn in pairs)."""
-    family = FAMILIES.get(hf.get("model_type"))
-    if family is None:
-        raise CheckpointError(
-            f"{file} has model_type {hf.get('model_type')!r}; dofmini supports 'gpt2' and "
-            f"'gpt_neox'"
-        )
-    column = 1 if family == "gpt2" else 3
+    file = Path(folder) / "config.json"
+    try:
+        hf = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"cannot read {file}: {err}") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{file} holds a JSON {type(hf).__name__}; expected an object")
+    family = read_field(hf, file, "model_type", FAMILY)
+    column = 1 if family == "gpt2" else 3  # of FIELDS' rows: this family's key; next, its default
     keys = {field: row[column] for field, row in FIELDS.items()}
     values = {
-        field: read_field(hf, file, keys[field], row[0], row[column + 1])
-        if keys[field]
-        else row[column + 1]
-        for field, row in FIELDS.items()
+        f: read_field(hf, file, keys[f], row[0], row[column + 1]) for f, row in FIELDS.items()
     }
     n_head, d_model = values["n_head"], values["d_model"]
     if d_model % n_head:
@@ -103,20 +101,8 @@ def parse_config(hf: dict, file: Path) -> Config:
             f"{rotary_dim}; expected an even number of dims"
         )
     values["d_ff"] = values["d_ff"] or 4 * d_model
-    name = Path(file).resolve().parent.name
+    name = file.resolve().parent.name
     return Config(family=family, rotary_dim=rotary_dim, name=name, **values)
-
-
-def read_config(folder: Path) -> Config:
-    """The checked settings in `folder`/config.json."""
-    file = Path(folder) / "config.json"
-    try:
-        hf = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"cannot read {file}: {err}") from None
-    if not isinstance(hf, dict):
-        raise CheckpointError(f"{file} holds a JSON {type(hf).__name__}; expected an object")
-    return parse_config(hf, file)
 
 
 # Our parameters -> their checkpoint names in (GPT-2, NeoX). A block's are ours after "blocks.{i}."
@@ -160,19 +146,19 @@ def from_neox(ours: str, t: torch.Tensor, cfg: Config) -> torch.Tensor:
     return t.T if ours.endswith("_w") else t
 
 
-def stored_names(stored, file: Path, cfg: Config, shapes: dict) -> dict:
-    """{our name: its name in safetensors `stored`}, checked from the header alone against our
-    `shapes`: every stored tensor (but buffers) one of ours, in the checkpoint's layout, and each
-    of ours stored once (two names for one tensor: neither may silently win)."""
+def stored_names(stored, file: Path, cfg: Config) -> dict:
+    """{our parameter: its name in safetensors `stored`}, checked from the header alone: every
+    stored tensor (but buffers) one of ours, in the checkpoint's layout, and each of ours stored
+    once (two names for one tensor: neither may silently win)."""
     neox = cfg.family == "neox"
-    ours_of = {hf_name(ours, neox): ours for ours in shapes}
+    with torch.device("meta"):  # nothing allocated; GPT-2's tied head is wte, listed once
+        params = dict(Model(cfg).named_parameters())
+    # NeoX stores Linear weights [out, in]
+    theirs = {o: tuple((p.T if neox and o.endswith("_w") else p).shape) for o, p in params.items()}
+    ours_of = {hf_name(ours, neox): ours for ours in params}
     # other spellings: transformers saves GPT-2 under "transformer." (the hub's gpt2 has none)
-    aliases = (
-        {"lm_head.weight": "head"} if neox else {f"transformer.{n}": o for n, o in ours_of.items()}
-    )
-    ours_of |= aliases
-    flip = lambda ours: neox and ours.endswith("_w")  # NeoX stores Linear weights [out, in]
-    theirs = {ours: shape[::-1] if flip(ours) else shape for ours, shape in shapes.items()}
+    prefixed = {f"transformer.{name}": ours for name, ours in ours_of.items()}
+    ours_of |= {"lm_head.weight": "head"} if neox else prefixed
     sources = {}
     for name in stored.keys():
         if name.endswith(BUFFERS[cfg.family]):
@@ -191,7 +177,7 @@ def stored_names(stored, file: Path, cfg: Config, shapes: dict) -> dict:
             raise CheckpointError(
                 f"tensor {name!r} in {file} has shape {shape}, expected {list(theirs[ours])}"
             )
-    missing = [ours for ours in shapes if ours not in sources]
+    missing = [ours for ours in params if ours not in sources]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise CheckpointError(
@@ -228,15 +214,12 @@ def load_folder(folder, dtype: torch.dtype = torch.float32) -> Model:
     the folder's name; hub.load sets the fingerprint of the content."""
     from safetensors import SafetensorError, safe_open
 
-    cfg = read_config(folder)
-    file = Path(folder) / "model.safetensors"
-    with torch.device("meta"):  # our shapes, nothing allocated (GPT-2's tied head is wte)
-        shapes = {ours: tuple(p.shape) for ours, p in Model(cfg).named_parameters()}
+    cfg, file = read_config(folder), Path(folder) / "model.safetensors"
     if not file.is_file():
         raise CheckpointError(f"missing {file}")
     try:
         with safe_open(str(file), "pt") as stored:
-            sources = stored_names(stored, file, cfg, shapes)
+            sources = stored_names(stored, file, cfg)
             model = Model(cfg).to(dtype)
             with torch.no_grad():
                 for ours, param in model.named_parameters():
