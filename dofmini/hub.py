@@ -17,9 +17,7 @@ HUB_REPOS = {"gpt2": "openai-community/gpt2"} | {
     f"pythia-{size}": f"EleutherAI/pythia-{size}" for size in ("70m", "160m", "410m", "1b")
 }
 # Named models live here; DOFMINI_WEIGHTS moves it (e.g. for a non-editable install).
-WEIGHTS_DIR = Path(
-    os.environ.get("DOFMINI_WEIGHTS") or Path(__file__).resolve().parents[1] / "weights"
-)
+WEIGHTS_DIR = Path(os.getenv("DOFMINI_WEIGHTS") or Path(__file__).resolve().parents[1] / "weights")
 
 
 def locate(path_or_name) -> Path:
@@ -37,9 +35,8 @@ def locate(path_or_name) -> Path:
 
 
 def missing_files(path_or_name) -> list:
-    """[(direct URL, destination file)] of what a named checkpoint still lacks, found without
-    network (what to fetch by hand on a machine without internet); empty for a folder. The host is
-    huggingface_hub's ENDPOINT (https://huggingface.co unless HF_ENDPOINT says otherwise)."""
+    """[(direct URL, destination file)] a named checkpoint lacks, without network (what to fetch
+    by hand offline); empty for a folder. The host is huggingface_hub's ENDPOINT (HF_ENDPOINT)."""
     folder = locate(path_or_name)
     if Path(path_or_name).is_dir():
         return []
@@ -50,9 +47,8 @@ def missing_files(path_or_name) -> list:
 
 
 def resolve(path_or_name) -> Path:
-    """locate's folder, after downloading what a named model lacks. A file enters the folder only
-    by a rename once complete, so an interrupted download is simply retried; any failure names the
-    files to fetch by hand."""
+    """locate's folder, after downloading what a named model lacks; any failure names the files to
+    fetch by hand."""
     folder, needed = locate(path_or_name), missing_files(path_or_name)
     if not needed:
         return folder
@@ -63,15 +59,14 @@ def resolve(path_or_name) -> Path:
         f"\n  {url}\n    -> {file}" for url, file in needed
     )
     # the hub client retries for about 30 s when offline; a quick connect tells us first
-    down = unreachable([url for url, _ in needed])
-    if down:
+    if down := unreachable([url for url, _ in needed]):
         raise CheckpointError(
             f"{name!r} is not in {folder} and the hub is unreachable ({', '.join(down)}). {advice}"
         )
     folder.parent.mkdir(parents=True, exist_ok=True)
     try:
-        # local_dir is a fresh scratch folder: huggingface_hub writes a file there in place when
-        # it copies from its own cache, so a killed copy would leave a partial file
+        # a file enters the folder only by a rename once whole: huggingface_hub writes in place
+        # into local_dir (a fresh scratch folder) when it copies from its own cache
         with tempfile.TemporaryDirectory(prefix=f".{folder.name}.", dir=folder.parent) as scratch:
             for _, file in needed:
                 fetched = hf_hub_download(HUB_REPOS[name], file.name, local_dir=scratch)
@@ -104,10 +99,9 @@ def load(path_or_name, dtype: torch.dtype = torch.float32) -> Model:
 
 
 def load_tokenizer(path_or_name):
-    """The checkpoint's own tokenizer.json (a `tokenizers.Tokenizer`), refused unless it fits the
-    checkpoint's config.json: every id below vocab_size, and bos_token_id and eos_token_id (where
-    given) ids of its special tokens. Another family's tokenizer (GPT-2's <|endoftext|> is 50256,
-    NeoX's 0) would otherwise run, silently wrong."""
+    """The checkpoint's tokenizer.json (a `tokenizers.Tokenizer`), refused unless its ids fit
+    vocab_size and bos/eos_token_id are its special tokens: another family's tokenizer (GPT-2's
+    <|endoftext|> is 50256, NeoX's 0) would otherwise run, silently wrong."""
     from tokenizers import Tokenizer
 
     folder = resolve(path_or_name)

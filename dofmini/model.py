@@ -48,9 +48,7 @@ class KVCache:
     def append(self, k: torch.Tensor, v: torch.Tensor):
         end = self.length + k.shape[2]
         if end > self.k.shape[2]:
-            raise ValueError(
-                f"KV cache holds {self.k.shape[2]} positions; appending would reach {end}"
-            )
+            raise ValueError(f"KV cache holds {self.k.shape[2]} positions; appending reaches {end}")
         self.k[:, :, self.length : end] = k
         self.v[:, :, self.length : end] = v
         self.length = end
