@@ -1,12 +1,11 @@
-"""Reading a Hugging Face checkpoint folder without transformers: config.json into a checked
-`Config`, model.safetensors into checked tensors in our layout, and `load_folder`, which needs no
-network. Weights are read with safetensors only: nothing is unpickled. Vendorable with model.py:
-torch, safetensors and the standard library only. Named models, downloads, the teacher's
-fingerprint and the tokenizer are dofmini.hub's.
+"""A Hugging Face checkpoint folder read without transformers or network: config.json into a checked
+`Config`, model.safetensors (never unpickled) into checked tensors in our layout. Vendorable with
+model.py (torch, safetensors, the standard library); named models and downloads are dofmini.hub's.
 """
 
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -15,98 +14,66 @@ from .model import Config, Model
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used as it is: the message names the file, the field or tensor,
-    and what was expected."""
+    """An unusable checkpoint; the message names the file, field or tensor, and what it expected."""
 
 
-# What a config.json field must hold: (what the error says was expected, test). JSON's true/false
-# are Python bools, which are ints to isinstance, so types are compared exactly.
-POSITIVE_INT = ("a positive integer", lambda v: type(v) is int and v > 0)
-TOKEN_ID = ("a non-negative integer", lambda v: type(v) is int and v >= 0)
-POSITIVE_NUMBER = ("a positive number", lambda v: type(v) in (int, float) and 0 < v < math.inf)
-FRACTION = ("a number in (0, 1]", lambda v: type(v) in (int, float) and 0 < v <= 1)
-BOOLEAN = ("true or false", lambda v: type(v) is bool)
-OBJECT = ("a JSON object", lambda v: isinstance(v, dict))
+# A config.json field's kind: (what an error says was expected, test, conversion). JSON's true and
+# false are Python bools, which are ints to isinstance, so types are compared exactly.
+NUMBER = (int, float)
+POSITIVE_INT = ("a positive integer", lambda v: type(v) is int and v > 0, int)
+TOKEN_ID = ("a non-negative integer", lambda v: type(v) is int and v >= 0, int)
+POSITIVE_NUMBER = ("a positive number", lambda v: type(v) in NUMBER and 0 < v < math.inf, float)
+FRACTION = ("a number in (0, 1]", lambda v: type(v) in NUMBER and 0 < v <= 1, float)
+BOOLEAN = ("true or false", lambda v: type(v) is bool, bool)
+OBJECT = ("a JSON object", lambda v: isinstance(v, dict), dict)
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh")  # all but "gelu" use tanh
-ACTIVATION = (f"one of {', '.join(ACTIVATIONS)}", lambda v: v in ACTIVATIONS)
+ACTIVATION = (f"one of {', '.join(ACTIVATIONS)}", lambda v: v in ACTIVATIONS, lambda v: v != "gelu")
+FAMILIES = {"gpt2": "gpt2", "gpt_neox": "neox"}  # model_type -> Config.family
+FAMILY = ("'gpt2' or 'gpt_neox'", lambda v: type(v) is str and v in FAMILIES, FAMILIES.get)
 REQUIRED = object()
-# config.json's keys for: layers, heads, width, MLP width, positions, norm epsilon, activation
-HF_KEYS = {
-    "gpt2": ("n_layer", "n_head", "n_embd", "n_inner", "n_positions", "layer_norm_epsilon")
-    + ("activation_function",),
-    "gpt_neox": ("num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size")
-    + ("max_position_embeddings", "layer_norm_eps", "hidden_act"),
-}
-# NeoX's rotary settings under each spelling: "a|b" reads the first present, "a.b" key b of the
-# object at a (newer transformers nests them in rope_parameters)
+# Our field: (kind, GPT-2's key, its default, NeoX's key, its default); a family without a key
+# always takes the default. "a|b" reads the first of a, b present; "a.b" is key b of the object at
+# a (newer transformers nests NeoX's rotary settings in rope_parameters).
 ROTARY_FRACTION = "rotary_pct|partial_rotary_factor|rope_parameters.partial_rotary_factor"
 ROTARY_BASE = "rotary_emb_base|rope_theta|rope_parameters.rope_theta"
+FIELDS = {
+    "n_layer": (POSITIVE_INT, "n_layer", REQUIRED, "num_hidden_layers", REQUIRED),
+    "n_head": (POSITIVE_INT, "n_head", REQUIRED, "num_attention_heads", REQUIRED),
+    "d_model": (POSITIVE_INT, "n_embd", REQUIRED, "hidden_size", REQUIRED),
+    "d_ff": (POSITIVE_INT, "n_inner", None, "intermediate_size", REQUIRED),  # None: 4 * d_model
+    "vocab_size": (POSITIVE_INT, "vocab_size", REQUIRED, "vocab_size", REQUIRED),
+    "n_ctx": (POSITIVE_INT, "n_positions", REQUIRED, "max_position_embeddings", REQUIRED),
+    "eps": (POSITIVE_NUMBER, "layer_norm_epsilon", 1e-5, "layer_norm_eps", 1e-5),
+    "tanh_gelu": (ACTIVATION, "activation_function", True, "hidden_act", False),
+    "rotary_fraction": (FRACTION, None, 0.0, ROTARY_FRACTION, 1.0),
+    "rotary_base": (POSITIVE_NUMBER, None, 1e4, ROTARY_BASE, 1e4),
+    "parallel_residual": (BOOLEAN, None, False, "use_parallel_residual", True),
+    "bos_token_id": (TOKEN_ID, "bos_token_id", None, "bos_token_id", None),
+    "eos_token_id": (TOKEN_ID, "eos_token_id", None, "eos_token_id", None),
+}
 
 
-def read_field(hf: dict, file: Path, keys: str, kind, default=REQUIRED):
-    """The value in config.json `hf` of the first of `keys` present and not null, checked against
-    `kind`; else `default`. Errors name `file`, the key and what was expected."""
-    expected, valid = kind
-    for key in keys.split("|"):
+def read_field(hf: dict, file: Path, keys: str | None, kind, default=REQUIRED):
+    """The value in config.json `hf` (read from `file`) of the first of `keys` present and not
+    null, checked against `kind` and converted; else `default`."""
+    expected, valid, convert = kind
+    for key in keys.split("|") if keys else []:
         parent, _, leaf = key.rpartition(".")
         value = (read_field(hf, file, parent, OBJECT, {}) if parent else hf).get(leaf)
         if value is not None:
             if not valid(value):
                 raise CheckpointError(f"{file}: {key!r} is {value!r}; expected {expected}")
-            return value
+            return convert(value)
     if default is REQUIRED:
         spellings = " or ".join(repr(key) for key in keys.split("|"))
         raise CheckpointError(f"{file}: missing {spellings}; expected {expected}")
     return default
 
 
-def parse_config(hf: dict, file: Path) -> Config:
-    """The settings of a Hugging Face config.json `hf`, read from `file` (named in errors, its
-    folder names the model). Sizes must be positive integers and the width must split into the
-    heads; NeoX's rotary fraction, under any of its three spellings, must lie in (0, 1] and
-    rotate an even number of dims per head (they turn in pairs)."""
-    if hf.get("model_type") not in HF_KEYS:
-        raise CheckpointError(
-            f"{file} has model_type {hf.get('model_type')!r}; dofmini supports 'gpt2' and "
-            f"'gpt_neox'"
-        )
-    gpt2 = hf["model_type"] == "gpt2"
-    layers, heads, width, inner, positions, eps, activation = HF_KEYS[hf["model_type"]]
-    get = lambda keys, kind, default=REQUIRED: read_field(hf, file, keys, kind, default)
-    n_head, d_model = get(heads, POSITIVE_INT), get(width, POSITIVE_INT)
-    if d_model % n_head:
-        raise CheckpointError(
-            f"{file}: {width!r} = {d_model} is not divisible by {heads!r} = {n_head}; "
-            f"expected a width that splits evenly into the heads"
-        )
-    rotary_fraction = 0 if gpt2 else get(ROTARY_FRACTION, FRACTION, 1.0)
-    rotary_dim = int(d_model // n_head * rotary_fraction)
-    if rotary_dim % 2:
-        raise CheckpointError(
-            f"{file}: rotary fraction {rotary_fraction} of {d_model // n_head} dims per "
-            f"head rotates {rotary_dim}; expected an even number of dims"
-        )
-    return Config(
-        family="gpt2" if gpt2 else "neox",
-        n_layer=get(layers, POSITIVE_INT),
-        n_head=n_head,
-        d_model=d_model,
-        d_ff=get(inner, POSITIVE_INT, 4 * d_model if gpt2 else REQUIRED),
-        vocab_size=get("vocab_size", POSITIVE_INT),
-        n_ctx=get(positions, POSITIVE_INT),
-        eps=float(get(eps, POSITIVE_NUMBER, 1e-5)),
-        tanh_gelu=get(activation, ACTIVATION, "gelu_new" if gpt2 else "gelu") != "gelu",
-        rotary_dim=rotary_dim,
-        rotary_base=10000.0 if gpt2 else float(get(ROTARY_BASE, POSITIVE_NUMBER, 10000.0)),
-        parallel_residual=not gpt2 and get("use_parallel_residual", BOOLEAN, True),
-        name=Path(file).resolve().parent.name,
-        bos_token_id=get("bos_token_id", TOKEN_ID, None),
-        eos_token_id=get("eos_token_id", TOKEN_ID, None),
-    )
-
-
-def read_config(folder: Path) -> Config:
-    """The checked settings in `folder`/config.json."""
+def read_config(folder) -> Config:
+    """The checked settings in `folder`/config.json, the folder's name as the model's. The width
+    must split into the heads, and NeoX's rotary fraction rotate an even number of dims per head
+    (they turn in pairs)."""
     file = Path(folder) / "config.json"
     try:
         hf = json.loads(file.read_text())
@@ -114,44 +81,60 @@ def read_config(folder: Path) -> Config:
         raise CheckpointError(f"cannot read {file}: {err}") from None
     if not isinstance(hf, dict):
         raise CheckpointError(f"{file} holds a JSON {type(hf).__name__}; expected an object")
-    return parse_config(hf, file)
+    family = read_field(hf, file, "model_type", FAMILY)
+    column = 1 if family == "gpt2" else 3  # of FIELDS' rows: this family's key; next, its default
+    keys = {field: row[column] for field, row in FIELDS.items()}
+    values = {
+        f: read_field(hf, file, keys[f], row[0], row[column + 1]) for f, row in FIELDS.items()
+    }
+    n_head, d_model = values["n_head"], values["d_model"]
+    if d_model % n_head:
+        raise CheckpointError(
+            f"{file}: {keys['d_model']!r} = {d_model} is not divisible by {keys['n_head']!r} = "
+            f"{n_head}; expected a width that splits evenly into the heads"
+        )
+    fraction = values.pop("rotary_fraction")
+    rotary_dim = int(d_model // n_head * fraction)
+    if rotary_dim % 2:
+        raise CheckpointError(
+            f"{file}: rotary fraction {fraction} of {d_model // n_head} dims per head rotates "
+            f"{rotary_dim}; expected an even number of dims"
+        )
+    values["d_ff"] = values["d_ff"] or 4 * d_model
+    name = file.resolve().parent.name
+    return Config(family=family, rotary_dim=rotary_dim, name=name, **values)
 
 
-# Our parameter name (a block's after "blocks.{i}.") -> its checkpoint name in (GPT-2, NeoX), whose
-# blocks are "h.{i}." and "gpt_neox.layers.{i}.". GPT-2 ties the head to wte; NeoX has no wpe.
+# Our parameters -> their checkpoint names in (GPT-2, NeoX). A block's are ours after "blocks.{i}."
+# and theirs after "h.{i}." or "gpt_neox.layers.{i}."; our "_w"/"_b" ending (or none) and
+# ".weight"/".bias" are theirs ".weight"/".bias". GPT-2 ties the head to wte; NeoX has no wpe.
 HF_NAMES = {
-    "wte": ("wte.weight", "gpt_neox.embed_in.weight"),
-    "wpe": ("wpe.weight", None),
-    "head": (None, "embed_out.weight"),
-    "ln_f.weight": ("ln_f.weight", "gpt_neox.final_layer_norm.weight"),
-    "ln_f.bias": ("ln_f.bias", "gpt_neox.final_layer_norm.bias"),
-    "ln1.weight": ("ln_1.weight", "input_layernorm.weight"),
-    "ln1.bias": ("ln_1.bias", "input_layernorm.bias"),
-    "ln2.weight": ("ln_2.weight", "post_attention_layernorm.weight"),
-    "ln2.bias": ("ln_2.bias", "post_attention_layernorm.bias"),
-    "attn.qkv_w": ("attn.c_attn.weight", "attention.query_key_value.weight"),
-    "attn.qkv_b": ("attn.c_attn.bias", "attention.query_key_value.bias"),
-    "attn.out_w": ("attn.c_proj.weight", "attention.dense.weight"),
-    "attn.out_b": ("attn.c_proj.bias", "attention.dense.bias"),
-    "fc_w": ("mlp.c_fc.weight", "mlp.dense_h_to_4h.weight"),
-    "fc_b": ("mlp.c_fc.bias", "mlp.dense_h_to_4h.bias"),
-    "proj_w": ("mlp.c_proj.weight", "mlp.dense_4h_to_h.weight"),
-    "proj_b": ("mlp.c_proj.bias", "mlp.dense_4h_to_h.bias"),
+    "wte": ("wte", "gpt_neox.embed_in"),
+    "wpe": ("wpe", None),
+    "head": (None, "embed_out"),
+    "ln_f": ("ln_f", "gpt_neox.final_layer_norm"),
+    "ln1": ("ln_1", "input_layernorm"),
+    "ln2": ("ln_2", "post_attention_layernorm"),
+    "attn.qkv": ("attn.c_attn", "attention.query_key_value"),
+    "attn.out": ("attn.c_proj", "attention.dense"),
+    "fc": ("mlp.c_fc", "mlp.dense_h_to_4h"),
+    "proj": ("mlp.c_proj", "mlp.dense_4h_to_h"),
 }
-# The suffixes of stored buffers that are not weights (masks, rotary tables, GPT-2's tied head).
+# The endings of stored names that are not weights (masks, rotary tables, GPT-2's tied head).
 BUFFERS = {
     "gpt2": (".attn.bias", ".masked_bias", "lm_head.weight"),
     "neox": (".attention.bias", ".masked_bias", ".rotary_emb.inv_freq"),
 }
 
 
-def hf_name(ours: str, family: str) -> str:
+def hf_name(ours: str, neox: bool) -> str:
     """The checkpoint name of our parameter `ours`."""
-    neox = family == "neox"
+    layer = ""
     if ours.startswith("blocks."):
-        _, i, rest = ours.split(".", 2)
-        return f"{'gpt_neox.layers' if neox else 'h'}.{i}.{HF_NAMES[rest][neox]}"
-    return HF_NAMES[ours][neox]
+        _, i, ours = ours.split(".", 2)
+        layer = f"{'gpt_neox.layers' if neox else 'h'}.{i}."
+    module, end = re.fullmatch(r"(.+?)(_w|_b|\.weight|\.bias)?", ours).groups()
+    return f"{layer}{HF_NAMES[module][neox]}{'.bias' if end in ('_b', '.bias') else '.weight'}"
 
 
 def from_neox(ours: str, t: torch.Tensor, cfg: Config) -> torch.Tensor:
@@ -163,60 +146,57 @@ def from_neox(ours: str, t: torch.Tensor, cfg: Config) -> torch.Tensor:
     return t.T if ours.endswith("_w") else t
 
 
-def read_tensors(file: Path, expected: dict, aliases: dict, ignored: tuple, dtype) -> dict:
-    """The tensors of safetensors `file` as {name: tensor in `dtype`}, checked against `expected`
-    {name: shape}. `aliases` maps other spellings to an expected name; names ending in one of
-    `ignored` are skipped. Names and shapes are checked from the header, before any tensor is
-    read. Refused: two stored names for one tensor (neither may silently win) and a NaN or inf,
-    stored or made by the conversion to `dtype` (it would spread through every forward pass).
-    Nothing is unpickled."""
-    from safetensors import SafetensorError, safe_open
-
-    if not file.is_file():
-        raise CheckpointError(f"missing {file}")
-    try:
-        with safe_open(str(file), "pt") as stored:
-            sources = {}  # expected name -> stored name
-            for name in stored.keys():
-                key = aliases.get(name, name)
-                if name.endswith(ignored):
-                    continue
-                if key not in expected:
-                    raise CheckpointError(f"unexpected tensor {name!r} in {file}")
-                if key in sources:
-                    raise CheckpointError(
-                        f"{file} holds both {sources[key]!r} and {name!r}: two names for one "
-                        f"tensor; expected one"
-                    )
-                sources[key] = name
-                shape = stored.get_slice(name).get_shape()
-                if tuple(shape) != expected[key]:
-                    raise CheckpointError(
-                        f"tensor {name!r} in {file} has shape {shape}, expected "
-                        f"{list(expected[key])}"
-                    )
-            missing = [name for name in expected if name not in sources]
-            if missing:
-                raise CheckpointError(
-                    f"missing tensor {missing[0]!r} in {file} (expected shape "
-                    f"{list(expected[missing[0]])})"
-                    + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
-                )
-            return {key: _converted(stored, name, dtype, file) for key, name in sources.items()}
-    except (SafetensorError, OSError, RuntimeError) as err:
-        raise CheckpointError(f"{file} is truncated or corrupt: {err}") from None
+def stored_names(stored, file: Path, cfg: Config) -> dict:
+    """{our parameter: its name in safetensors `stored`}, checked from the header alone: every
+    stored tensor (but buffers) one of ours, in the checkpoint's layout, and each of ours stored
+    once (two names for one tensor: neither may silently win)."""
+    neox = cfg.family == "neox"
+    with torch.device("meta"):  # nothing allocated; GPT-2's tied head is wte, listed once
+        params = dict(Model(cfg).named_parameters())
+    # NeoX stores Linear weights [out, in]
+    theirs = {o: tuple((p.T if neox and o.endswith("_w") else p).shape) for o, p in params.items()}
+    ours_of = {hf_name(ours, neox): ours for ours in params}
+    # other spellings: transformers saves GPT-2 under "transformer." (the hub's gpt2 has none)
+    prefixed = {f"transformer.{name}": ours for name, ours in ours_of.items()}
+    ours_of |= {"lm_head.weight": "head"} if neox else prefixed
+    sources = {}
+    for name in stored.keys():
+        if name.endswith(BUFFERS[cfg.family]):
+            continue
+        ours = ours_of.get(name)
+        if ours is None:
+            raise CheckpointError(f"unexpected tensor {name!r} in {file}")
+        if ours in sources:
+            raise CheckpointError(
+                f"{file} holds both {sources[ours]!r} and {name!r}: two names for one tensor; "
+                f"expected one"
+            )
+        sources[ours] = name
+        shape = stored.get_slice(name).get_shape()
+        if tuple(shape) != theirs[ours]:
+            raise CheckpointError(
+                f"tensor {name!r} in {file} has shape {shape}, expected {list(theirs[ours])}"
+            )
+    missing = [ours for ours in params if ours not in sources]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise CheckpointError(
+            f"missing tensor {hf_name(missing[0], neox)!r} in {file} (expected shape "
+            f"{list(theirs[missing[0]])}){more}"
+        )
+    return sources
 
 
-def _converted(stored, name: str, dtype: torch.dtype, file: Path) -> torch.Tensor:
-    """Stored tensor `name` in `dtype`; refused if not a float or not finite, saying whether the
-    file holds the NaN or inf or the conversion from the stored dtype made it."""
+def converted(stored, name: str, dtype: torch.dtype, file: Path) -> torch.Tensor:
+    """Stored float tensor `name` in `dtype`. A NaN or inf would spread through every forward pass:
+    refused, saying whether the file holds it or the conversion to `dtype` made it."""
     tensor = stored.get_tensor(name)
     what = f"tensor {name!r} in {file}"
     if not tensor.is_floating_point():
         raise CheckpointError(f"{what} has dtype {tensor.dtype}, expected a float dtype")
-    converted = tensor.to(dtype)
-    if torch.isfinite(converted).all():
-        return converted
+    cast = tensor.to(dtype)
+    if torch.isfinite(cast).all():
+        return cast
     bad = tensor.isnan() | tensor.isinf()
     if bad.any():
         raise CheckpointError(
@@ -230,30 +210,21 @@ def _converted(stored, name: str, dtype: torch.dtype, file: Path) -> torch.Tenso
 
 
 def load_folder(folder, dtype: torch.dtype = torch.float32) -> Model:
-    """A frozen teacher from a folder holding config.json and model.safetensors, without network.
-    Its `identity` is the folder's name; hub.load sets the fingerprint of the content."""
-    folder = Path(folder)
-    cfg = read_config(folder)
-    neox = cfg.family == "neox"
-    with torch.device("meta"):  # our shapes, nothing allocated (GPT-2's tied head is wte)
-        shapes = {ours: p.shape for ours, p in Model(cfg).named_parameters()}
-    names = {ours: hf_name(ours, cfg.family) for ours in shapes}
-    # NeoX stores its Linear weights transposed: [out, in]
-    expected = {
-        names[o]: tuple(s)[::-1] if neox and o.endswith("_w") else tuple(s)
-        for o, s in shapes.items()
-    }
-    aliases = (
-        {"lm_head.weight": "embed_out.weight"}
-        if neox
-        else {f"transformer.{n}": n for n in expected}
-    )
-    tensors = read_tensors(
-        folder / "model.safetensors", expected, aliases, BUFFERS[cfg.family], dtype
-    )
-    model = Model(cfg).to(dtype)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for ours, hf in names.items():
-            params[ours].copy_(from_neox(ours, tensors[hf], cfg) if neox else tensors[hf])
+    """A frozen teacher from a folder holding config.json and model.safetensors. Its `identity` is
+    the folder's name; hub.load sets the fingerprint of the content."""
+    from safetensors import SafetensorError, safe_open
+
+    cfg, file = read_config(folder), Path(folder) / "model.safetensors"
+    if not file.is_file():
+        raise CheckpointError(f"missing {file}")
+    try:
+        with safe_open(str(file), "pt") as stored:
+            sources = stored_names(stored, file, cfg)
+            model = Model(cfg).to(dtype)
+            with torch.no_grad():
+                for ours, param in model.named_parameters():
+                    tensor = converted(stored, sources[ours], dtype, file)
+                    param.copy_(from_neox(ours, tensor, cfg) if cfg.family == "neox" else tensor)
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{file} is truncated or corrupt: {err}") from None
     return model.eval()

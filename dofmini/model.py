@@ -1,10 +1,7 @@
-"""GPT-2 and GPT-NeoX (Pythia) forward passes, reimplemented from their Hugging Face checkpoints.
-
-`model(ids)` gives logits [B, T, V]. Every projection is stored [in, out] and applied as
-`x @ W + b` (GPT-2's Conv1D layout; checkpoint.py brings NeoX's Linear weights to it), so the
-forward pass has one form for both families. Each layer's attention is its own module so a student
-can swap it while keeping the teacher's projections. Needs torch only.
-"""
+"""GPT-2 and GPT-NeoX (Pythia) forward passes, reimplemented from their Hugging Face checkpoints;
+torch only. Every projection is stored [in, out] and applied as `x @ W + b` (GPT-2's Conv1D layout;
+checkpoint.py brings NeoX's weights to it), so both families share one forward pass. Each layer's
+attention is its own module so a student can swap it while keeping the teacher's projections."""
 
 from dataclasses import dataclass
 
@@ -44,16 +41,14 @@ class KVCache:
     """Keys and values of the tokens seen so far, in buffers sized once for the whole generation."""
 
     def __init__(self, like: torch.Tensor, batch: int, n_head: int, head_dim: int, capacity: int):
-        self.k = like.new_empty(batch, n_head, capacity, head_dim)  # [B, H, capacity, d]
-        self.v = like.new_empty(batch, n_head, capacity, head_dim)  # [B, H, capacity, d]
+        shape = (batch, n_head, capacity, head_dim)
+        self.k, self.v = like.new_empty(shape), like.new_empty(shape)  # [B, H, capacity, d] each
         self.length = 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor):
         end = self.length + k.shape[2]
         if end > self.k.shape[2]:
-            raise ValueError(
-                f"KV cache holds {self.k.shape[2]} positions; appending would reach {end}"
-            )
+            raise ValueError(f"KV cache holds {self.k.shape[2]} positions; appending reaches {end}")
         self.k[:, :, self.length : end] = k
         self.v[:, :, self.length : end] = v
         self.length = end
@@ -65,34 +60,25 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: Config):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.head_dim = cfg.head_dim
-        self.rotary_dim = cfg.rotary_dim
-        self.rotary_base = cfg.rotary_base
-        self.qkv_w = _weight(cfg.d_model, 3 * cfg.d_model)
-        self.qkv_b = _weight(3 * cfg.d_model)
-        self.out_w = _weight(cfg.d_model, cfg.d_model)
-        self.out_b = _weight(cfg.d_model)
+        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
+        self.rotary_dim, self.rotary_base = cfg.rotary_dim, cfg.rotary_base
+        self.qkv_w, self.qkv_b = _weight(cfg.d_model, 3 * cfg.d_model), _weight(3 * cfg.d_model)
+        self.out_w, self.out_b = _weight(cfg.d_model, cfg.d_model), _weight(cfg.d_model)
 
     def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """Rotary embedding on the first rotary_dim dims, rotating halves (NeoX), with angles in
+        """NeoX's rotary embedding of the first rotary_dim dims (halves turn as pairs), angles in
         fp32."""
-        r = self.rotary_dim
-        pos = torch.arange(start, start + x.shape[2], device=x.device, dtype=torch.float32)  # [T]
-        inv_freq = self.rotary_base ** (
-            -torch.arange(0, r, 2, device=x.device, dtype=torch.float32) / r
-        )  # [r/2]
+        r, f32 = self.rotary_dim, dict(device=x.device, dtype=torch.float32)
+        pos = torch.arange(start, start + x.shape[2], **f32)  # [T]
+        inv_freq = self.rotary_base ** (-torch.arange(0, r, 2, **f32) / r)  # [r/2]
         angles = torch.outer(pos, inv_freq).repeat(1, 2)  # [T, r]
-        cos = angles.cos().to(x.dtype)  # [T, r]
-        sin = angles.sin().to(x.dtype)  # [T, r]
-        x_rot = x[..., :r]  # [B, H, T, r]
-        x_pass = x[..., r:]  # [B, H, T, d - r]
+        x_rot, x_pass = x[..., :r], x[..., r:]  # [B, H, T, r], [B, H, T, d - r]
         half = torch.cat((-x_rot[..., r // 2 :], x_rot[..., : r // 2]), dim=-1)  # [B, H, T, r]
-        return torch.cat((x_rot * cos + half * sin, x_pass), dim=-1)  # [B, H, T, d]
+        turned = x_rot * angles.cos().to(x.dtype) + half * angles.sin().to(x.dtype)  # [B, H, T, r]
+        return torch.cat((turned, x_pass), dim=-1)  # [B, H, T, d]
 
     def project(self, x: torch.Tensor, start: int = 0):
-        """q, k, v [B, H, T, d] exactly as the softmax sees them (after bias, and rotary for
-        NeoX)."""
+        """q, k, v [B, H, T, d] as the softmax sees them (after bias, and NeoX's rotary)."""
         B, T, _ = x.shape
         qkv = x @ self.qkv_w + self.qkv_b  # [B, T, 3D]
         heads = qkv.view(B, T, 3, self.n_head, self.head_dim)  # [B, T, 3, H, d]
@@ -113,44 +99,35 @@ class Attention(nn.Module):
         q, k, v = self.project(x, start)  # [B, H, T, d] each
         if capture is not None:
             capture.append((q, k, v))
-        if cache is None or cache.length == 0:
-            if cache is not None:
-                cache.append(k, v)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, d]
-        else:
+        past = 0 if cache is None else cache.length
+        if cache is not None:
             k, v = cache.append(k, v)  # [B, H, past + T, d] each
-            T = q.shape[2]
-            L = k.shape[2]
-            # query i sees keys <= past + i
-            mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T)  # [T, L]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, T, d]
-        return self.output(o)
+        if past:  # query i sees keys <= past + i
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)  # [T, L]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.tril(past))  # [B, H, T, d]
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, d]
+        return self.output(o)  # [B, T, D]
 
 
 class Block(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         self.parallel = cfg.parallel_residual
-        self.tanh_gelu = cfg.tanh_gelu
-        self.ln1 = nn.LayerNorm(cfg.d_model, cfg.eps)
-        self.ln2 = nn.LayerNorm(cfg.d_model, cfg.eps)
+        self.gelu = "tanh" if cfg.tanh_gelu else "none"  # F.gelu's approximation
+        self.ln1, self.ln2 = nn.LayerNorm(cfg.d_model, cfg.eps), nn.LayerNorm(cfg.d_model, cfg.eps)
         self.attn = Attention(cfg)
-        self.fc_w = _weight(cfg.d_model, cfg.d_ff)
-        self.fc_b = _weight(cfg.d_ff)
-        self.proj_w = _weight(cfg.d_ff, cfg.d_model)
-        self.proj_b = _weight(cfg.d_model)
+        self.fc_w, self.fc_b = _weight(cfg.d_model, cfg.d_ff), _weight(cfg.d_ff)
+        self.proj_w, self.proj_b = _weight(cfg.d_ff, cfg.d_model), _weight(cfg.d_model)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        approximate = "tanh" if self.tanh_gelu else "none"
-        h = F.gelu(x @ self.fc_w + self.fc_b, approximate=approximate)  # [B, T, F]
+        h = F.gelu(x @ self.fc_w + self.fc_b, approximate=self.gelu)  # [B, T, F]
         return h @ self.proj_w + self.proj_b  # [B, T, D]
 
     def forward(self, x, start=0, cache=None, capture=None):
-        a = self.attn(self.ln1(x), start, cache, capture)  # [B, T, D]
-        if self.parallel:  # NeoX: attention and MLP both read the block's input
-            return x + a + self.mlp(self.ln2(x))
-        x = x + a
-        return x + self.mlp(self.ln2(x))
+        mixed = x + self.attn(self.ln1(x), start, cache, capture)  # [B, T, D]
+        # NeoX's MLP reads the block's input, as its attention does
+        return mixed + self.mlp(self.ln2(x if self.parallel else mixed))  # [B, T, D]
 
 
 class Model(nn.Module):
@@ -168,13 +145,10 @@ class Model(nn.Module):
             p.requires_grad_(False)
 
     def forward(self, ids, start=0, caches=None, capture=None, keep=None):
-        """Logits [B, T, V] of token ids [B, T] at positions start..start+T-1.
-
-        caches: one KVCache per layer holding positions < start. capture: a list that receives
-        every layer's (q, k, v) [B, H, T, d]. keep: a bool mask [B, T]; only the kept positions
-        pass the final norm and the output head (most of a small model's cost), and their logits
-        come back as [N, V] in row-major order, N = keep.sum(); an all-False mask asks for no
-        logits at all ([0, V])."""
+        """Logits [B, T, V] of token ids [B, T] at positions start..start+T-1. caches: one KVCache
+        per layer holding positions < start. capture: a list that receives every layer's (q, k, v)
+        [B, H, T, d]. keep: a bool mask [B, T]; only kept positions pass the final norm and head
+        (most of a small model's cost), giving [N = keep.sum(), V] in row-major order."""
         T = ids.shape[1]
         if start + T > self.config.n_ctx:
             raise ValueError(

@@ -141,7 +141,7 @@ BAD_CONFIGS = [
     (
         "neox-tiny",
         {"model_type": "llama"},
-        r" has model_type 'llama'; dofmini supports 'gpt2' and 'gpt_neox'",
+        r": 'model_type' is 'llama'; expected 'gpt2' or 'gpt_neox'",
     ),
 ]
 
