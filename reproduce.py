@@ -26,7 +26,7 @@ import dofmini
 from dofmini import hub
 from dofmini.checkpoint import CheckpointError
 from dofmini.files import sha256_file, unreachable, write_text
-from dofmini.study import data, evaluate, report, runs, stages
+from dofmini.study import data, evaluate, plan, report, runs, stages
 from dofmini.study.runs import log
 
 VARIANTS = ("performer", "dijiang", "fix", "dof", "dof_clip", "oracle")
@@ -312,20 +312,22 @@ def plan_run(run: stages.Run):
     """Print the run's stages with their estimated times, finished ones at 0; keep them for the
     progress lines."""
     cfg, ctx = run.cfg, run.ctx
-    costs = runs.probe(run.teacher, ctx, cfg.J)
-    sizes = runs.stage_sizes(cfg, ctx, data.files("corpus"))
+    costs = plan.probe(run.teacher, ctx, cfg.J)
+    sizes = plan.stage_sizes(cfg, ctx, data.files("corpus"))
     done = done_stages(run)
-    plan = [("teacher evaluation", sizes["evaluation"] * costs["forward"])]
-    plan.append(("DoF estimate", cfg.calib_windows * costs["forward"] + costs["dof"]))
+    estimates = [("teacher evaluation", sizes["evaluation"] * costs["forward"])]
+    estimates.append(("DoF estimate", cfg.calib_windows * costs["forward"] + costs["dof"]))
     if cfg.sweep:
-        plan.append(("DoF sweep", plan[-1][1] * 2 * len(cfg.sweep_lams) * len(cfg.sweep_Js)))
+        estimates.append(
+            ("DoF sweep", estimates[-1][1] * 2 * len(cfg.sweep_lams) * len(cfg.sweep_Js))
+        )
     for variant, loss, budget, seed in stages.student_keys(run):
         step = 0 if variant == "performer" else costs["direct" if loss == "direct" else loss]
         seconds = sizes["train_windows"] * step + sizes["error_windows"] * costs["softmax"]
         name = stages.Student(variant, loss, budget, seed, ()).name
-        plan.append((name, seconds + plan[0][1]))
-    run.clock.plan = [(name, 0.0 if name in done else seconds) for name, seconds in plan]
-    runs.print_plan(run.clock.plan, costs, sizes, cfg, ctx, done)
+        estimates.append((name, seconds + estimates[0][1]))
+    run.clock.plan = [(name, 0.0 if name in done else seconds) for name, seconds in estimates]
+    plan.print_plan(run.clock.plan, costs, sizes, cfg, ctx, done)
 
 
 def done_stages(run: stages.Run) -> set:

@@ -6,7 +6,8 @@ import time
 
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from dofmini.study.runs import Clock, stage, token_ids
+from dofmini.study.plan import Clock
+from dofmini.study.runs import stage, token_ids
 
 
 def test_stage_reuses_only_an_identical_key(tmp_path, capsys):

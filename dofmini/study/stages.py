@@ -13,7 +13,7 @@ import numpy as np
 from .. import dof
 from ..distill import TrainSettings, distill, train_direct
 from ..students import load_student, make_student, read_tensors, save_student, save_tensors
-from . import evaluate, runs
+from . import evaluate, plan, runs
 from .oracle import oracle_allocate
 from .runs import log
 
@@ -54,7 +54,7 @@ class Run:
     budgets: tuple
     inputs: dict
     texts: dict = field(default_factory=dict)  # name -> token ids
-    clock: runs.Clock = field(default_factory=lambda: runs.Clock([]))
+    clock: plan.Clock = field(default_factory=lambda: plan.Clock([]))
 
     def stage(self, name: str, path: Path, key: dict, compute):  # runs.stage, on the clock
         self.clock.begin(name)

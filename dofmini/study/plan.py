@@ -1,0 +1,143 @@
+"""A run's plan before it starts: every stage with an estimated time, from a timing probe of a few
+seconds on this machine scaled by each stage's size; and the progress clock, which rescales the
+estimates by the pace so far while the run goes on."""
+
+import time
+
+import torch
+
+from ..distill import TrainSettings, distill, train_direct
+from ..students import make_student
+from . import data
+from .evaluate import PPL_TEXTS
+from .runs import RunError, log
+from .tasks import TASK_SIZES
+
+
+def probe(teacher, ctx: int, J: int) -> dict:
+    """Seconds per window of ctx tokens for the operations a run repeats, each timed once after a
+    warm-up on random tokens: a forward pass with logits, a distillation step of each loss and a
+    direct step; and "dof", three J×J Cholesky factorisations per head. On a GPU each timing waits
+    for the device, so it counts the work, not the launches."""
+    device = next(teacher.parameters()).device
+    ids = torch.randint(0, teacher.config.vocab_size, (2, ctx), generator=torch.Generator())
+    ids = ids.to(device)
+    dims = [teacher.config.head_dim] * teacher.config.n_layer
+    student = make_student(teacher, "prf", dims, 0)
+    flat, settings = ids.flatten().cpu(), TrainSettings(steps=1, batch=2, ctx=ctx)
+    quiet = dict(log=lambda _: None)
+    work = {
+        "forward": lambda: teacher(ids),
+        "softmax": lambda: distill(teacher, dims, flat, settings, loss="softmax", **quiet),
+        "l2": lambda: distill(teacher, dims, flat, settings, loss="l2", **quiet),
+        "direct": lambda: train_direct(student, flat, settings, **quiet),
+        "dof": lambda: torch.linalg.cholesky(torch.eye(J, dtype=torch.float64)),
+    }
+    if not torch.isfinite(teacher(ids)).all():
+        raise RunError(
+            "the teacher's logits on random tokens are not finite: its weights overflow "
+            f"{next(teacher.parameters()).dtype} in the forward pass"
+        )
+    costs = {}
+    for name, run in work.items():
+        run()  # warm-up
+        _synchronize(device)
+        t0 = time.perf_counter()
+        run()
+        _synchronize(device)
+        costs[name] = (time.perf_counter() - t0) / len(ids)
+    heads = teacher.config.n_layer * teacher.config.n_head
+    costs["dof"] *= len(ids) * heads * 3
+    return costs
+
+
+def _synchronize(device):
+    if device.type == "cuda" and torch.cuda.is_initialized():  # else no kernel has been launched
+        torch.cuda.synchronize(device)
+
+
+def _tokens_in(rows) -> int:
+    """About how many tokens data files hold (GPT-2's BPE: 4.5 bytes of English a token)."""
+    return int(sum(f.size for f in rows) / 4.5)
+
+
+def stage_sizes(cfg, ctx: int, corpus: list) -> dict:
+    """The windows a stage puts through the model, from the data files' sizes: "evaluation" (both
+    perplexity texts and the tasks), "train_windows" per student and "error_windows" (its layer
+    errors before and after training)."""
+    texts = [_tokens_in(f for f in data.FILES if f.path == p) // ctx for p in PPL_TEXTS.values()]
+    texts = [min(w, cfg.eval_windows or w) for w in texts]
+    tasks = [] if cfg.limit == 0 else list(TASK_SIZES)
+    task_tokens = sum(min(cfg.limit or n, n) * size for n, size in map(TASK_SIZES.get, tasks))
+    steps = cfg.steps or _tokens_in(corpus) // ctx // cfg.batch
+    return {
+        "texts": texts,
+        "tasks": len(tasks),
+        "evaluation": sum(texts) + task_tokens / ctx,
+        "train_windows": steps * cfg.batch,
+        "error_windows": cfg.error_windows,
+    }
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min"
+
+
+def print_plan(plan: list, costs: dict, sizes: dict, cfg, ctx: int, done: set):
+    """The plan's lines: what the probe measured, the sizes, each stage and the total."""
+    log(
+        f"plan (probe on {cfg.device}: forward {costs['forward']:.3f} s, softmax step "
+        f"{costs['softmax']:.3f} s, direct step {costs['direct']:.3f} s per window of {ctx}):"
+    )
+    log(
+        f"  each student: {sizes['train_windows'] // cfg.batch} steps of {cfg.batch} windows = "
+        f"{sizes['train_windows'] * ctx:,} tokens; evaluation on "
+        f"{' and '.join(map(str, sizes['texts']))} windows, "
+        f"{sizes['tasks'] or 'no'} tasks"
+    )
+    for name, seconds in plan:
+        log(f"  {name}: " + ("done" if name in done else f"~{duration(seconds)}"))
+    total = sum(seconds for _, seconds in plan)
+    log(f"  total: ~{duration(total)} ({len(done)} of {len(plan)} stages done)")
+
+
+class Clock:
+    """The run's plan, [(stage name, estimated seconds)], and a progress line per stage: which stage
+    of how many, and the whole run's estimated time left. The estimates are rescaled by the pace
+    so far, measured only on stages that computed something: a stage reloaded as done takes no
+    time, and counting it would make a resumed run's pace look many times faster than it is."""
+
+    def __init__(self, plan: list):
+        self.plan = plan
+        self.t0 = time.time()
+        self.current = None
+        self.begun = set()
+        self.worked = {}  # stage name -> seconds spent computing its results
+
+    def timed(self, compute):
+        """`compute`, with its seconds counted toward the current stage's pace."""
+
+        def run():
+            t0 = time.time()
+            result = compute()
+            self.worked[self.current] = self.worked.get(self.current, 0.0) + time.time() - t0
+            return result
+
+        return run
+
+    def begin(self, name: str):
+        if name in self.begun:  # a curve student evaluated again later is part of its stage
+            return
+        self.begun.add(name)
+        self.current = name
+        estimates = dict(self.plan)
+        names = list(estimates)
+        index = names.index(name)
+        measured = sum(estimates[n] for n in self.worked if n != name)
+        spent = sum(s for n, s in self.worked.items() if n != name)
+        pace = spent / measured if measured > 30 else 1.0
+        left = pace * sum(s for _, s in self.plan[index:])
+        log(
+            f"[{index + 1}/{len(names)}] {name} (~{duration(estimates[name] * pace)}; "
+            f"run ~{duration(left)} left)"
+        )
