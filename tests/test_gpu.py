@@ -1,6 +1,6 @@
-"""The method's steps on a CUDA device, simulated where no GPU exists: ../shared/tools/simcuda_run.py
-gives tensors that report cuda:0 and checks every op against eager CUDA's device rules (a CPU
-tensor or generator mixed into a CUDA op fails as it would on a GPU), counting host syncs and float64
+"""The method's steps on a CUDA device, simulated where no GPU exists: the simulator in
+../shared/tools gives tensors that report cuda:0 and checks every op against eager CUDA's device
+rules (a CPU tensor or generator in a CUDA op fails as on a GPU), counting host syncs and float64
 ops. On a machine with a GPU the same script runs on the real device."""
 
 import ast
