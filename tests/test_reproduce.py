@@ -105,7 +105,8 @@ def test_grid_has_every_variant_budget_and_seed(grid_run):
     assert set(results["students"]) == expected
     for name, student in results["students"].items():
         assert sum(student["dims"]) == 6 * student["budget"], name
-        assert set(student["layer_error"]) == {"kernel_l2", "kl", "output_rel"}
+        assert set(student["layer_error"]) == {"kernel_l2", "kl", "output_rel", "kl_heads"}
+        assert [len(heads) for heads in student["layer_error"]["kl_heads"]] == [4] * 6
         assert student["tasks"] == {} and student["wikitext2_ppl"] > 1
         if not name.startswith("performer"):
             assert student["loss_curve"] and "layer_error_before" in student

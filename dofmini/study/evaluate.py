@@ -203,8 +203,8 @@ def layer_errors(
     On `windows` disjoint windows of ctx tokens of token_ids, starting at window `offset`, fed
     `batch` at a time: lists over layers of the mean over heads of "kernel_l2" (the l2 loss), "kl"
     (KL(p‖p̂) per query) and "output_rel" (‖ŷ − y‖/‖y‖ of the per-head attention outputs before the
-    output projection). None for a layer without PRF `features` (DiJiang: its gate reads the block
-    input, so it has no per-head output to compare either).
+    output projection); and "kl_heads", each layer's KL per head. None for a layer without PRF
+    `features` (DiJiang: its gate reads the block input, so it has no per-head output either).
     """
     need = (offset + windows) * ctx
     token_ids = as_token_ids(token_ids, need, "layer_errors")
@@ -218,13 +218,17 @@ def layer_errors(
             terms = layer_pass(block.attn.features, q, k, v, {"l2", "kl", "err"}, chunk)
             for name, t in terms.items():
                 acc[name] = acc.get(name, 0) + t * len(ids)  # [H] weighted by windows
-    errors = {"kernel_l2": [], "kl": [], "output_rel": []}
+    errors = {"kernel_l2": [], "kl": [], "output_rel": [], "kl_heads": []}
     for acc in sums:
-        found = bool(acc)
-        errors["kernel_l2"].append(acc["l2"].mean().item() / windows if found else None)
-        errors["kl"].append(acc["kl"].mean().item() / windows if found else None)
-        rel = (acc["err"] / acc["norm"]).sqrt().mean().item() if found else None
-        errors["output_rel"].append(rel)
+        if not acc:
+            for values in errors.values():
+                values.append(None)
+            continue
+        kl_heads = (acc["kl"] / windows).tolist()  # [H]
+        errors["kl_heads"].append(kl_heads)
+        errors["kl"].append(sum(kl_heads) / len(kl_heads))
+        errors["kernel_l2"].append(acc["l2"].mean().item() / windows)
+        errors["output_rel"].append((acc["err"] / acc["norm"]).sqrt().mean().item())
     return errors
 
 
