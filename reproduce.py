@@ -29,7 +29,7 @@ from dofmini.files import sha256_file, unreachable, write_text
 from dofmini.study import data, evaluate, plan, report, runs, stages
 from dofmini.study.runs import log
 
-VARIANTS = ("performer", "dijiang", "fix", "dof", "dof_clip", "oracle")
+VARIANTS = ("performer", "dijiang", "fix", *stages.ALLOCATIONS, "oracle")
 LOSSES = ("softmax", "l2", "direct")
 SEED_LIMIT = 2**31 - 1  # seeds are offset by the layer index and must stay within torch's range
 PROMPT = "The history of the city begins in the"
@@ -41,9 +41,9 @@ SIZES = ("ctx", "J", "calib_windows", "steps", "batch", "eval_windows", "limit",
 PROFILES = {
     "quick": dict(zip(SIZES, (64, 128, 8, 4, 2, 4, 4, 4, 4, 200_000))),
     "default": dict(zip(SIZES, (256, 1024, 64, 400, 8, 128, 100, 32, 16, None))),
-    "study": dict(zip(SIZES, (256, 1024, 64, 200, 8, 64, 0, 32, 16, None)), seeds=(0, 1, 2),
-                  budgets=(16, 32, 64), variants=("fix", "dof", "oracle"),
-                  losses=(("softmax", None), ("l2", (64,)))),
+    "study": dict(zip(SIZES, (256, 1024, 64, 400, 8, 64, 0, 32, 16, None)), seeds=(0, 1, 2),
+                  budgets=(16, 32, 64), sweep=True, losses=(("softmax", None),),
+                  variants=("fix", "dof", "dof_sqrt", "dof_mean", "dof_sqrt_mean", "oracle")),
     "paper": dict(zip(SIZES, (None, 1024, 64, None, 8, None, None, 32, 16, None))),
 }  # fmt: skip
 

@@ -99,7 +99,7 @@ def comparisons(grouped: dict, teacher: dict) -> str:
     parts = []
     for (variant, loss, budget), by_seed in grouped.items():
         fix = grouped.get(("fix", loss, budget))
-        if variant not in ("dof", "dof_clip", "oracle") or not fix:
+        if variant in ("fix", "performer", "dijiang") or not fix:
             continue
         seeds = sorted(set(by_seed) & set(fix))
         rows = [

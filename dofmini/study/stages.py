@@ -17,7 +17,15 @@ from . import evaluate, plan, runs
 from .oracle import oracle_allocate
 from .runs import log
 
-TRAINED_PRF = ("fix", "dof", "dof_clip", "oracle")  # variants whose draw is trained
+# DoF's allocations (dof.allocate): (rule, how a layer's heads combine, capped at the head size).
+ALLOCATIONS = {
+    "dof": ("proportional", "max", False),
+    "dof_clip": ("proportional", "max", True),
+    "dof_mean": ("proportional", "mean", False),
+    "dof_sqrt": ("power:0.5", "max", False),
+    "dof_sqrt_mean": ("power:0.5", "mean", False),
+}
+TRAINED_PRF = ("fix", *ALLOCATIONS, "oracle")  # variants whose draw is trained
 CALIBRATION = "wikitext-2-raw/wiki.valid.raw"  # DoF calibration text, in the data store
 
 
@@ -79,7 +87,7 @@ def student_keys(run: Run) -> list:
 
 def dims_of(run: Run, variant: str, budget: int, allocation, curves=None):
     """A student's dims: uniform; DoF's once estimated; the oracle's once the curves are in."""
-    if variant in ("dof", "dof_clip"):
+    if variant in ALLOCATIONS:
         return None if allocation is None else tuple(allocation["dims"][str(budget)][variant])
     if variant == "oracle":
         return None if curves is None else tuple(curves["oracle"][str(budget)])
@@ -98,7 +106,7 @@ def allocation_key(run: Run) -> dict:
     cfg, inputs = run.cfg, run.inputs
     key = dict(teacher=inputs["teacher"], lam=run.lam, J=cfg.J, seed=cfg.seeds[0], ctx=run.ctx)
     key.update(normalize=not cfg.raw_gram, calib_windows=cfg.calib_windows, budgets=run.budgets)
-    return dict(key, calib=inputs[CALIBRATION], device=inputs["device"])
+    return dict(key, calib=inputs[CALIBRATION], device=inputs["device"], rules=ALLOCATIONS)
 
 
 def teacher_key(run: Run) -> dict:
@@ -138,10 +146,8 @@ def evaluate_model(run: Run, model) -> dict:
 
 
 def evaluate_teacher(run: Run) -> dict:
-    compute = lambda: evaluate_model(run, run.teacher)
-    result = run.stage(
-        "teacher evaluation", run.cfg.out / "teacher.json", teacher_key(run), compute
-    )
+    compute, path = lambda: evaluate_model(run, run.teacher), run.cfg.out / "teacher.json"
+    result = run.stage("teacher evaluation", path, teacher_key(run), compute)
     log(f"teacher: WikiText-2 perplexity {result['wikitext2_ppl']:.2f} (ctx {run.ctx})")
     return result
 
@@ -151,20 +157,13 @@ def estimate_allocation(run: Run) -> dict:
     cfg, n_layer, cap = run.cfg, run.teacher.config.n_layer, run.teacher.config.head_dim
 
     def compute():
-        t0, calib = time.time(), run.texts["calib"]
-        normalize = not cfg.raw_gram
-        seed = cfg.seeds[0]
+        t0, calib, normalize, seed = time.time(), run.texts["calib"], not cfg.raw_gram, cfg.seeds[0]
         per_head = dof.estimate_dof(run.teacher, calib, run.lam, cfg.J, seed, normalize, run.ctx)
         if not (per_head.amax(-1) > 0).all():
             raise runs.RunError(f"--lam {run.lam}: a layer's DoF is 0 at this λ; use a smaller λ")
-        dims = {
-            str(b): {
-                "fix": [b] * n_layer,
-                "dof": dof.allocate(per_head, b),
-                "dof_clip": dof.allocate(per_head, b, cap=cap),
-            }
-            for b in run.budgets
-        }
+        dims = {str(b): {"fix": [b] * n_layer} for b in run.budgets}
+        for b, (variant, (rule, aggregate, clip)) in itertools.product(dims, ALLOCATIONS.items()):
+            dims[b][variant] = dof.allocate(per_head, int(b), rule, clip and cap or None, aggregate)
         found = dict(lam=run.lam, J=cfg.J, seed=cfg.seeds[0], normalize=normalize, dims=dims)
         found["calibration"] = f"{CALIBRATION}: first {len(calib)} tokens, ctx {run.ctx}"
         found.update(per_head=per_head.tolist(), warning=dof.saturation_warning(per_head, cfg.J))
