@@ -1,22 +1,16 @@
 """Layerwise distillation of PRF features (paper §4), the direct baseline, and their training loop.
 
-Each layer's features learn from the frozen teacher's own q, k of that layer: one teacher pass feeds
-every layer, and no student layer feeds another. With s_ij = q_i·k_j/√d, m_i = max_{j≤i} s_ij and
-K̂ = Φ(q)·Φ(k):
-- "l2": mean over causal pairs (j ≤ i) of (exp(s_ij − m_i) − K̂_ij·exp(−m_i))². Both kernels are
-  divided by the teacher's row max, a per-query scale they share: large-norm heads then neither
-  overflow nor dominate, and no normalising sum is needed.
-- "softmax": mean over queries of the cross-entropy −Σ_j p_ij log p̂_ij, p_i = softmax_{j≤i}(s_ij),
-  p̂_ij = K̂_ij / Σ_{j'≤i} K̂_ij'.
+Each layer's features learn from the frozen teacher's own q, k of that layer (one teacher pass feeds
+every layer). With s_ij = q_i·k_j/√d, m_i = max_{j≤i} s_ij, K̂ = Φ(q)·Φ(k), over pairs j ≤ i:
+- "l2": mean over pairs of (exp(s_ij − m_i) − K̂_ij·exp(−m_i))²: both kernels over the teacher's row
+  max, a shared per-query scale, so large-norm heads neither overflow nor dominate (no sums needed).
+- "softmax": mean over queries of −Σ_j p_ij log p̂_ij, p_i = softmax_j(s_ij), p̂_ij = K̂_ij / Σ_j K̂_ij.
 - "direct" (baseline): next-token cross-entropy of the whole student, end to end.
-Numerics, float32 by default (float64 on request): each query and each key is divided by its own
-largest feature e^r, and K̂ is used as log K̂ = r_q + r_k + log(unit q · unit k), log p̂ by
-log-sum-exp over the row and the l2 term as exp(log K̂ − m), so nothing overflows and a key far from
-every z keeps its exact share. (A fixed shift per feature, as PRFFeatures.keys/queries apply, is
-exact in float64 but not in float32: a key with |k/d^¼ − z_m| ≳ 14 for every m loses every feature,
-making log p̂ = −inf.) Only where unit q · unit k itself underflows (q and k favour features e^87
-apart) is K̂ taken as 0; a non-finite loss stops training with an error. Memory: one layer and one
-chunk of queries at a time, each chunk back-propagated at once.
+Numerics, float32 by default: queries and keys over their own largest feature e^r, log K̂ = r_q +
+r_k + log(unit q · unit k): nothing overflows and a key far from every z keeps its share (a fixed
+shift per feature, as PRFFeatures.keys applies, loses in float32 every feature of a key with
+|k/d^¼ − z_m| ≳ 14 for all m). K̂ is 0 only where unit q · unit k underflows (features e^87 apart);
+a non-finite loss stops training. Memory: one layer and one chunk of queries at a time.
 """
 
 import dataclasses
@@ -28,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .dof import capture
 from .files import changed_settings
 from .students import make_student, read_tensors, save_student, save_tensors, trainable
 
@@ -36,11 +31,10 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
-    """A training run: `steps` Adam steps on `batch` random windows of ctx tokens drawn with
-    data_seed, lr for z (and DiJiang's tensors), lr_a for a = log α (the paper's 0.02 and 0.2);
-    `chunk` queries per piece of the attention matrices and `dtype` for the layerwise losses.
-    Progress is saved every save_every steps and logged every log_every (None: a tenth). All but
-    save_every and log_every decide the result."""
+    """`steps` Adam steps on `batch` windows of ctx tokens drawn with data_seed; lr for z (and
+    DiJiang's), lr_a for a = log α (the paper's 0.02, 0.2); `chunk` queries a piece and `dtype` for
+    layerwise losses. Progress is saved every save_every steps, logged every log_every (None: a
+    tenth); the other fields decide the result (.record())."""
 
     steps: int = 200
     batch: int = 8
@@ -54,31 +48,19 @@ class TrainSettings:
     log_every: int | None = None
 
     def __post_init__(self):
-        least = {"steps": 1, "batch": 1, "ctx": 2, "chunk": 1, "save_every": 1, "log_every": 1}
-        got = {n: getattr(self, n) for n in least}  # log_every may be None
-        bad = [f"{n}={v}" for n, v in got.items() if v is not None and v < least[n]]
+        low = {"steps": 1, "batch": 1, "ctx": 2, "chunk": 1, "save_every": 1, "log_every": 1}
+        bad = [f"{n}={v}" for n, m in low.items() if (v := getattr(self, n)) is not None and v < m]
         if bad or self.dtype not in DTYPES:
             raise ValueError(
-                f"TrainSettings: need ctx >= 2, dtype in {list(DTYPES)}, the rest of {list(least)}"
-                f" >= 1; got {', '.join(bad)} dtype={self.dtype!r}"
+                f"TrainSettings: need ctx >= 2, the other counts >= 1, dtype in {list(DTYPES)}; "
+                f"got {', '.join(bad)} dtype={self.dtype!r}"
             )
 
     def record(self) -> dict:
-        """The fields that decide the result."""
-        fields = dataclasses.asdict(self)
-        return {k: v for k, v in fields.items() if k not in ("save_every", "log_every")}
+        return {k: v for k, v in dataclasses.asdict(self).items() if not k.endswith("_every")}
 
 
 DEFAULT = TrainSettings()
-
-
-@torch.no_grad()
-def capture(teacher, ids):
-    """Every layer's (q, k, v) [B, H, T, d]; no logits are computed (the head is most of a small
-    model's cost)."""
-    layers = []
-    teacher(ids, capture=layers, keep=torch.zeros_like(ids, dtype=torch.bool))
-    return layers
 
 
 def unit_features(features, x, name: str):
@@ -89,9 +71,8 @@ def unit_features(features, x, name: str):
 
 
 def chunk_terms(features, q, k, v, unit_k, top_k, lo: int, hi: int, want: set) -> dict:
-    """Sums over queries lo:hi (keys ≤ each query), per [B, H], of the terms in `want`: "l2" squared
-    scaled kernel error, "ce" cross-entropy, "kl" KL(p‖p̂), "err"/"norm" squared output error and
-    output norm (needs v)."""
+    """Sums over queries lo:hi (keys ≤ each query), per [B, H], of the terms in `want`: "l2", "ce",
+    "kl" KL(p‖p̂), "err"/"norm" the squared output error and output norm (needs v)."""
     causal = torch.ones(hi - lo, hi, dtype=torch.bool, device=q.device).tril(lo)  # [c, hi]
     scores = q[:, :, lo:hi] @ k[:, :, :hi].mT / math.sqrt(q.shape[-1])  # [B, H, c, hi]
     s = torch.where(causal, scores, -math.inf)  # [B, H, c, hi]
@@ -100,8 +81,7 @@ def chunk_terms(features, q, k, v, unit_k, top_k, lo: int, hi: int, want: set) -
     unit_q, top_q = unit_features(features, q[:, :, lo:hi], "q")  # [B, H, c, M], [B, H, c, 1]
     dot = unit_q @ unit_k[:, :, :hi].mT  # [B, H, c, hi]
     seen = causal & (dot > 0)  # [B, H, c, hi]
-    # log K̂ − top_q, −inf above the diagonal and where the product underflowed (log of 1 there
-    # keeps the gradient finite)
+    # log K̂ − top_q, −inf above the diagonal and where dot underflowed (log 1 keeps grads finite)
     log_k = torch.where(seen, torch.where(seen, dot, 1).log() + top_k[:, :, :hi].mT, -math.inf)
     out = {}
     if "l2" in want:
@@ -116,22 +96,15 @@ def chunk_terms(features, q, k, v, unit_k, top_k, lo: int, hi: int, want: set) -
         if "err" in want:
             y = p @ v[:, :, :hi]  # [B, H, c, dv]
             y_hat = log_p_hat.exp() @ v[:, :, :hi]  # [B, H, c, dv]
-            out["err"] = (y_hat - y).square().sum((-2, -1))
-            out["norm"] = y.square().sum((-2, -1))
+            out["err"], out["norm"] = (y_hat - y).square().sum((-2, -1)), y.square().sum((-2, -1))
     return out
 
 
-def layer_pass(
-    features, q, k, v, want: set, chunk: int, train: bool = False, dtype=torch.float32
-) -> dict:
-    """Per-head means [H] of the terms in `want` over one layer's batch, computed in `dtype`.
-
-    l2 is a mean per causal pair, the rest per query. train=True back-propagates each chunk's share
-    of the head-mean of the one term in `want`; the keys' features are then a detached leaf whose
-    gradient is passed on once, at the end.
-    """
-    q, k = q.to(dtype), k.to(dtype)  # [B, H, T, d]
-    v = None if v is None else v.to(dtype)  # [B, H, T, dv]
+def layer_pass(features, q, k, v, want: set, chunk: int, train: bool = False, dtype=torch.float32):
+    """Per-head means [H] of the terms in `want` over one layer's batch, in `dtype` (l2 per causal
+    pair, the rest per query). train=True back-propagates each chunk's share of the head-mean of the
+    one term in `want`, the keys' features a detached leaf whose gradient is passed on last."""
+    q, k, v = (None if t is None else t.to(dtype) for t in (q, k, v))  # [B, H, T, d or dv]
     B, H, T, _ = q.shape
     unit_k, top_k = unit_features(features, k, "k")  # [B, H, T, M], [B, H, T, 1]
     keys = unit_k.detach().requires_grad_() if train else unit_k
@@ -152,24 +125,19 @@ def as_token_ids(token_ids, need: int, what: str) -> torch.Tensor:
     """token_ids as a 1-D CPU LongTensor of at least `need` tokens, or a named error."""
     token_ids = torch.as_tensor(token_ids)
     if token_ids.dim() != 1 or len(token_ids) < need:
-        raise ValueError(
-            f"{what}: token_ids must be 1-D with >= {need} tokens; "
-            f"got shape {tuple(token_ids.shape)}"
-        )
+        raise ValueError(f"{what}: token_ids {tuple(token_ids.shape)}; need 1-D, >= {need} tokens")
     return token_ids.long().cpu().contiguous()
 
 
 def _train(student, step_fn, token_ids, what: str, s: TrainSettings, out_path, log, meta):
-    """The loop distill and train_direct share: Adam over the student's trainable tensors (names
-    ending in `.a` at s.lr_a, the rest at s.lr); step_fn(ids) back-propagates and returns per-layer
-    losses."""
+    """distill's and train_direct's loop: Adam over the student's trainable tensors (`*.a` at
+    s.lr_a, the rest at s.lr); step_fn(ids) back-propagates and returns per-layer losses."""
     if s.ctx > student.config.n_ctx:
         raise ValueError(f"{what}: need ctx <= {student.config.n_ctx}; got ctx={s.ctx}")
     token_ids = as_token_ids(token_ids, s.ctx, what)
     params = trainable(student)
-    rates = {False: s.lr, True: s.lr_a}  # by whether the name ends in ".a"
-    groups = [{"params": [p for n, p in params.items() if n.endswith(".a") == a], "lr": rates[a]}
-              for a in rates]  # fmt: skip
+    groups = [{"params": [p for n, p in params.items() if n.endswith(".a") == a], "lr": lr}
+              for a, lr in ((False, s.lr), (True, s.lr_a))]  # fmt: skip
     opt = torch.optim.Adam([g for g in groups if g["params"]])
     tokens_hash = hashlib.sha256(token_ids.numpy().tobytes()).hexdigest()[:16]
     student.meta = {**student.meta, **(meta or {}), "loss": what}
@@ -177,30 +145,19 @@ def _train(student, step_fn, token_ids, what: str, s: TrainSettings, out_path, l
     gen = torch.Generator().manual_seed(s.data_seed)
     device = next(student.parameters()).device
     progress = Path(f"{out_path}.progress") if out_path else None
-    start, seconds, curve = 0, 0.0, []
-    if progress and progress.exists():
-        start, seconds, curve = _resume(progress, settings, params, opt, gen, log)
-        if start:
-            log(f"{what}: resuming from {progress} at step {start}/{s.steps}")
-    log_every = s.log_every or max(1, s.steps // 10)
+    start, seconds, curve = _resume(progress, settings, params, opt, gen, log)
     t0, window = time.time(), []
-    for step in range(start, s.steps):
+    for done in range(start + 1, s.steps + 1):
         first = torch.randint(0, len(token_ids) - s.ctx + 1, (s.batch, 1), generator=gen)  # [b, 1]
         losses = step_fn(token_ids[first + torch.arange(s.ctx)].to(device))  # ids [batch, ctx]
-        bad = [(i, x) for i, x in enumerate(losses) if not math.isfinite(x)]
-        if bad:
-            raise FloatingPointError(
-                f"{what}: loss {bad[0][1]} at step {step + 1}, layer {bad[0][0]}"
-            )
+        if not all(map(math.isfinite, losses)):
+            raise FloatingPointError(f"{what}: per-layer losses {losses} at step {done}")
         opt.step()
         opt.zero_grad(set_to_none=True)
         window.append(losses)
-        done = step + 1
-        report = done % log_every == 0 or done == s.steps
-        if report:
-            mean = [sum(col) / len(window) for col in zip(*window)]  # per layer
+        if report := (done % (s.log_every or max(1, s.steps // 10)) == 0 or done == s.steps):
+            mean, window = [sum(col) / len(col) for col in zip(*window)], []  # per layer
             curve.append([done, sum(mean) / len(mean)])
-            window = []
         elapsed = time.time() - t0
         if progress and done % s.save_every == 0 and done < s.steps:
             _save_progress(progress, settings, params, opt, gen, done, seconds + elapsed, curve)
@@ -209,28 +166,27 @@ def _train(student, step_fn, token_ids, what: str, s: TrainSettings, out_path, l
             losses_text = " ".join(f"{x:.4g}" for x in mean)
             log(f"{what} {done}/{s.steps}: loss {losses_text} ({elapsed:.0f}s, ~{left:.0f}s left)")
     student.train_seconds, student.loss_curve = seconds + time.time() - t0, curve
-    if out_path:
-        # no times in the file: the same settings always give the same bytes
+    if out_path:  # no times in the file: the same settings always give the same bytes
         save_student(student, out_path, {"settings": settings, "loss_curve": curve})
         progress.unlink(missing_ok=True)
     return student
 
 
 def _save_progress(path, settings, params, opt, gen, done, seconds, curve):
-    tensors = {f"param.{n}": p for n, p in params.items()}
+    tensors = {f"param.{n}": p for n, p in params.items()} | {"rng": gen.get_state()}
     for index, state in opt.state_dict()["state"].items():
-        tensors.update({f"adam.{index}.{key}": t for key, t in state.items()})
-    tensors["rng"] = gen.get_state()
+        tensors |= {f"adam.{index}.{key}": t for key, t in state.items()}
     meta = {"settings": settings, "step": done, "seconds": seconds, "loss_curve": curve}
     save_tensors(tensors, path, meta)
 
 
 def _resume(path: Path, settings, params, opt, gen, log):
-    """(step reached, seconds spent, loss curve), restoring features, Adam state and the data
-    generator from a progress file of the same settings; one of other settings is set aside."""
+    """(step, seconds, loss curve) of a progress file of the same settings, restoring the tensors,
+    Adam and the data generator; (0, 0.0, []) without one, setting aside one of other settings."""
+    if not (path and path.exists()):
+        return 0, 0.0, []
     stored, meta = read_tensors(path)
-    changed = changed_settings(meta.get("settings", {}), settings)
-    if changed:
+    if changed := changed_settings(meta.get("settings", {}), settings):
         log(f"{path}: progress of other settings ({changed} changed); starting over")
         path.unlink()
         return 0, 0.0, []
@@ -244,28 +200,17 @@ def _resume(path: Path, settings, params, opt, gen, log):
             state["state"].setdefault(int(index), {})[key] = t
     opt.load_state_dict(state)
     gen.set_state(stored["rng"])
+    log(f"{settings['loss']}: resuming from {path} at step {meta['step']}/{settings['steps']}")
     return int(meta["step"]), float(meta["seconds"]), meta["loss_curve"]
 
 
-def distill(
-    teacher,
-    dims,
-    token_ids,
-    settings: TrainSettings = DEFAULT,
-    *,
-    loss: str = "softmax",
-    feature_seed: int = 0,
-    out_path=None,
-    log=print,
-    meta=None,
-):
-    """A PRF student (dims[i] features in layer i, drawn with feature_seed + i), each layer trained
-    with the "l2" or "softmax" loss on the teacher's q, k for windows of token_ids (1-D).
-
-    With out_path, progress goes atomically to `<out_path>.progress` every settings.save_every
-    steps, a run with the same settings resumes from it exactly (train_seconds adds up), and the
-    student is saved to out_path with `meta`. The teacher stays untouched.
-    """
+def distill(teacher, dims, token_ids, settings: TrainSettings = DEFAULT, *, loss="softmax",
+            feature_seed=0, out_path=None, log=print, meta=None):  # fmt: skip
+    """A PRF student (dims[i] features in layer i, seed feature_seed + i), each layer trained with
+    `loss` ("l2" or "softmax") on the teacher's q, k for windows of token_ids (1-D). With out_path,
+    progress goes atomically to `<out_path>.progress` every settings.save_every steps, a run of the
+    same settings resumes from it exactly (train_seconds adds up), and the student is saved to
+    out_path with `meta`."""
     if loss not in ("l2", "softmax"):
         raise ValueError(f"distill: loss {loss!r}; expected 'l2' or 'softmax'")
     student = make_student(teacher, "prf", dims, feature_seed)
@@ -281,14 +226,10 @@ def distill(
     return _train(student, step, token_ids, loss, settings, out_path, log, meta)
 
 
-def train_direct(
-    student, token_ids, settings: TrainSettings = DEFAULT, *, out_path=None, log=print, meta=None
-):
-    """The direct baseline, in place: next-token cross-entropy of the whole student, end to end.
-
-    Scored on positions 1..ctx-1 of each window, training only the student's own tensors.
-    Arguments as for distill.
-    """
+def train_direct(student, token_ids, settings: TrainSettings = DEFAULT, *, out_path=None,
+                 log=print, meta=None):  # fmt: skip
+    """The direct baseline, in place: the student's next-token cross-entropy on positions 1..ctx-1
+    of each window, training its own tensors only. Arguments as for distill."""
 
     def step(ids):
         logits = student(ids[:, :-1])  # [B, T-1, V]

@@ -1,16 +1,13 @@
 """Students: a teacher whose attention layers are swapped for linear attention, and their files.
 
-A student shares every frozen tensor of its teacher (none is copied) and owns only its new
-trainable tensors: PRF features z and a = log α per layer ("prf"), or DiJiang's decay, norm and gate
-("dijiang"). A student is one safetensors file, written atomically: just those tensors, with its
-record (kind, dims, seeds, the settings that trained it, the teacher's identity) as one JSON string
-in sorted key order in the metadata, so the same student always gives the same bytes.
+A student shares its teacher's frozen tensors and owns only its trainable ones (PRF z and a = log α,
+or DiJiang's decay, norm and gate). Its file holds just those, with its record (kind, dims, seeds,
+training settings, the teacher's identity) as sorted JSON: the same student gives the same bytes.
 """
 
 import copy
 import json
 
-import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
@@ -23,16 +20,13 @@ KINDS = ("prf", "dijiang")
 
 
 def sharing_copy(teacher):
-    """A copy of the teacher's modules sharing every tensor: swapping its attention leaves the
-    teacher intact."""
-    shared = {id(t): t for t in (*teacher.parameters(), *teacher.buffers())}
-    return copy.deepcopy(teacher, shared)
+    """A copy of the teacher's modules sharing every tensor, whose attention can be swapped."""
+    return copy.deepcopy(teacher, {id(t): t for t in (*teacher.parameters(), *teacher.buffers())})
 
 
 def make_student(teacher, kind: str, dims, feature_seed: int, orthogonal: bool = True):
-    """An untrained student of `kind`: "prf" has dims[i] PRF features in layer i, drawn with seed
-    feature_seed + i (FAVOR+ orthogonal blocks unless orthogonal=False; untrained, the Performer
-    baseline); "dijiang" uses the head size everywhere."""
+    """An untrained student: "dijiang", or "prf" with dims[i] PRF features in layer i, seed
+    feature_seed + i (FAVOR+ orthogonal blocks unless orthogonal=False; untrained: Performer)."""
     dims = [int(m) for m in dims]
     if len(dims) != teacher.config.n_layer:
         raise ValueError(f"make_student: {len(dims)} dims for {teacher.config.n_layer} layers")
@@ -41,11 +35,9 @@ def make_student(teacher, kind: str, dims, feature_seed: int, orthogonal: bool =
     student = sharing_copy(teacher)
     student.meta = {"kind": kind, "dims": dims, "feature_seed": feature_seed}
     if kind == "prf":
-        replace_attention(student, dims, feature_seed, orthogonal)
         student.meta["orthogonal"] = orthogonal
-    else:
-        to_dijiang(student, feature_seed)
-    return student
+        return replace_attention(student, dims, feature_seed, orthogonal)
+    return to_dijiang(student, feature_seed)
 
 
 def trainable(model) -> dict:
@@ -54,57 +46,45 @@ def trainable(model) -> dict:
 
 
 def save_tensors(tensors: dict, path, metadata: dict):
-    """A safetensors file written atomically, `metadata` as one sorted JSON string under the key
-    "dofmini" (safetensors writes a metadata dict in random order)."""
+    """A safetensors file written atomically, `metadata` as sorted JSON under the key "dofmini"."""
     tensors = {n: t.detach().cpu().contiguous() for n, t in sorted(tensors.items())}
     meta = {"dofmini": json.dumps(metadata, sort_keys=True)}
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), meta))
 
 
 def read_tensors(path):
-    """(tensors, metadata with JSON-decoded values) of a file save_tensors wrote."""
+    """(tensors, metadata) of a file save_tensors wrote."""
     try:
         with safe_open(str(path), "pt") as f:
-            tensors, raw = {n: f.get_tensor(n) for n in f.keys()}, f.metadata() or {}
-        return tensors, json.loads(raw["dofmini"])
-    except (SafetensorError, OSError, KeyError, json.JSONDecodeError) as err:
+            return {n: f.get_tensor(n) for n in f.keys()}, json.loads(f.metadata()["dofmini"])
+    except (SafetensorError, OSError, KeyError, TypeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"cannot read {path}: {type(err).__name__}: {err}") from None
 
 
 def save_student(student, path, meta=None):
-    """The student's trainable tensors with its record: kind, dims, seeds, `meta` (loss, settings,
-    ...) and the teacher's identity."""
+    """The student's trainable tensors with its record, `meta` and the teacher's identity."""
     record = {**student.meta, **(meta or {}), "teacher": student.identity}
     save_tensors(trainable(student), path, record)
 
 
 def load_student(teacher, path, expect=None):
-    """Rebuild a saved student on `teacher`. Refuses a file made for another teacher, with other
+    """A saved student rebuilt on `teacher`. Refuses a file made for another teacher, with other
     tensors, or whose record differs from `expect` (a dict, e.g. dims, feature_seed, loss)."""
     stored, meta = read_tensors(path)
-    if meta.get("teacher") != teacher.identity:
+    if meta.get("teacher") != teacher.identity or meta.get("kind") not in KINDS:
         raise CheckpointError(
-            f"{path} holds a student of teacher {meta.get('teacher')!r}; "
-            f"this teacher is {teacher.identity!r}"
+            f"{path} holds a student of teacher {meta.get('teacher')!r}, kind "
+            f"{meta.get('kind')!r}; this teacher is {teacher.identity!r}, the kinds {KINDS}"
         )
-    # JSON round trip: a tuple of dims compares equal to the list the file holds
-    for field, value in json.loads(json.dumps(expect or {})).items():
+    for field, value in json.loads(json.dumps(expect or {})).items():  # tuples as lists
         if meta.get(field) != value:
             raise CheckpointError(f"{path}: {field} is {meta.get(field)!r}; expected {value!r}")
-    if meta.get("kind") not in KINDS:
-        raise CheckpointError(f"{path}: student kind {meta.get('kind')!r}; expected one of {KINDS}")
-    student = make_student(
-        teacher, meta["kind"], meta["dims"], meta["feature_seed"], meta.get("orthogonal", True)
-    )
-    params = trainable(student)
-    for name in sorted(params.keys() | stored.keys()):
-        shapes = [tuple(t[name].shape) if name in t else None for t in (stored, params)]
-        if shapes[0] != shapes[1]:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} has shape {shapes[0]}, the student expects {shapes[1]}"
-            )
-    with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(stored[name])
+    kind, dims, seed = (meta.get(k) for k in ("kind", "dims", "feature_seed"))
+    student = make_student(teacher, kind, dims, seed, meta.get("orthogonal", True))
+    shapes = [{n: tuple(t.shape) for n, t in d.items()} for d in (stored, trainable(student))]
+    for name in sorted(shapes[0].keys() | shapes[1].keys()):
+        if (got := shapes[0].get(name)) != (want := shapes[1].get(name)):
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {got}, the student's {want}")
+    student.load_state_dict(stored, strict=False)  # exactly the trainable tensors, checked above
     student.meta = {k: v for k, v in meta.items() if k != "teacher"}
     return student

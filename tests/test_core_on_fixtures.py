@@ -1,20 +1,34 @@
 """The core claims on the checkpoints and task files in tests/fixtures, so they hold in a user's
-fresh clone without ../shared: every task's framing, DoF and allocation on a real forward pass, and
-distillation that lowers the held-out error of the draw it starts from. The stand-in versions in the
-other test files stay the stronger checks where ../shared exists."""
+fresh clone without ../shared: every task's framing, DoF and allocation on a real forward pass,
+distillation that lowers the held-out error of the draw it starts from, and student files that are
+reproducible byte for byte and reload exactly. The stand-in versions in the other test files stay
+the stronger checks where ../shared exists."""
+
+import re
 
 import pytest
 import torch
 from conftest import FIXTURES
 
-from dofmini import load
+from dofmini import CheckpointError, load
 from dofmini.distill import TrainSettings, distill
 from dofmini.dof import allocate, estimate_dof
-from dofmini.students import make_student
+from dofmini.students import load_student, make_student, save_student, save_tensors, trainable
 from dofmini.study.evaluate import layer_errors
 from dofmini.study.tasks import TASKS, load_task
 
 TASK_FILES = FIXTURES / "tasks"  # two or three hand-written examples in each task's own format
+S, quiet = TrainSettings, lambda line: None
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load(FIXTURES / "gpt2-tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny_ids():
+    return torch.randint(0, 96, (4096,), generator=torch.Generator().manual_seed(0))
 
 
 def test_every_task_frames_its_examples_as_the_harness_does():
@@ -92,3 +106,48 @@ def test_distillation_lowers_the_heldout_error_of_its_starting_draw(loss):
     metric = "kernel_l2" if loss == "l2" else "kl"
     assert all(a < b for a, b in zip(after[metric], before[metric])), (before, after)
     assert all(a < b for a, b in zip(after["output_rel"], before["output_rel"]))
+
+
+def test_ten_repeats_of_one_seed_give_bit_identical_students_and_files(tiny, tiny_ids, tmp_path):
+    files, settings = [], S(steps=3, batch=2, ctx=32, data_seed=4)
+    for i in range(10):
+        path = tmp_path / f"s{i}.safetensors"
+        distill(tiny, [6, 6], tiny_ids, settings, feature_seed=4, out_path=path, log=quiet)
+        files.append(path.read_bytes())
+    assert len(set(files)) == 1  # tensors and metadata, byte for byte
+    other = trainable(distill(tiny, [6, 6], tiny_ids, settings, feature_seed=5, log=quiet))
+    first = trainable(load_student(tiny, tmp_path / "s0.safetensors"))
+    assert not torch.equal(first["blocks.0.attn.features.z"], other["blocks.0.attn.features.z"])
+
+
+def test_saved_student_reloads_with_bit_identical_logits(tiny, tiny_ids, tmp_path):
+    path = tmp_path / "student.safetensors"
+    student = distill(
+        tiny, [6, 10], tiny_ids, S(steps=3, batch=2, ctx=32), loss="l2", feature_seed=3,
+        out_path=path, meta={"lam": 0.0625}, log=quiet,
+    )  # fmt: skip
+    loaded = load_student(tiny, path, expect={"dims": (6, 10), "feature_seed": 3, "loss": "l2"})
+    assert set(loaded.state_dict()) == set(student.state_dict())
+    record = [loaded.meta[k] for k in ("dims", "lam", "loss", "feature_seed", "kind")]
+    assert record == [[6, 10], 0.0625, "l2", 3, "prf"]
+    assert loaded.meta["settings"]["dtype"] == "float32"
+    ids = tiny_ids[:64].view(2, 32)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), student(ids))
+    # only z and a: (6 + 10) features of 4 heads x (8 + 1) floats + header
+    assert path.stat().st_size < 4096
+    for field, value, stored in [("dims", [6, 9], "[6, 10]"), ("loss", "softmax", "'l2'")]:
+        with pytest.raises(CheckpointError, match=rf"{field} is {re.escape(stored)}.*{value!r}"):
+            load_student(tiny, path, expect={"feature_seed": 3, field: value})
+
+
+def test_load_refuses_a_file_of_another_teacher(tiny, tmp_path):
+    path = tmp_path / "student.safetensors"
+    save_student(make_student(tiny, "prf", [4, 4], 0), path)
+    other = load(FIXTURES / "neox-tiny")
+    with pytest.raises(CheckpointError) as err:
+        load_student(other, path)
+    assert all(part in str(err.value) for part in (str(path), tiny.identity, other.identity))
+    save_tensors({}, path, {"teacher": tiny.identity, "kind": "prf2", "dims": [4, 4]})
+    with pytest.raises(CheckpointError, match="kind 'prf2'"):
+        load_student(tiny, path)

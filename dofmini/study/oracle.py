@@ -12,18 +12,15 @@ import torch
 def oracle_allocate(curves, budget, ms=None):
     """Per-layer dims in [ms[0], ms[-1]] summing to exactly L·budget with the least summed error.
 
-    curves[l][k] is layer l's error with ms[k] features (ms: strictly increasing integers >= 1, at
-    least two; None means 1, 2, ..., K, a curve measured at every M). Between measured points the
-    error is taken as the power of M through them (linear in log M and log error): measured error
-    curves fall by a near-constant factor per doubling of M, and a straight line in M between
-    points would overstate every error between them, pinning the optimum to the measured Ms
-    (with M = 8, 16, 32, ... it keeps a uniform allocation unless two layers' errors differ
-    four-fold). Errors must therefore be positive. Every integer M in range has an error. The
-    minimum is found
-    exactly by dynamic programming over layers (the least summed error of layers 0..l for every
-    total), not by a greedy on marginal gains: the greedy is optimal only when every curve is
-    convex, and measured curves need not be. On exact ties the earlier layers get the features.
-    Cost: L·(ms[-1] − ms[0] + 1) vector steps of length L·(budget − ms[0]) + 1.
+    curves[l][k] is layer l's error with ms[k] features (ms: K >= 2 strictly increasing integers
+    >= 1; None: 1, 2, ..., K). Between measured points the error is the power of M through them
+    (linear in log M and log error; errors must be positive): measured curves fall by a
+    near-constant factor per doubling of M, and straight lines in M would overstate every error,
+    pinning the optimum to the measured Ms (with M = 8, 16, 32, ... uniform would win unless two
+    layers' errors differ four-fold). The minimum is exact, by dynamic programming over layers (the
+    least summed error of layers 0..l for every total), not a greedy on marginal gains, which needs
+    convex curves; on exact ties the earlier layers get the features. Cost: L·(ms[-1] − ms[0] + 1)
+    vector steps of length L·(budget − ms[0]) + 1.
     """
     try:
         errors = torch.as_tensor(curves, dtype=torch.float64)  # [L, K]
@@ -36,10 +33,9 @@ def oracle_allocate(curves, budget, ms=None):
             f"oracle_allocate: curves must be [L, K] with L >= 1 and K >= 2 measured points, got "
             f"shape {tuple(errors.shape)}"
         )
-    if not torch.isfinite(errors).all() or not (errors > 0).all():
+    if not (torch.isfinite(errors) & (errors > 0)).all():
         raise ValueError(
-            "oracle_allocate: curves must hold finite positive errors (they are interpolated as a "
-            "power of M)"
+            "oracle_allocate: curves must hold finite positive errors (power-law fits)"
         )
     ms = list(range(1, errors.shape[1] + 1)) if ms is None else list(ms)
     if (
