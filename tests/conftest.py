@@ -1,10 +1,13 @@
 """Shared paths and fixtures. `../shared` (stand-in teachers and datasets) sits beside the checkout
 in CI; in a user's fresh clone it is absent and the tests that need it skip, saying so.
-`data_mirror` serves a data folder over HTTP on 127.0.0.1."""
+`data_mirror` serves a data folder over HTTP on 127.0.0.1; `tiny_store` makes a whole run's inputs."""
 
 import functools
+import hashlib
 import http.server
 import os
+import random
+import shutil
 import threading
 import urllib.parse
 from dataclasses import dataclass
@@ -30,7 +33,7 @@ def shared_path(*parts: str) -> Path:
 
 @pytest.fixture(autouse=True, scope="session")
 def private_cache(tmp_path_factory):
-    """The tests' own user cache (checkpoint hashes, a default data store), never the real one."""
+    """The tests' own user cache (a default data store), never the real one."""
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
 
 
@@ -94,3 +97,33 @@ def data_mirror():
     for server in servers:
         server.shutdown()
         server.server_close()
+
+
+def tiny_store(root):
+    """A data store of seeded made-up English under the real store paths, with a registry of its
+    own pins ($DOFMINI_DATA_REGISTRY), and gpt2-tiny with a character tokenizer (its 96 ids): the
+    whole pipeline in a fresh clone, no ../shared and no network."""
+    from tokenizers import Tokenizer, decoders, models
+
+    words = "the of a city river was in is to by early north old king built first people".split()
+    rng = random.Random(0)
+    rows = ["group\tpath\tbytes\tsha256\turl"]
+    for group, path in [("wikitext2", "wikitext-2-raw/wiki.valid.raw"),
+                        ("wikitext2", "wikitext-2-raw/wiki.test.raw"),
+                        ("corpus", "corpus/wikipedia/tiny.txt"),
+                        ("heldout", "corpus/wikipedia-heldout.txt")]:  # fmt: skip
+        lines = [" ".join(rng.choices(words, k=12)).capitalize() + "." for _ in range(400)]
+        body = ("\n".join(lines) + "\n").encode()
+        (root / "store" / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / "store" / path).write_bytes(body)
+        sha = hashlib.sha256(body).hexdigest()
+        rows.append(f"{group}\t{path}\t{len(body)}\t{sha}\thttps://example.invalid/{path}")
+    (root / "registry.tsv").write_text("\n".join(rows) + "\n")
+    model = root / "gpt2-tiny"
+    shutil.copytree(FIXTURES / "gpt2-tiny", model)
+    vocab = {chr(c): i for i, c in enumerate(range(32, 127))} | {"\n": 95}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.save(str(model / "tokenizer.json"))
+    env = {**os.environ, "DOFMINI_DATA": str(root / "store")}
+    return model, {**env, "DOFMINI_DATA_REGISTRY": str(root / "registry.tsv")}

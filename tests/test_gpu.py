@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, shared_path
+from conftest import REPO, shared_path, tiny_store
 
 
 def run_steps(*prefix, device="cuda"):
@@ -31,3 +31,20 @@ def test_every_step_runs_on_a_simulated_cuda_device_without_float64():
 def test_every_step_runs_on_a_real_cuda_device():
     done = run_steps()
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_gpu_run_never_reuses_a_cpu_run_in_the_same_folder(tmp_path):
+    """The device is part of every stage's key: the simulated CUDA run into a CPU run's folder
+    redoes every stage, saying so."""
+    model, env = tiny_store(tmp_path)
+    args = [REPO / "reproduce.py", model, "--profile", "quick", "--limit", "0"]
+    args += ["--variants", "fix,dof", "--out", tmp_path / "out"]
+    cpu = subprocess.run([sys.executable, *map(str, args)], env=env, capture_output=True, text=True)
+    assert cpu.returncode == 0, cpu.stderr[-3000:]
+    simulator = shared_path("tools", "simcuda_run.py")
+    gpu = subprocess.run([sys.executable, str(simulator), *map(str, args), "--device", "cuda"],
+                         env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert gpu.returncode == 0, gpu.stdout[-3000:] + gpu.stderr[-3000:]
+    assert f"redo: {tmp_path / 'out' / 'teacher.json'}: device changed" in gpu.stdout
+    assert f"redo: {tmp_path / 'out' / 'allocation.json'}: device changed" in gpu.stdout
+    assert "skip:" not in gpu.stdout

@@ -5,10 +5,8 @@ the README says can be copied alone."""
 
 import ast
 import fcntl
-import hashlib
 import json
 import os
-import random
 import re
 import shutil
 import socket
@@ -19,43 +17,13 @@ import xml.etree.ElementTree as ET
 
 import pytest
 import torch
-from conftest import FIXTURES, REPO, shared_path
+from conftest import FIXTURES, REPO, shared_path, tiny_store
 
 TASKS = {"piqa", "arc_easy", "arc_challenge", "winogrande", "wsc273", "mmlu", "logiqa", "lambada"}
 TRAINING_LINE = re.compile(r"^(softmax|l2|direct) \d+/\d+: loss", re.M)  # distill's progress lines
 VENDORABLE = {"linear_attention.py": {"torch"}, "dof.py": {"torch"}, "model.py": {"torch"},
               "generate.py": {"torch"}, "study/plots.py": set(), "study/tasks.py": set(),
               "study/stats.py": set(), "study/oracle.py": {"torch"}}  # fmt: skip
-
-
-def tiny_store(root):
-    """A data store of seeded made-up English under the real store paths, with a registry of its
-    own pins ($DOFMINI_DATA_REGISTRY), and gpt2-tiny with a character tokenizer (its 96 ids): the
-    whole pipeline in a fresh clone, no ../shared and no network."""
-    from tokenizers import Tokenizer, decoders, models
-
-    words = "the of a city river was in is to by early north old king built first people".split()
-    rng = random.Random(0)
-    rows = ["group\tpath\tbytes\tsha256\turl"]
-    for group, path in [("wikitext2", "wikitext-2-raw/wiki.valid.raw"),
-                        ("wikitext2", "wikitext-2-raw/wiki.test.raw"),
-                        ("corpus", "corpus/wikipedia/tiny.txt"),
-                        ("heldout", "corpus/wikipedia-heldout.txt")]:  # fmt: skip
-        lines = [" ".join(rng.choices(words, k=12)).capitalize() + "." for _ in range(400)]
-        body = ("\n".join(lines) + "\n").encode()
-        (root / "store" / path).parent.mkdir(parents=True, exist_ok=True)
-        (root / "store" / path).write_bytes(body)
-        sha = hashlib.sha256(body).hexdigest()
-        rows.append(f"{group}\t{path}\t{len(body)}\t{sha}\thttps://example.invalid/{path}")
-    (root / "registry.tsv").write_text("\n".join(rows) + "\n")
-    model = root / "gpt2-tiny"
-    shutil.copytree(FIXTURES / "gpt2-tiny", model)
-    vocab = {chr(c): i for i, c in enumerate(range(32, 127))} | {"\n": 95}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.decoder = decoders.Fuse()
-    tokenizer.save(str(model / "tokenizer.json"))
-    env = {**os.environ, "DOFMINI_DATA": str(root / "store")}
-    return model, {**env, "DOFMINI_DATA_REGISTRY": str(root / "registry.tsv")}
 
 
 def test_the_whole_pipeline_runs_in_a_fresh_clone_then_reruns_computing_nothing(tmp_path):
