@@ -30,6 +30,7 @@ STUDY = tuple(
         "tasks",
         "evaluate",
         "runs",
+        "plan",
         "oracle",
         "stages",
         "stats",
