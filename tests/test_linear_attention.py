@@ -1,7 +1,8 @@
 """PRF linear attention (dofmini/linear_attention.py): the chunked, recurrent and quadratic forms
-agree (values and gradients, on features and on log-features), are exactly causal, stay finite at
-large norms (in log space: no row lost at any norm), decode token by token like the chunked pass,
-train in segments, and the features estimate the softmax kernel without bias at the 1/√M rate."""
+agree (values and gradients, on features, on log-features and with dijiang.py's decay), are exactly
+causal, stay finite at large norms (in log space: no row lost at any norm), decode token by token
+like the chunked pass, run long sequences, put a student's tensors on its teacher's device, and the
+features estimate the softmax kernel without bias at the 1/√M rate."""
 
 import copy
 import math
@@ -13,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dofmini import load
+from dofmini.dijiang import decay_form
 from dofmini.linear_attention import (
-    SEGMENT,
     LinearAttention,
     LinearState,
     PRFFeatures,
@@ -22,6 +23,7 @@ from dofmini.linear_attention import (
     quadratic_causal_attention,
     recurrent_step,
     replace_attention,
+    scan_chunks,
 )
 
 # Relative-RMS bounds, relative to the size of what is summed (`magnitudes`). All forms compute in
@@ -37,21 +39,41 @@ def rel(x, ref):
     return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300)).item()
 
 
+def options(decay, normalize, log_space=False):
+    """causal_linear_attention's keywords for a decay γ [H] (dijiang.py's form) or none."""
+    form = None if decay is None else decay_form(decay)
+    return dict(normalize=normalize, log_space=log_space, form=form)
+
+
 def chunked(chunk, log_space=False):
     return lambda q, k, v, decay, normalize: causal_linear_attention(
-        q, k, v, chunk, decay, normalize, log_space=log_space
+        q, k, v, chunk, **options(decay, normalize, log_space)
     )
 
 
 def recurrent(log_space=False):
     return lambda q, k, v, decay, normalize: recurrent_step(
-        LinearState(), q, k, v, decay, normalize, log_space
+        LinearState(), q, k, v, **options(decay, normalize, log_space)
+    )
+
+
+def decayed_quadratic(q, k, v, decay, normalize):
+    """The T×T product weighed by γ^(t−s), written out here: the decayed forms' ground truth."""
+    f = torch.promote_types(torch.promote_types(q.dtype, v.dtype), torch.float32)
+    lag = torch.arange(q.shape[2])[:, None] - torch.arange(q.shape[2])  # [T, T]
+    weights = torch.where(lag >= 0, decay.to(f)[:, None, None] ** lag.clamp_min(0), 0)  # [H, T, T]
+    A = q.to(f) @ k.to(f).mT * weights  # [B, H, T, T]
+    y = A @ v.to(f)  # [B, H, T, dv]
+    return (y / A.sum(-1, keepdim=True).clamp_min(torch.finfo(f).tiny) if normalize else y).to(
+        v.dtype
     )
 
 
 def quadratic(log_space=False):
-    return lambda q, k, v, decay, normalize: quadratic_causal_attention(
-        q, k, v, decay, normalize, log_space
+    return lambda q, k, v, decay, normalize: (
+        quadratic_causal_attention(q, k, v, normalize, log_space)
+        if decay is None
+        else decayed_quadratic(q, k, v, decay, normalize)
     )
 
 
@@ -151,7 +173,7 @@ def magnitudes(p, dtype):
     (phi_q, phi_k, v), decay, wrt = fed(p, dtype, exact=True)
     if p["log_space"]:
         phi_q, phi_k = phi_q.exp(), phi_k.exp()
-    quad = lambda v, normalize: quadratic_causal_attention(phi_q, phi_k, v, decay, normalize)
+    quad = lambda v, normalize: quadratic()(phi_q, phi_k, v, decay, normalize)
     out = quad(v.abs(), p["normalize"])
     num = quad(v, False)  # [B, H, T, dv]
     c = cotangent(num, dtype)
@@ -234,7 +256,7 @@ def test_large_norms_stay_finite_and_forms_agree_on_features(p, dtype):
             for name, form in forms(p).items()
         }
         exact, size, den = (
-            quadratic_causal_attention(phi_q.double(), phi_k.double(), x, p["decay"], normalize)
+            quadratic()(phi_q.double(), phi_k.double(), x, p["decay"], normalize)
             for x, normalize in (
                 (v.double(), p["normalize"]),
                 (v.double().abs(), p["normalize"]),
@@ -295,24 +317,21 @@ def test_prefill_then_recurrent_decoding_equals_one_chunked_pass(p, data):
     """A chunked prefill of any length leaves a state from which token-by-token steps continue the
     whole pass (in log space too, where the state carries each feature's running maximum)."""
     (q, k), v = feature_maps(p, p["q"], p["k"]), p["v"]
-    args = (p["decay"], p["normalize"])
-    log = {"log_space": p["log_space"]}
+    kw = options(p["decay"], p["normalize"], p["log_space"])
     with torch.no_grad():
-        whole = causal_linear_attention(q, k, v, p["chunk"], *args, **log)
+        whole = causal_linear_attention(q, k, v, p["chunk"], **kw)
         state, cut = LinearState(), data.draw(st.integers(0, q.shape[2]))
         parts = (
             [
                 causal_linear_attention(
-                    q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], p["chunk"], *args, state, **log
+                    q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], p["chunk"], state=state, **kw
                 )
             ]
             if cut
             else []
         )
         parts += [
-            recurrent_step(
-                state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], *args, **log
-            )
+            recurrent_step(state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], **kw)
             for t in range(cut, q.shape[2])
         ]
     assert state.n == q.shape[2] and state.S.shape[-1] == v.shape[-1] + p["normalize"]
@@ -320,11 +339,11 @@ def test_prefill_then_recurrent_decoding_equals_one_chunked_pass(p, data):
 
 
 @pytest.mark.parametrize("kind", ["plain", "decay", "log"])
-def test_long_sequences_run_in_segments_and_agree(kind):
-    """T past SEGMENT tokens: the chunked pass goes part by part, carrying the state, and still
-    gives the quadratic form's outputs and gradients (fp64). In log space the log-features span
-    e^±90, so keys rise far above their chunk's start and rows take the exact path too."""
-    T, gen = SEGMENT + 37, torch.Generator().manual_seed(0)
+def test_long_sequences_agree(kind):
+    """T = 1061 (66 chunks of 16 and 5 tokens): the chunked pass still gives the quadratic form's
+    outputs and gradients (fp64). In log space the log-features span e^±90, so keys rise far above
+    their chunk's start and rows take the exact path too."""
+    T, gen = 1024 + 37, torch.Generator().manual_seed(0)
     log_space = kind == "log"
     inputs = [
         30 * torch.randn(1, 2, T, 4, generator=gen)
@@ -343,6 +362,44 @@ def test_long_sequences_run_in_segments_and_agree(kind):
         results.append([out, *torch.autograd.grad((out * cotangent(out, torch.float32)).sum(), x)])
     for got, exact in zip(*results):
         assert rel(got, exact) <= BOUND[torch.float32]
+
+
+@pytest.mark.parametrize("N", [1, 2, 3, 5, 8, 13, 64])
+def test_scan_over_chunks_is_the_decayed_sum_without_overflow(N):
+    """scan_chunks against Σ_{n'≤n} exp(A_n − A_n') X_n' written out (fp64), for A falling by up to
+    e^90 per chunk: exp(−A) alone would overflow; values and gradients agree."""
+    gen = torch.Generator().manual_seed(N)
+    X = torch.randn(2, N, 3, 4, generator=gen, dtype=torch.float64).requires_grad_()
+    A = (-90 * torch.rand(2, N, 3, 1, generator=gen, dtype=torch.float64)).cumsum(1)
+    A = A.requires_grad_()  # [2, N, 3, 1] non-increasing along the chunks
+    direct = torch.stack(
+        [sum(torch.exp(A[:, n] - A[:, m]) * X[:, m] for m in range(n + 1)) for n in range(N)], 1
+    )  # [2, N, 3, 4]
+    cot = torch.randn(direct.shape, generator=gen, dtype=torch.float64)
+    results = [
+        [P, *torch.autograd.grad((P * cot).sum(), [X, A], materialize_grads=True)]
+        for P in (scan_chunks(X, A), direct)
+    ]
+    for got, exact in zip(*results):
+        assert got.isfinite().all() and err(got, exact) <= 1e-12 * max(exact.norm().item(), 1)
+
+
+def test_student_tensors_go_to_the_teachers_device_and_its_forward_reads_nothing_back():
+    """replace_attention on a model on the 'meta' device (no data: reading a value back to the host,
+    as a Python branch on a tensor would, fails there): every parameter lands on 'meta', and a
+    forward pass, a chunked prefill and a decoding step run through, at norms where the exact path
+    is needed (on a device both paths run, chosen by torch.where)."""
+    model = replace_attention(load(FIXTURES / "gpt2-tiny").to("meta"), [8, 3], seed=11)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    phi = torch.zeros(1, 2, 70, 4, device="meta")
+    out = causal_linear_attention(phi, phi, phi, 16, log_space=True)
+    assert out.device.type == "meta" and out.shape == (1, 2, 70, 4)
+    ids = torch.zeros(1, 9, dtype=torch.long, device="meta")
+    caches = [b.attn.new_cache(1, 10) for b in model.blocks]
+    with torch.no_grad():
+        assert model(ids).shape == (1, 9, 96)
+        model(ids, 0, caches)
+        assert model(ids[:, :1], 9, caches).shape == (1, 1, 96) and caches[0].n == 10
 
 
 def test_log_scale_recovers_the_exact_kernel_estimate():
@@ -435,9 +492,11 @@ def test_bad_shapes_are_named():
     phi = torch.ones(1, 2, 5, 4)
     with pytest.raises(ValueError, match="v"):
         causal_linear_attention(phi, phi, torch.zeros(1, 2, 6, 3))
-    with pytest.raises(ValueError, match=r"decay must be \[H=2\]"):
-        causal_linear_attention(phi, phi, torch.zeros(1, 2, 5, 3), decay=torch.tensor([0.5, 1.5]))
-    with pytest.raises(ValueError, match="log_space=True needs decay=None and normalize=True"):
+    with pytest.raises(ValueError, match=r"decay must be \[H\] with values in \(0, 1\]"):
+        decay_form(torch.tensor([0.5, 1.5]))
+    with pytest.raises(ValueError, match=r"decay must be \[H=2\]; got shape \(3,\)"):
+        causal_linear_attention(phi, phi, phi, form=decay_form(torch.tensor([0.5, 0.5, 1.0])))
+    with pytest.raises(ValueError, match="log_space=True needs normalize=True"):
         causal_linear_attention(phi, phi, torch.zeros(1, 2, 5, 3), normalize=False, log_space=True)
     state = LinearState()
     causal_linear_attention(phi, phi, torch.zeros(1, 2, 5, 3), state=state)
