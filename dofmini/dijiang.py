@@ -3,8 +3,9 @@ Kernelization", arXiv 2403.19928), as its public Pythia code defines the attenti
 
 φ(x) = softmax(x P) over d features, P = C·diag(F⁻¹(u)) frozen (C orthonormal DCT-II, F⁻¹ the normal
 inverse CDF: weighted quasi-Monte-Carlo); scores decay as γ_h^(t−s) with no normaliser, computed
-by `decayed_chunks`, linear_attention's chunked form with the decay (the released code is
-quadratic), plugged into it as its `form`; each head's output is GroupNorm-ed, gated by SiLU(x W_G) and sent through the teacher's output projection.
+by `decayed_chunks`, linear_attention's chunked form with the decay, plugged into it as its `form`
+(the released code is quadratic); each head's output is GroupNorm-ed, gated by SiLU(x W_G) and sent
+through the teacher's output projection.
 Its new tensors (γ, GroupNorm, W_G) train end to end on the next-token loss (lr 0.02 in the DoF
 paper). It has no per-layer output error: the gate needs the block input, not only q, k, v, so
 there are no PRF `features` here and evaluate.layer_errors reports None.
@@ -27,7 +28,7 @@ def decayed_chunks(q, k, v, S, c, log_g):
     by γ^L per chunk (a scan); a token reads the state before its chunk with γ^(i+1) (i its place in
     the chunk); the L×L product gets the weights γ^(i−j). Every weight is a power of γ ≤ 1,
     computed directly, never a ratio."""
-    (B, H, N, L, M), log_g = q.shape, log_g.to(q.dtype)
+    (_, H, N, L, _), log_g = q.shape, log_g.to(q.dtype)
     if log_g.shape != (H, 1, 1):
         raise ValueError(f"decay must be [H={H}]; got shape {tuple(log_g.shape[:1])}")
     i = torch.arange(L, device=q.device, dtype=q.dtype)[:, None]  # [L, 1]

@@ -1,8 +1,9 @@
-"""PRF linear attention (dofmini/linear_attention.py): the chunked, recurrent and quadratic forms
-agree (values and gradients, on features, on log-features and with dijiang.py's decay), are exactly
-causal, stay finite at large norms (in log space: no row lost at any norm), decode token by token
-like the chunked pass, run long sequences, put a student's tensors on its teacher's device, and the
-features estimate the softmax kernel without bias at the 1/√M rate."""
+"""PRF linear attention (dofmini/linear_attention.py): the chunked form agrees with token-by-token
+decoding and with a quadratic form written out here (values and gradients, on features, on
+log-features and with dijiang.py's decay), is exactly causal, stays finite at large norms (in log
+space: no row lost at any norm), continues a prefill token by token, runs long sequences, puts a
+student's tensors on its teacher's device; the features estimate the softmax kernel without bias
+at the 1/√M rate."""
 
 import copy
 import math
@@ -20,8 +21,6 @@ from dofmini.linear_attention import (
     LinearState,
     PRFFeatures,
     causal_linear_attention,
-    quadratic_causal_attention,
-    recurrent_step,
     replace_attention,
     scan_chunks,
 )
@@ -51,30 +50,38 @@ def chunked(chunk, log_space=False):
     )
 
 
+def recurrent_step(state, q, k, v, **kw):
+    """Token by token, as decoding runs: one token at a time from the state, which it updates."""
+    tokens = zip(*(x.split(1, 2) for x in (q, k, v)))
+    return torch.cat([causal_linear_attention(*x, 1, state=state, **kw) for x in tokens], 2)
+
+
 def recurrent(log_space=False):
     return lambda q, k, v, decay, normalize: recurrent_step(
         LinearState(), q, k, v, **options(decay, normalize, log_space)
     )
 
 
-def decayed_quadratic(q, k, v, decay, normalize):
-    """The T×T product weighed by γ^(t−s), written out here: the decayed forms' ground truth."""
-    f = torch.promote_types(torch.promote_types(q.dtype, v.dtype), torch.float32)
-    lag = torch.arange(q.shape[2])[:, None] - torch.arange(q.shape[2])  # [T, T]
-    weights = torch.where(lag >= 0, decay.to(f)[:, None, None] ** lag.clamp_min(0), 0)  # [H, T, T]
-    A = q.to(f) @ k.to(f).mT * weights  # [B, H, T, T]
-    y = A @ v.to(f)  # [B, H, T, dv]
-    return (y / A.sum(-1, keepdim=True).clamp_min(torch.finfo(f).tiny) if normalize else y).to(
-        v.dtype
-    )
-
-
 def quadratic(log_space=False):
-    return lambda q, k, v, decay, normalize: (
-        quadratic_causal_attention(q, k, v, normalize, log_space)
-        if decay is None
-        else decayed_quadratic(q, k, v, decay, normalize)
-    )
+    """Ground truth, the T×T masked product, written out here, in fp32 or wider: each term weighed
+    by γ^(t−s) with a decay; in log space each kernel value logsumexp_m (log φ_q,tm + log φ_k,sm),
+    each row shifted by its largest (exact at any norm)."""
+
+    def form(q, k, v, decay, normalize):
+        f = torch.promote_types(torch.promote_types(q.dtype, v.dtype), torch.float32)
+        (q, k, x), T = (t.to(f) for t in (q, k, v)), q.shape[2]
+        lag = torch.arange(T)[:, None] - torch.arange(T)  # [T, T]
+        if log_space:
+            logits = torch.logsumexp(q[..., :, None, :] + k[..., None, :, :], -1)  # [B, H, T, T]
+            logits = logits.masked_fill(lag < 0, -math.inf)
+            A = torch.exp(logits - logits.detach().amax(-1, keepdim=True))  # [B, H, T, T]
+        else:
+            gamma = torch.ones(q.shape[1], dtype=f) if decay is None else decay.to(f)  # [H]
+            A = q @ k.mT * torch.where(lag >= 0, gamma[:, None, None] ** lag.clamp_min(0), 0)
+        y, den = A @ x, A.sum(-1, keepdim=True).clamp_min(torch.finfo(f).tiny)  # [B, H, T, ·]
+        return (y / den if normalize else y).to(v.dtype)
+
+    return form
 
 
 @st.composite
@@ -291,8 +298,7 @@ def test_log_space_loses_no_row_at_any_norm(p, dtype):
     with torch.no_grad():
         log_q, log_k = f64.log_features(q.double()), f64.log_features(k.double())  # [B, H, T, M]
         exact, size = (
-            quadratic_causal_attention(log_q, log_k, x, log_space=True)
-            for x in (v.double(), v.double().abs())
+            quadratic(True)(log_q, log_k, x, None, True) for x in (v.double(), v.double().abs())
         )
         delta = max(
             (a.double() - b).abs().max().item()
@@ -504,7 +510,7 @@ def test_bad_shapes_are_named():
         recurrent_step(
             state, phi[:, :, :1], phi[:, :, :1], torch.zeros(1, 2, 1, 3), normalize=False
         )
-    with pytest.raises(ValueError, match=r"state S \(1, 2, 4, 4\), c None .* \(log space\)"):
+    with pytest.raises(ValueError, match=r"state S \(1, 2, 4, 4\), c None .* log space: c \[B"):
         recurrent_step(state, phi[:, :, :1], phi[:, :, :1], torch.zeros(1, 2, 1, 3), log_space=True)
 
 
