@@ -16,15 +16,14 @@ from torch import nn
 
 
 def chunked_attention(q, k, v, S, c=None):
-    """The algorithm on N chunks of L tokens: q, k [B, H, N, L, M], v [B, H, N, L, E] (with a column
-    of ones, S carries s_t and y_t ends in its denominator), S [B, H, M, E] the state before. Per
-    chunk: 1. its own sum kv = Σ_{s in chunk} φ_k,s v_sᵀ, one matmul; 2. the state before it, a
-    cumulative sum of the kvs over chunks, O(N·M·E); 3. inter: its tokens read that state,
-    φ_q,t·S_before; 4. intra: the L×L product with its own tokens up to each, masked causally.
-    Returns y [B, H, N, L, E], the state after the last chunk, and c (a form's; unused here)."""
-    kv = k.mT @ v  # [B, H, N, M, E]
-    before, S = chunk_states(S, kv)  # [B, H, N, M, E], [B, H, M, E]
-    return q @ before + (q @ k.mT).tril_() @ v, S, c
+    """The algorithm on N chunks of L tokens, q, k [B, H, N, L, M], v [B, H, N, L, E], from the
+    state S [B, H, M, E] before them (with a column of ones in v, S carries s_t and y_t ends in its
+    denominator). Returns y [B, H, N, L, E], the state after, and c (a form's; unused here)."""
+    kv = k.mT @ v  # [B, H, N, M, E] 1. each chunk's own sum Σ_s φ_k,s v_sᵀ, one matmul
+    before, S = chunk_states(S, kv)  # [B, H, N, M, E] 2. the state before each chunk, O(N·M·E)
+    inter = q @ before  # [B, H, N, L, E] 3. each token reads the state before its chunk
+    intra = (q @ k.mT).tril_() @ v  # [B, H, N, L, E] 4. and its chunk's tokens up to itself, L×L
+    return inter + intra, S, c
 
 
 def chunk_states(S, kv, A=None):
@@ -63,9 +62,8 @@ RISE = 40.0
 
 
 def log_chunks(q, k, v, S, c):
-    """`chunked_attention` from log-features q, k, the state S held relative to c [B, H, M, 1].
-
-    PRF log-features exceed fp32's range (e^±87) once ‖k‖ ≳ 5√d, and no one shift per key rescues
+    """`chunked_attention` from log-features q, k, the state S held relative to c [B, H, M, 1]. PRF
+    log-features exceed fp32's range (e^±87) once ‖k‖ ≳ 5√d, and no one shift per key rescues
     them (a query's and a key's largest features can sit at different m). So the same four steps
     run relative to per-feature maxima that only look back: 1-2 to the keys' running maximum
     (`refs`: the scan rescales by exp(c_old − c_new), as online softmax does); 3-4 to `start`, that
@@ -143,17 +141,23 @@ class LinearState:
     c: torch.Tensor | None = None
 
 
-def _checked(phi_q, phi_k, v, normalize: bool, state, log_space: bool):
-    """Checked inputs in the compute dtype, the starting S [B, H, M, E], c [B, H, M, 1] or None."""
+def causal_linear_attention(
+    phi_q, phi_k, v, chunk=64, normalize=True, state=None, log_space=False, form=None
+) -> torch.Tensor:
+    """Chunked causal linear attention: [B, H, T, M] x2, [B, H, T, dv] -> [B, H, T, dv], v's dtype.
+    `chunked_attention` (`log_chunks` with `log_space`, on finite log-features; or `form`, of the
+    same signature) on the whole chunks, then the rest as one shorter chunk, the denominator riding
+    along as a column of ones in v. `state`: start from it and leave the final state in it."""
     shapes = f"phi_q {tuple(phi_q.shape)}, phi_k {tuple(phi_k.shape)}, v {tuple(v.shape)}"
-    fits = phi_q.dim() == 4 == v.dim() and phi_q.shape == phi_k.shape
+    fits = phi_q.dim() == 4 == v.dim() and phi_q.shape == phi_k.shape and chunk >= 1
     if not fits or v.shape[:3] != phi_q.shape[:3] or phi_q.shape[2] == 0:
-        raise ValueError(f"{shapes}: expected [B, H, T, M] x2, [B, H, T, dv] with T >= 1")
+        raise ValueError(f"{shapes}, chunk {chunk}: expected [B, H, T, M] x2, [B, H, T, dv] with "
+                         "T >= 1, chunk >= 1")  # fmt: skip
     if log_space and not normalize:
         raise ValueError("log_space=True needs normalize=True: its shifts cancel only there")
     f = torch.promote_types(torch.promote_types(phi_q.dtype, v.dtype), torch.float32)
-    (B, H, _, M), E = phi_q.shape, v.shape[-1] + normalize
-    S, c = (None, None) if state is None else (state.S, state.c)
+    (B, H, T, M), (dv, dtype) = phi_q.shape, (v.shape[-1], v.dtype)
+    E, (S, c) = dv + normalize, (None, None) if state is None else (state.S, state.c)
     if S is None:
         S = v.new_zeros(B, H, M, E, dtype=f)  # [B, H, M, E]
         # the lowest finite value, not −inf: an empty state then weighs exp(−huge) = 0, never NaN
@@ -163,23 +167,10 @@ def _checked(phi_q, phi_k, v, normalize: bool, state, log_space: bool):
         space = "log space: c [B, H, M, 1]" if log_space else "linear space: c None"
         raise ValueError(f"state S {got[0]}, c {got[1]} does not fit S [B, H, M, E] = "
                          f"{(B, H, M, E)} (E = dv + 1 when normalize=True; {space})")  # fmt: skip
-    return phi_q.to(f), phi_k.to(f), v.to(f), S, c
-
-
-def causal_linear_attention(
-    phi_q, phi_k, v, chunk=64, normalize=True, state=None, log_space=False, form=None
-) -> torch.Tensor:
-    """Chunked causal linear attention: [B, H, T, M] x2, [B, H, T, dv] -> [B, H, T, dv], v's dtype.
-    `chunked_attention` (`log_chunks` with `log_space`, on finite log-features; or `form`, of the
-    same signature) on the whole chunks, then the rest as one shorter chunk, the denominator riding
-    along as a column of ones in v. `state`: start from it and leave the final state in it."""
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1; got {chunk}")
-    dv, dtype = v.shape[-1], v.dtype
-    q, k, v, S, c = _checked(phi_q, phi_k, v, normalize, state, log_space)
+    q, k, v = phi_q.to(f), phi_k.to(f), v.to(f)
     form = form or (log_chunks if log_space else chunked_attention)
     v = torch.cat([v, v.new_ones(*v.shape[:3], 1)], -1) if normalize else v  # [B, H, T, E]
-    T, ys = q.shape[2], []
+    ys = []
     sizes = [n for n in (T - T % chunk, T % chunk) if n]
     for n, *x in zip(sizes, *(t.split(sizes, 2) for t in (q, k, v))):
         y, S, c = form(*(t.unflatten(2, (-1, min(chunk, n))) for t in x), S, c)
@@ -194,12 +185,12 @@ def causal_linear_attention(
 
 
 class PRFFeatures(nn.Module):
-    """Φ(x)_m = sqrt(α_m/M) exp(z_mᵀx / d^¼ − |x|²/(2√d)) per head; trainable z [H, M, d] and
-    a = log α [H, M]. `log_features`: log Φ, for the log space. `queries`/`keys`: Φ, to form
-    Φ(q)·Φ(k) directly (distillation): as z·k' − |k'|²/2 = |z|²/2 − |k'−z|²/2 (k' = k/d^¼), keys
-    drop c_m = |z_m|²/2 (features ≤ sqrt(α_m/M)) and queries add it, then drop their own largest
-    log-feature, `log_scale`: Φ(q)·Φ(k) = exp(log_scale)·(queries(q)[0]·keys(k)). Keys far from
-    every z_m (|k' − z_m| ≳ 13) still underflow in fp32 there, never in log space. No epsilon."""
+    """Φ(x)_m = sqrt(α_m/M) exp(z_mᵀx / d^¼ − |x|²/(2√d)) per head, trainable z [H, M, d], a = log α
+    [H, M]. `log_features`: log Φ. `queries`/`keys`: Φ, to form Φ(q)·Φ(k) directly (distillation):
+    as z·k' − |k'|²/2 = |z|²/2 − |k'−z|²/2 (k' = k/d^¼), keys drop c_m = |z_m|²/2 (≤ sqrt(α_m/M))
+    and queries add it, then drop their largest log-feature, `log_scale`: Φ(q)·Φ(k) =
+    exp(log_scale)·(queries(q)[0]·keys(k)). Keys far from every z_m (|k' − z_m| ≳ 13) still
+    underflow in fp32 there, never in log space. No epsilon: it would bias the estimate."""
 
     def __init__(self, n_head: int, head_dim: int, n_features: int, seed: int, orthogonal=True):
         super().__init__()
@@ -227,19 +218,18 @@ class PRFFeatures(nn.Module):
         scale = 0.5 * (self.a.to(f)[:, None] - math.log(M))  # [H, 1, M] log sqrt(α/M)
         return scale + x @ z.mT - 0.5 * (x * x).sum(-1, keepdim=True)  # [B, H, T, M]
 
-    def _log_c(self, x, name):
-        """(log Φ(x) [B, H, T, M], c = |z|²/2 [H, 1, M]) in the same dtype."""
-        log_phi = self.log_features(x, name)  # [B, H, T, M]
-        return log_phi, 0.5 * (self.z.to(log_phi.dtype) ** 2).sum(-1)[:, None]
+    def _c(self, dtype) -> torch.Tensor:
+        return 0.5 * (self.z.to(dtype) ** 2).sum(-1)[:, None]  # [H, 1, M] c_m = |z_m|²/2
 
     def keys(self, k: torch.Tensor) -> torch.Tensor:
         """Φ(k)·exp(−c) [B, H, T, M]: each key's own features, never above sqrt(α/M)."""
-        log_phi, c = self._log_c(k, "k")
-        return torch.exp(log_phi - c)
+        log_phi = self.log_features(k, "k")  # [B, H, T, M]
+        return torch.exp(log_phi - self._c(log_phi.dtype))
 
     def queries(self, q: torch.Tensor):
         """(Φ(q)·exp(c − log_scale) [B, H, T, M] with max feature 1, log_scale [B, H, T, 1])."""
-        return _shifted(*self._log_c(q, "q"))
+        log_phi = self.log_features(q, "q")  # [B, H, T, M]
+        return _shifted(log_phi, self._c(log_phi.dtype))
 
 
 def draw_gaussian(n_head: int, n_rows: int, dim: int, gen, orthogonal: bool) -> torch.Tensor:
@@ -247,12 +237,10 @@ def draw_gaussian(n_head: int, n_rows: int, dim: int, gen, orthogonal: bool) -> 
     orthogonal directions (Haar: QR with sign fix), norms drawn independently (chi)."""
     if not orthogonal:
         return torch.randn(n_head, n_rows, dim, generator=gen, dtype=torch.float64)
-    blocks = -(-n_rows // dim)
-    Q, R = torch.linalg.qr(
-        torch.randn(n_head, blocks, dim, dim, generator=gen, dtype=torch.float64)
-    )
+    square = torch.randn(n_head, -(-n_rows // dim), dim, dim, generator=gen, dtype=torch.float64)
+    Q, R = torch.linalg.qr(square)  # [H, b, d, d] each: b = ⌈M/d⌉ blocks
     signs = torch.sign(torch.diagonal(R, dim1=-2, dim2=-1))[..., None, :]  # [H, b, 1, d]
-    rows = (Q * signs).mT.reshape(n_head, blocks * dim, dim)[:, :n_rows]  # [H, M, d] unit rows
+    rows = (Q * signs).mT.reshape(n_head, -1, dim)[:, :n_rows]  # [H, M, d] unit rows
     lengths = torch.randn(n_head, n_rows, dim, generator=gen, dtype=torch.float64)  # [H, M, d]
     return rows * lengths.norm(dim=-1, keepdim=True)  # [H, M, d]
 
