@@ -18,7 +18,7 @@ cotangent), with time per 1K tokens (flat: linear in T) and new/old ratios, for:
 (plain); log-features N(0, 1) (log: PRF attention as LinearAttention runs it, every row on the fast
 path of `log_chunks`); log-features 30·N(0, 1) (log-wide: keys rise far above their chunk's
 reference, every chunk also takes the exact path, which a GPU computes always); and DiJiang's
-decay γ. The old version runs twice: in its CPU parts of SEGMENT tokens and whole, as on a GPU.
+decay γ. Each version runs twice: whole, as on a GPU, and in its CPU parts of SEGMENT tokens.
 Then one decoding step in log space, old recurrent_step against the new form on one token.
 
 Each (method, T) is measured in fresh subprocesses, one for time and one for memory. Time: best of
@@ -160,25 +160,27 @@ def measure(what, method, T, chunk, a):
     return float(out.stdout), None
 
 
-def load_old():
-    """linear_attention.py as of a8b0657, loaded from a temp file: (as it ran on CPU, in parts of
-    SEGMENT tokens; its whole-sequence path, as it ran on GPU)."""
-    text = subprocess.run(
-        ["git", "show", "a8b0657:dofmini/linear_attention.py"],
-        cwd=Path(__file__).resolve().parents[1],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+def load_twice(path, name):
+    """Two copies of the module at path: (as it runs on CPU, in parts of SEGMENT tokens; its
+    whole-sequence path, as on GPU, SEGMENT set past any T)."""
+    copies = []
+    for part in ("parts", "whole"):
+        spec = importlib.util.spec_from_file_location(f"{name}_{part}", path)
+        copies.append(importlib.util.module_from_spec(spec))
+        spec.loader.exec_module(copies[-1])
+    copies[1].SEGMENT = 1 << 40
+    return copies
+
+
+def old_path():
+    """linear_attention.py as of a8b0657, written to a temp file."""
+    repo = Path(__file__).resolve().parents[1]
+    show = ["git", "show", "a8b0657:dofmini/linear_attention.py"]
     path = Path(tempfile.mkdtemp()) / "old_linear_attention.py"
-    path.write_text(text)
-    modules = []
-    for name in ("old_parts", "old_whole"):
-        spec = importlib.util.spec_from_file_location(name, path)
-        modules.append(importlib.util.module_from_spec(spec))
-        spec.loader.exec_module(modules[-1])
-    modules[1].SEGMENT = 1 << 40  # one part: the whole sequence, as on GPU
-    return modules
+    path.write_text(
+        subprocess.run(show, cwd=repo, capture_output=True, text=True, check=True).stdout
+    )
+    return path
 
 
 LOG = lambda g: {"log_space": True}
@@ -191,15 +193,16 @@ KINDS = {  # inputs from N(0, 1) (features or log-features), the new and the old
 
 
 def compare(lengths, chunk, rounds):
-    """Old (a8b0657, in CPU parts and whole) against new, in this one process, interleaved: each
-    round times every version once per (kind, T, forward or forward+backward); best of rounds."""
-    old_parts, old_whole = load_old()
-    decay = torch.linspace(0.97, 0.998, H)  # [H] DiJiang-like γ
-    versions = {
-        "new": lambda q, k, v, kw: causal_linear_attention(q, k, v, chunk, **kw),
-        "old parts": lambda q, k, v, kw: old_parts.causal_linear_attention(q, k, v, chunk, **kw),
-        "old whole": lambda q, k, v, kw: old_whole.causal_linear_attention(q, k, v, chunk, **kw),
+    """Old (a8b0657) against new, each whole and in CPU parts, in this one process, interleaved:
+    each round times every version once per (kind, T, forward or forward+backward), the first
+    round after one untimed call; best of rounds."""
+    new_path = Path(__file__).resolve().parents[1] / "dofmini" / "linear_attention.py"
+    modules = {
+        f"{name} {part}": m
+        for name, path in (("new", new_path), ("old", old_path()))
+        for part, m in zip(("parts", "whole"), load_twice(path, name))
     }
+    decay = torch.linspace(0.97, 0.998, H)  # [H] DiJiang-like γ
     best = {}
     for r in range(rounds):
         for kind, (prep, new_kw, old_kw) in KINDS.items():
@@ -208,13 +211,17 @@ def compare(lengths, chunk, rounds):
                 a, b, v = (torch.randn(1, H, T, D, generator=gen) for _ in range(3))
                 q, k = prep(a), prep(b)
                 cot = torch.randn(1, H, T, D, generator=gen)
-                for name, fn in versions.items():
-                    kw = (new_kw if name == "new" else old_kw)(decay)
+                for name, module in modules.items():
+                    kw = (new_kw if name.startswith("new") else old_kw)(decay)
+                    call = lambda x: module.causal_linear_attention(*x, chunk, **kw)  # noqa: B023
+                    if r == 0 and name == "new parts":
+                        with torch.no_grad():
+                            call([q, k, v])  # warm-up: the first call after a kind's 32K is slow
                     for what in ("fwd", "fwd+bwd"):
                         x = [t.clone().requires_grad_(what != "fwd") for t in (q, k, v)]
                         with torch.set_grad_enabled(what != "fwd"):
                             t0 = time.perf_counter()
-                            out = fn(*x, kw)
+                            out = call(x)
                             if what != "fwd":
                                 out.backward(cot)
                             ms = 1e3 * (time.perf_counter() - t0)
@@ -222,21 +229,23 @@ def compare(lengths, chunk, rounds):
                         best[key] = min(best.get(key, math.inf), ms)
         print(f"# round {r + 1} of {rounds} done", flush=True)
     for kind in KINDS:
-        print(f"\n## {kind}: best of {rounds} interleaved rounds (ms); ms per 1K tokens; new/old")
+        print(f"\n## {kind}: best of {rounds} interleaved rounds, ms, per 1K tokens, and ratios")
         head = ["T"] + [
             f"{w} {c}" for w in ("fwd", "fwd+bwd")
-            for c in ("new ms", "new ms/1K", "old parts ms", "old whole ms", "new/old parts",
-                      "new/old whole")
+            for c in ("new whole ms", "per 1K", "new/old whole", "new parts ms", "new/old parts",
+                      "new whole/parts")
         ]  # fmt: skip
         print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
         for T in lengths:
             cells = [str(T)]
             for w in ("fwd", "fwd+bwd"):
-                new, parts, whole = (best[kind, T, n, w] for n in versions)
-                cells += [f"{new:.1f}", f"{1024 * new / T:.2f}", f"{parts:.1f}", f"{whole:.1f}"]
-                cells += [f"{new / parts:.2f}x", f"{new / whole:.2f}x"]
+                ms = {name: best[kind, T, name, w] for name in modules}
+                whole, parts = ms["new whole"], ms["new parts"]
+                cells += [f"{whole:.1f}", f"{1024 * whole / T:.2f}"]
+                cells += [f"{whole / ms['old whole']:.2f}x", f"{parts:.1f}"]
+                cells += [f"{parts / ms['old parts']:.2f}x", f"{whole / parts:.2f}x"]
             print("| " + " | ".join(cells) + " |", flush=True)
-    decode_table(old_whole, rounds)
+    decode_table(modules["old whole"], rounds)
 
 
 def decode_table(old, rounds, tokens=200):
