@@ -1,9 +1,9 @@
 """PRF linear attention (dofmini/linear_attention.py): the chunked form agrees with token-by-token
 decoding and with a quadratic form written out here (values and gradients, on features, on
 log-features and with dijiang.py's decay), is exactly causal, stays finite at large norms (in log
-space: no row lost at any norm), continues a prefill token by token, runs long sequences, puts a
-student's tensors on its teacher's device; the features estimate the softmax kernel without bias
-at the 1/√M rate."""
+space: no row lost at any norm), continues a prefill token by token, runs long sequences in parts,
+puts a student's tensors on its teacher's device; the features estimate the softmax kernel without
+bias at the 1/√M rate."""
 
 import copy
 import math
@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from dofmini import load
 from dofmini.dijiang import decay_form
 from dofmini.linear_attention import (
+    SEGMENT,
     LinearAttention,
     LinearState,
     PRFFeatures,
@@ -345,11 +346,12 @@ def test_prefill_then_recurrent_decoding_equals_one_chunked_pass(p, data):
 
 
 @pytest.mark.parametrize("kind", ["plain", "decay", "log"])
-def test_long_sequences_agree(kind):
-    """T = 1061 (66 chunks of 16 and 5 tokens): the chunked pass still gives the quadratic form's
-    outputs and gradients (fp64). In log space the log-features span e^±90, so keys rise far above
-    their chunk's start and rows take the exact path too."""
-    T, gen = 1024 + 37, torch.Generator().manual_seed(0)
+def test_long_sequences_run_in_parts_and_agree(kind):
+    """T past SEGMENT tokens: on CPU the chunked pass goes part by part, carrying the state, then
+    the 5 tokens left as one chunk, and still gives the quadratic form's outputs and gradients
+    (fp64). In log space the log-features span e^±90, so keys rise far above their chunk's start
+    and rows take the exact path too."""
+    T, gen = SEGMENT + 37, torch.Generator().manual_seed(0)
     log_space = kind == "log"
     inputs = [
         30 * torch.randn(1, 2, T, 4, generator=gen)
