@@ -144,9 +144,9 @@ def causal_linear_attention(
     phi_q, phi_k, v, chunk=64, normalize=True, state=None, log_space=False, form=None
 ) -> torch.Tensor:
     """Chunked causal linear attention: [B, H, T, M] x2, [B, H, T, dv] -> [B, H, T, dv], v's dtype.
-    `chunked_attention` (`log_chunks` with `log_space`, on finite log-features; or `form`, of the
-    same signature) on the whole chunks (on CPU in parts of SEGMENT tokens), then the rest as one
-    chunk, the state carried, the denominator in v as a column of ones. `state`: from, into it."""
+    `chunked_attention` (`log_chunks` with `log_space`, on log-features; or `form`, alike) on the
+    whole chunks (on CPU in parts of SEGMENT tokens, each copied contiguous once, not per matmul),
+    then the rest as one chunk, the state carried, the denominator in v as a column of ones."""
     shapes = f"phi_q {tuple(phi_q.shape)}, phi_k {tuple(phi_k.shape)}, v {tuple(v.shape)}"
     fits = phi_q.dim() == 4 == v.dim() and phi_q.shape == phi_k.shape and chunk >= 1
     if not fits or v.shape[:3] != phi_q.shape[:3] or phi_q.shape[2] == 0:
@@ -174,7 +174,7 @@ def causal_linear_attention(
     sizes = [min(step, T - T % chunk - lo) for lo in range(0, T - T % chunk, step)]
     sizes += [T % chunk] if T % chunk else []  # the rest, one shorter chunk
     for n, *x in zip(sizes, *(t.split(sizes, 2) for t in (q, k, v))):
-        y, S, c = form(*(t.unflatten(2, (-1, min(chunk, n))) for t in x), S, c)
+        y, S, c = form(*(t.contiguous().unflatten(2, (-1, min(chunk, n))) for t in x), S, c)
         ys.append(y.flatten(2, 3))  # [B, H, n, E]
     if state is not None:
         state.S, state.c, state.n = S, c, state.n + T

@@ -194,8 +194,8 @@ KINDS = {  # inputs from N(0, 1) (features or log-features), the new and the old
 
 def compare(lengths, chunk, rounds):
     """Old (a8b0657) against new, each whole and in CPU parts, in this one process, interleaved:
-    each round times every version once per (kind, T, forward or forward+backward), the first
-    round after one untimed call; best of rounds."""
+    each round times every version once per (kind, T, forward or forward+backward), after one
+    untimed call; best of rounds."""
     new_path = Path(__file__).resolve().parents[1] / "dofmini" / "linear_attention.py"
     modules = {
         f"{name} {part}": m
@@ -214,9 +214,9 @@ def compare(lengths, chunk, rounds):
                 for name, module in modules.items():
                     kw = (new_kw if name.startswith("new") else old_kw)(decay)
                     call = lambda x: module.causal_linear_attention(*x, chunk, **kw)  # noqa: B023
-                    if r == 0 and name == "new parts":
+                    if name == "new parts":  # first: after the last kind's largest T it is slow
                         with torch.no_grad():
-                            call([q, k, v])  # warm-up: the first call after a kind's 32K is slow
+                            call([q, k, v])  # untimed
                     for what in ("fwd", "fwd+bwd"):
                         x = [t.clone().requires_grad_(what != "fwd") for t in (q, k, v)]
                         with torch.set_grad_enabled(what != "fwd"):
