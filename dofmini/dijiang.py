@@ -3,20 +3,51 @@ Kernelization", arXiv 2403.19928), as its public Pythia code defines the attenti
 
 φ(x) = softmax(x P) over d features, P = C·diag(F⁻¹(u)) frozen (C orthonormal DCT-II, F⁻¹ the normal
 inverse CDF: weighted quasi-Monte-Carlo); scores decay as γ_h^(t−s) with no normaliser, computed
-in linear_attention's chunked and recurrent forms (the released code is quadratic); each head's
-output is GroupNorm-ed, gated by SiLU(x W_G) and sent through the teacher's output projection.
+by `decayed_chunks`, linear_attention's chunked form with the decay, plugged into it as its `form`
+(the released code is quadratic); each head's output is GroupNorm-ed, gated by SiLU(x W_G) and sent
+through the teacher's output projection.
 Its new tensors (γ, GroupNorm, W_G) train end to end on the next-token loss (lr 0.02 in the DoF
 paper). It has no per-layer output error: the gate needs the block input, not only q, k, v, so
 there are no PRF `features` here and evaluate.layer_errors reports None.
 """
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear_attention import CausalMixer
+from .linear_attention import CausalMixer, chunk_states
+
+
+def decayed_chunks(q, k, v, S, c, log_g):
+    """linear_attention.chunked_attention with every term weighed by γ^(t−s), γ per head (log_g =
+    log γ [H, 1, 1]), i.e. the state decays by γ per token. Each step changes: a chunk's own sum
+    weighs its keys by γ^(L−1−j) (their age at the chunk's end); the states before the chunks shrink
+    by γ^L per chunk (a scan); a token reads the state before its chunk with γ^(i+1) (i its place in
+    the chunk); the L×L product gets the weights γ^(i−j). Every weight is a power of γ ≤ 1,
+    computed directly, never a ratio."""
+    (_, H, N, L, _), log_g = q.shape, log_g.to(q.dtype)
+    if log_g.shape != (H, 1, 1):
+        raise ValueError(f"decay must be [H={H}]; got shape {tuple(log_g.shape[:1])}")
+    i = torch.arange(L, device=q.device, dtype=q.dtype)[:, None]  # [L, 1]
+    kv = (k * torch.exp((L - 1 - i) * log_g)[:, None]).mT @ v  # [B, H, N, M, E]
+    n = torch.arange(N + 1, device=q.device, dtype=q.dtype)[:, None, None]  # [N+1, 1, 1]
+    before, S = chunk_states(S, kv, n * L * log_g[:, None])  # [B, H, N, M, E], [B, H, M, E]
+    inter = (q * torch.exp((i + 1) * log_g)[:, None]) @ before  # [B, H, N, L, E]
+    lag = i - i.mT  # [L, L]
+    weights = torch.exp((lag * log_g).masked_fill(lag < 0, -math.inf))[:, None]  # [H, 1, L, L]
+    return inter + (q @ k.mT * weights) @ v, S, c
+
+
+def decay_form(decay: torch.Tensor):
+    """The chunk form (causal_linear_attention's `form`) for a given decay γ [H] in (0, 1], checked
+    here, once: every value is read back to the host."""
+    if decay.dim() != 1 or not bool(((decay > 0) & (decay <= 1)).all()):
+        got = f"shape {tuple(decay.shape)}, range [{decay.min().item()}, {decay.max().item()}]"
+        raise ValueError(f"decay must be [H] with values in (0, 1]; got {got}")
+    return partial(decayed_chunks, log_g=decay.log()[:, None, None])
 
 
 def dct_matrix(d: int) -> torch.Tensor:
@@ -42,16 +73,14 @@ class DiJiangAttention(CausalMixer):
 
     def __init__(self, base: nn.Module, seed: int, chunk: int = 64):
         super().__init__()
-        self.base, self.chunk, self.seed = base.requires_grad_(False), chunk, seed
+        self.chunk, self.seed = chunk, seed
         H, d = base.n_head, base.head_dim
         gen = torch.Generator().manual_seed(seed)
         self.register_buffer("proj", dijiang_projection(d, gen).float())  # [d, d]
-        log_1mg = torch.linspace(
-            math.log(1 / 32), math.log(1 / 512), H, dtype=torch.float64
-        )  # log(1 − γ) [H]
-        self.decay_logit = nn.Parameter(
-            (torch.log1p(-log_1mg.exp()) - log_1mg).float()
-        )  # logit γ [H]
+        ends = math.log(1 / 32), math.log(1 / 512)
+        log_1mg = torch.linspace(*ends, H, dtype=torch.float64)  # [H] log(1 − γ)
+        logit = torch.log1p(-log_1mg.exp()) - log_1mg  # [H] logit γ
+        self.decay_logit = nn.Parameter(logit.float())  # [H]
         self.norm = nn.GroupNorm(H, H * d)
         # W_G = gate / √D: an Adam step at lr 0.02 moves each entry by ~lr, which would shift x W_G
         # by ~lr·D on the raw matrix (held-out loss rose in 60 steps on the stand-in); ~lr·√D here.
@@ -59,36 +88,34 @@ class DiJiangAttention(CausalMixer):
         # 2^−2.5·√(6/2D)·√D on `gate`.
         u = torch.rand(H * d, H * d, generator=gen, dtype=torch.float64)  # [D, D]
         self.gate = nn.Parameter(((2 * u - 1) * 2**-2.5 * math.sqrt(3)).float())  # [D, D]
+        self._place(base)
 
     def decay(self) -> torch.Tensor:
         return torch.sigmoid(self.decay_logit)  # [H] in (0, 1)
 
     def phi(self, x: torch.Tensor) -> torch.Tensor:
-        """φ(x) = softmax over the feature axis of x P: [B, H, T, d] -> [B, H, T, d], fp32 or
-        wider."""
+        """φ(x) = softmax over the features of x P: [B, H, T, d] -> [B, H, T, d], fp32 or wider."""
         f = torch.promote_types(x.dtype, torch.float32)
         return torch.softmax(x.to(f) @ self.proj.to(f), -1)  # [B, H, T, d]
 
     def feature_maps(self, q, k):
-        """Softmax features (bounded: no shift needed), decayed by γ, no normaliser."""
-        return self.phi(q), self.phi(k), {"decay": self.decay(), "normalize": False}
+        """Softmax features (bounded: no shift needed), decayed by γ, no normaliser. γ is in (0, 1)
+        by construction: nothing to check, nothing read back to the host."""
+        form = partial(decayed_chunks, log_g=F.logsigmoid(self.decay_logit)[:, None, None])
+        return self.phi(q), self.phi(k), {"normalize": False, "form": form}  # log γ [H, 1, 1]
 
     def finish(self, x, o):
         """Each head's mixed values o [B, H, T, d] GroupNorm-ed and gated by SiLU(x W_G)."""
         (B, H, T, d), f = o.shape, torch.promote_types(x.dtype, torch.float32)
-        o = F.group_norm(
-            o.to(f).transpose(1, 2).reshape(B * T, H * d),
-            H,
-            self.norm.weight.to(f),
-            self.norm.bias.to(f),
-            self.norm.eps,
-        )  # [B*T, D] each head normalised on its own
+        flat, norm = o.to(f).transpose(1, 2).reshape(B * T, H * d), self.norm  # [B*T, D]
+        o = F.group_norm(flat, H, norm.weight.to(f), norm.bias.to(f), norm.eps)  # each head alone
         o = F.silu(x.to(f) @ self.gate.to(f) / math.sqrt(H * d)) * o.view(B, T, H * d)  # [B, T, D]
         return o.view(B, T, H, d).transpose(1, 2).to(x.dtype)  # [B, H, T, d]
 
 
 def to_dijiang(model: nn.Module, seed: int) -> nn.Module:
-    """Swap every model.blocks[i].attn for DiJiangAttention (seed + i), in place; returns model."""
+    """Swap every model.blocks[i].attn for DiJiangAttention (seed + i), in place, on each layer's
+    device; returns model."""
     for i, block in enumerate(model.blocks):
-        block.attn = DiJiangAttention(block.attn, seed + i).to(next(block.attn.parameters()).device)
+        block.attn = DiJiangAttention(block.attn, seed + i)
     return model

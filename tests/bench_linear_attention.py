@@ -5,19 +5,21 @@
 
 B = 1, 12 heads, d = 64, M = 64, fp32, T from 256 to 32768 (to 4096 with --quick; --lengths picks
 others). Compared:
-- chunked: dofmini's causal_linear_attention on features Φ (the normaliser included), forward alone
-           and forward+backward (gradients for Φ_q, Φ_k and v against a fixed random cotangent);
-- log:     the same on log-features N(0, 1) (log_space=True: PRF attention as LinearAttention runs
-           it, shifted by running maxima so that no feature underflows), forward and
-           forward+backward; every row takes the fast path of `_log_chunks`;
-- log-wide: log-features 30·N(0, 1), whose keys rise far above their chunk's reference: the worst
-           case, every chunk also takes the exact path;
+- chunked: dofmini's causal_linear_attention on features Φ (the normaliser included);
 - sdpa:    torch's scaled_dot_product_attention(is_causal=True) on q, k, v of the same sizes;
 - naive:   a per-token cumsum that builds every token's M×d state, in 128 pieces along T with the
            last state carried, the way performer-pytorch's CPU fallback does (its memory then grows
            as T/128 per piece);
 - matmul:  one square fp32 matmul doing as many FLOPs as the chunked form: the roofline.
---training prints only the forward and forward+backward times of chunked, log and log-wide.
+--training (T = 1K to 32K unless --lengths) instead times the whole-sequence chunked form against
+the old one (a8b0657, loaded from git into a temp file), both in this one process, interleaved, best
+of --rounds, forward and forward+backward (gradients for the inputs against a fixed random
+cotangent), with time per 1K tokens (flat: linear in T) and new/old ratios, for: features Φ
+(plain); log-features N(0, 1) (log: PRF attention as LinearAttention runs it, every row on the fast
+path of `log_chunks`); log-features 30·N(0, 1) (log-wide: keys rise far above their chunk's
+reference, every chunk also takes the exact path, which a GPU computes always); and DiJiang's
+decay γ. Each version runs twice: whole, as on a GPU, and in its CPU parts of SEGMENT tokens.
+Then one decoding step in log space, old recurrent_step against the new form on one token.
 
 Each (method, T) is measured in fresh subprocesses, one for time and one for memory. Time: best of
 several calls after a warm-up (other processes on a shared machine only ever add time); with
@@ -33,10 +35,12 @@ why timing runs without it). On CUDA: torch.cuda.max_memory_allocated.
 """
 
 import argparse
+import importlib.util
 import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,7 +48,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dofmini.linear_attention import causal_linear_attention  # noqa: E402
+from dofmini.dijiang import decay_form  # noqa: E402
+from dofmini.linear_attention import LinearState, causal_linear_attention  # noqa: E402
 
 H, D, M = 12, 64, 64
 
@@ -82,21 +87,16 @@ def rss_kb(field):
 
 
 def inputs(method, T, chunk, device, gen):
-    """The function timed and its arguments: positive features Φ for chunked and naive,
-    log-features for log and log-wide."""
+    """The function timed and its arguments: positive features Φ for chunked and naive."""
     if method == "matmul":
         n = matmul_side(T, chunk)
         return torch.mm, [torch.randn(n, n, generator=gen).to(device) for _ in range(2)]
     a, b, v = (torch.randn(1, H, T, D, generator=gen).to(device) for _ in range(3))
     fn = {
         "chunked": lambda q, k, v: causal_linear_attention(q, k, v, chunk),
-        "log": lambda q, k, v: causal_linear_attention(q, k, v, chunk, log_space=True),
-        "log-wide": lambda q, k, v: causal_linear_attention(q, k, v, chunk, log_space=True),
         "naive": naive_cumsum,
         "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
     }[method]
-    if method == "log-wide":
-        return fn, [30 * a, 30 * b, v]
     return fn, [a.exp(), b.exp(), v] if method in ("chunked", "naive") else [a, b, v]
 
 
@@ -160,26 +160,116 @@ def measure(what, method, T, chunk, a):
     return float(out.stdout), None
 
 
-def training_table(lengths, chunk, a):
-    """Forward and forward+backward ms of the chunked form on Φ and on log-features."""
-    methods = ("chunked", "log", "log-wide")
-    head = ["T"] + [f"{m} {w}" for m in methods for w in ("ms", "fwd+bwd ms", "fwd+bwd/fwd")]
-    head += [f"{m}/chunked {w}" for m in methods[1:] for w in ("fwd", "fwd+bwd")]
-    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head), flush=True)
-    notes = []
-    for T in lengths:
-        ms = {}
-        for method in methods:
-            for what in ("ms", "fb"):
-                ms[method, what], note = measure(what, method, T, chunk, a)
-                notes += [note] if note else []
-        cells = [
-            f"{ms[m, 'ms']:.1f} | {ms[m, 'fb']:.1f} | {ms[m, 'fb'] / ms[m, 'ms']:.2f}x"
-            for m in methods
-        ]
-        cells += [f"{ms[m, w] / ms['chunked', w]:.2f}x" for m in methods[1:] for w in ("ms", "fb")]
-        print(f"| {T} | " + " | ".join(cells) + " |", flush=True)
-    return notes
+def load_twice(path, name):
+    """Two copies of the module at path: (as it runs on CPU, in parts of SEGMENT tokens; its
+    whole-sequence path, as on GPU, SEGMENT set past any T)."""
+    copies = []
+    for part in ("parts", "whole"):
+        spec = importlib.util.spec_from_file_location(f"{name}_{part}", path)
+        copies.append(importlib.util.module_from_spec(spec))
+        spec.loader.exec_module(copies[-1])
+    copies[1].SEGMENT = 1 << 40
+    return copies
+
+
+def old_path():
+    """linear_attention.py as of a8b0657, written to a temp file."""
+    repo = Path(__file__).resolve().parents[1]
+    show = ["git", "show", "a8b0657:dofmini/linear_attention.py"]
+    path = Path(tempfile.mkdtemp()) / "old_linear_attention.py"
+    path.write_text(
+        subprocess.run(show, cwd=repo, capture_output=True, text=True, check=True).stdout
+    )
+    return path
+
+
+LOG = lambda g: {"log_space": True}
+KINDS = {  # inputs from N(0, 1) (features or log-features), the new and the old keywords for γ
+    "plain": (lambda x: x.exp(), lambda g: {}, lambda g: {}),
+    "log": (lambda x: x, LOG, LOG),
+    "log-wide": (lambda x: 30 * x, LOG, LOG),  # every chunk also takes the exact path
+    "decay": (lambda x: x.exp(), lambda g: {"form": decay_form(g)}, lambda g: {"decay": g}),
+}
+
+
+def compare(lengths, chunk, rounds):
+    """Old (a8b0657) against new, each whole and in CPU parts, in this one process, interleaved:
+    each round times every version once per (kind, T, forward or forward+backward), after one
+    untimed call; best of rounds."""
+    new_path = Path(__file__).resolve().parents[1] / "dofmini" / "linear_attention.py"
+    modules = {
+        f"{name} {part}": m
+        for name, path in (("new", new_path), ("old", old_path()))
+        for part, m in zip(("parts", "whole"), load_twice(path, name))
+    }
+    decay = torch.linspace(0.97, 0.998, H)  # [H] DiJiang-like γ
+    best = {}
+    for r in range(rounds):
+        for kind, (prep, new_kw, old_kw) in KINDS.items():
+            for T in lengths:
+                gen = torch.Generator().manual_seed(T)
+                a, b, v = (torch.randn(1, H, T, D, generator=gen) for _ in range(3))
+                q, k = prep(a), prep(b)
+                cot = torch.randn(1, H, T, D, generator=gen)
+                for name, module in modules.items():
+                    kw = (new_kw if name.startswith("new") else old_kw)(decay)
+                    call = lambda x: module.causal_linear_attention(*x, chunk, **kw)  # noqa: B023
+                    if name == "new parts":  # first: after the last kind's largest T it is slow
+                        with torch.no_grad():
+                            call([q, k, v])  # untimed
+                    for what in ("fwd", "fwd+bwd"):
+                        x = [t.clone().requires_grad_(what != "fwd") for t in (q, k, v)]
+                        with torch.set_grad_enabled(what != "fwd"):
+                            t0 = time.perf_counter()
+                            out = call(x)
+                            if what != "fwd":
+                                out.backward(cot)
+                            ms = 1e3 * (time.perf_counter() - t0)
+                        key = (kind, T, name, what)
+                        best[key] = min(best.get(key, math.inf), ms)
+        print(f"# round {r + 1} of {rounds} done", flush=True)
+    for kind in KINDS:
+        print(f"\n## {kind}: best of {rounds} interleaved rounds, ms, per 1K tokens, and ratios")
+        head = ["T"] + [
+            f"{w} {c}" for w in ("fwd", "fwd+bwd")
+            for c in ("new whole ms", "per 1K", "new/old whole", "new parts ms", "new/old parts",
+                      "new whole/parts")
+        ]  # fmt: skip
+        print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+        for T in lengths:
+            cells = [str(T)]
+            for w in ("fwd", "fwd+bwd"):
+                ms = {name: best[kind, T, name, w] for name in modules}
+                whole, parts = ms["new whole"], ms["new parts"]
+                cells += [f"{whole:.1f}", f"{1024 * whole / T:.2f}"]
+                cells += [f"{whole / ms['old whole']:.2f}x", f"{parts:.1f}"]
+                cells += [f"{parts / ms['old parts']:.2f}x", f"{whole / parts:.2f}x"]
+            print("| " + " | ".join(cells) + " |", flush=True)
+    decode_table(modules["old whole"], rounds)
+
+
+def decode_table(old, rounds, tokens=200):
+    """One decoding step (log space, B = 1): old recurrent_step against the new chunked form on one
+    token, interleaved, µs per token."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, H, tokens, D, generator=gen) for _ in range(3))
+    steps = {
+        "new": lambda s, t: causal_linear_attention(*t, 1, state=s, log_space=True),
+        "old": lambda s, t: old.recurrent_step(s, *t, log_space=True),
+    }
+    best = {}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for name, step in steps.items():
+                state = LinearState() if name == "new" else old.LinearState()
+                parts = list(zip(*(x.split(1, 2) for x in (q, k, v))))
+                t0 = time.perf_counter()
+                for t in parts:
+                    step(state, t)
+                us = 1e6 * (time.perf_counter() - t0) / tokens
+                best[name] = min(best.get(name, math.inf), us)
+    print(f"\n## decoding, log space: new {best['new']:.0f} µs/token, old {best['old']:.0f}, "
+          f"new/old {best['new'] / best['old']:.2f}x")  # fmt: skip
 
 
 def main():
@@ -199,6 +289,7 @@ def main():
     p.add_argument(
         "--cpu-time", action="store_true", help="time by process CPU time, not wall time"
     )
+    p.add_argument("--rounds", type=int, default=3, help="--training: interleaved rounds")
     p.add_argument("--worker", nargs=3, metavar=("WHAT", "METHOD", "T"), help=argparse.SUPPRESS)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -215,6 +306,8 @@ def main():
     lengths = (
         [int(T) for T in a.lengths.split(",")]
         if a.lengths
+        else [1024 * 2**i for i in range(6)]
+        if a.training
         else [256 * 2**i for i in range(5 if a.quick else 8)]
     )
     chunk = chunks[0]
@@ -224,9 +317,7 @@ def main():
         f"B=1 H={H} d={D} M={M} fp32, chunk={chunk}"
     )
     if a.training:
-        for note in training_table(lengths, chunk, a):
-            print("note:", note)
-        return
+        return compare(lengths, chunk, a.rounds)
     head = (
         "T",
         "chunked ms",
@@ -270,8 +361,6 @@ def main():
         if crossover
         else "\ncrossover: the chunked form does not stay ahead of SDPA in this range"
     )
-    print("\n## training: forward and forward+backward, on Φ and on log-features", flush=True)
-    notes += training_table(lengths, chunk, a)
     for note in notes:
         print("note:", note)
     if len(chunks) > 1 and not a.quick:

@@ -1,7 +1,7 @@
 """DiJiang baseline (dofmini/dijiang.py): the DCT-II matrix and seeded projection, softmax features,
 the module's chunked forward against a quadratic reference written out here, token-by-token decoding
-of a whole swapped model, causality, which tensors train, the student file round trip, and a short
-end-to-end training run."""
+of a whole swapped model, causality, which tensors train, placement on the teacher's device, the
+student file round trip, and a short end-to-end training run."""
 
 import math
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import FIXTURES
 
 from dofmini import load
-from dofmini.dijiang import DiJiangAttention, dct_matrix, dijiang_projection
+from dofmini.dijiang import DiJiangAttention, dct_matrix, dijiang_projection, to_dijiang
 from dofmini.distill import train_direct
 from dofmini.students import load_student, make_student, save_student
 
@@ -154,6 +154,20 @@ def test_causal_and_only_the_new_tensors_train():
     assert all(
         type(block.attn).__name__ == "Attention" for block in teacher.blocks
     )  # the teacher is untouched
+
+
+def test_built_on_the_teachers_device_and_its_forward_reads_nothing_back():
+    """to_dijiang on a model on the 'meta' device (no data: a value read back to the host, as the
+    old per-forward decay check did, fails there): every tensor lands on 'meta' and a forward pass
+    and a decoding step run through."""
+    model = to_dijiang(load(FIXTURES / "gpt2-tiny").to("meta"), 0)
+    assert {t.device.type for t in (*model.parameters(), *model.buffers())} == {"meta"}
+    ids = torch.zeros(1, 9, dtype=torch.long, device="meta")
+    caches = [b.attn.new_cache(1, 10) for b in model.blocks]
+    with torch.no_grad():
+        assert model(ids).shape == (1, 9, 96)
+        model(ids, 0, caches)
+        assert model(ids[:, :1], 9, caches).shape == (1, 1, 96)
 
 
 def test_student_file_round_trip(tmp_path):

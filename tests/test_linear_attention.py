@@ -1,7 +1,9 @@
-"""PRF linear attention (dofmini/linear_attention.py): the chunked, recurrent and quadratic forms
-agree (values and gradients, on features and on log-features), are exactly causal, stay finite at
-large norms (in log space: no row lost at any norm), decode token by token like the chunked pass,
-train in segments, and the features estimate the softmax kernel without bias at the 1/√M rate."""
+"""PRF linear attention (dofmini/linear_attention.py): the chunked form agrees with token-by-token
+decoding and with a quadratic form written out here (values and gradients, on features, on
+log-features and with dijiang.py's decay), is exactly causal, stays finite at large norms (in log
+space: no row lost at any norm), continues a prefill token by token, runs long sequences in parts,
+puts a student's tensors on its teacher's device; the features estimate the softmax kernel without
+bias at the 1/√M rate."""
 
 import copy
 import math
@@ -13,15 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dofmini import load
+from dofmini.dijiang import decay_form
 from dofmini.linear_attention import (
     SEGMENT,
     LinearAttention,
     LinearState,
     PRFFeatures,
     causal_linear_attention,
-    quadratic_causal_attention,
-    recurrent_step,
     replace_attention,
+    scan_chunks,
 )
 
 # Relative-RMS bounds, relative to the size of what is summed (`magnitudes`). All forms compute in
@@ -37,22 +39,50 @@ def rel(x, ref):
     return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300)).item()
 
 
+def options(decay, normalize, log_space=False):
+    """causal_linear_attention's keywords for a decay γ [H] (dijiang.py's form) or none."""
+    form = None if decay is None else decay_form(decay)
+    return dict(normalize=normalize, log_space=log_space, form=form)
+
+
 def chunked(chunk, log_space=False):
     return lambda q, k, v, decay, normalize: causal_linear_attention(
-        q, k, v, chunk, decay, normalize, log_space=log_space
+        q, k, v, chunk, **options(decay, normalize, log_space)
     )
+
+
+def recurrent_step(state, q, k, v, **kw):
+    """Token by token, as decoding runs: one token at a time from the state, which it updates."""
+    tokens = zip(*(x.split(1, 2) for x in (q, k, v)))
+    return torch.cat([causal_linear_attention(*x, 1, state=state, **kw) for x in tokens], 2)
 
 
 def recurrent(log_space=False):
     return lambda q, k, v, decay, normalize: recurrent_step(
-        LinearState(), q, k, v, decay, normalize, log_space
+        LinearState(), q, k, v, **options(decay, normalize, log_space)
     )
 
 
 def quadratic(log_space=False):
-    return lambda q, k, v, decay, normalize: quadratic_causal_attention(
-        q, k, v, decay, normalize, log_space
-    )
+    """Ground truth, the T×T masked product, written out here, in fp32 or wider: each term weighed
+    by γ^(t−s) with a decay; in log space each kernel value logsumexp_m (log φ_q,tm + log φ_k,sm),
+    each row shifted by its largest (exact at any norm)."""
+
+    def form(q, k, v, decay, normalize):
+        f = torch.promote_types(torch.promote_types(q.dtype, v.dtype), torch.float32)
+        (q, k, x), T = (t.to(f) for t in (q, k, v)), q.shape[2]
+        lag = torch.arange(T)[:, None] - torch.arange(T)  # [T, T]
+        if log_space:
+            logits = torch.logsumexp(q[..., :, None, :] + k[..., None, :, :], -1)  # [B, H, T, T]
+            logits = logits.masked_fill(lag < 0, -math.inf)
+            A = torch.exp(logits - logits.detach().amax(-1, keepdim=True))  # [B, H, T, T]
+        else:
+            gamma = torch.ones(q.shape[1], dtype=f) if decay is None else decay.to(f)  # [H]
+            A = q @ k.mT * torch.where(lag >= 0, gamma[:, None, None] ** lag.clamp_min(0), 0)
+        y, den = A @ x, A.sum(-1, keepdim=True).clamp_min(torch.finfo(f).tiny)  # [B, H, T, ·]
+        return (y / den if normalize else y).to(v.dtype)
+
+    return form
 
 
 @st.composite
@@ -151,7 +181,7 @@ def magnitudes(p, dtype):
     (phi_q, phi_k, v), decay, wrt = fed(p, dtype, exact=True)
     if p["log_space"]:
         phi_q, phi_k = phi_q.exp(), phi_k.exp()
-    quad = lambda v, normalize: quadratic_causal_attention(phi_q, phi_k, v, decay, normalize)
+    quad = lambda v, normalize: quadratic()(phi_q, phi_k, v, decay, normalize)
     out = quad(v.abs(), p["normalize"])
     num = quad(v, False)  # [B, H, T, dv]
     c = cotangent(num, dtype)
@@ -234,7 +264,7 @@ def test_large_norms_stay_finite_and_forms_agree_on_features(p, dtype):
             for name, form in forms(p).items()
         }
         exact, size, den = (
-            quadratic_causal_attention(phi_q.double(), phi_k.double(), x, p["decay"], normalize)
+            quadratic()(phi_q.double(), phi_k.double(), x, p["decay"], normalize)
             for x, normalize in (
                 (v.double(), p["normalize"]),
                 (v.double().abs(), p["normalize"]),
@@ -269,8 +299,7 @@ def test_log_space_loses_no_row_at_any_norm(p, dtype):
     with torch.no_grad():
         log_q, log_k = f64.log_features(q.double()), f64.log_features(k.double())  # [B, H, T, M]
         exact, size = (
-            quadratic_causal_attention(log_q, log_k, x, log_space=True)
-            for x in (v.double(), v.double().abs())
+            quadratic(True)(log_q, log_k, x, None, True) for x in (v.double(), v.double().abs())
         )
         delta = max(
             (a.double() - b).abs().max().item()
@@ -295,24 +324,21 @@ def test_prefill_then_recurrent_decoding_equals_one_chunked_pass(p, data):
     """A chunked prefill of any length leaves a state from which token-by-token steps continue the
     whole pass (in log space too, where the state carries each feature's running maximum)."""
     (q, k), v = feature_maps(p, p["q"], p["k"]), p["v"]
-    args = (p["decay"], p["normalize"])
-    log = {"log_space": p["log_space"]}
+    kw = options(p["decay"], p["normalize"], p["log_space"])
     with torch.no_grad():
-        whole = causal_linear_attention(q, k, v, p["chunk"], *args, **log)
+        whole = causal_linear_attention(q, k, v, p["chunk"], **kw)
         state, cut = LinearState(), data.draw(st.integers(0, q.shape[2]))
         parts = (
             [
                 causal_linear_attention(
-                    q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], p["chunk"], *args, state, **log
+                    q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], p["chunk"], state=state, **kw
                 )
             ]
             if cut
             else []
         )
         parts += [
-            recurrent_step(
-                state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], *args, **log
-            )
+            recurrent_step(state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], **kw)
             for t in range(cut, q.shape[2])
         ]
     assert state.n == q.shape[2] and state.S.shape[-1] == v.shape[-1] + p["normalize"]
@@ -320,10 +346,11 @@ def test_prefill_then_recurrent_decoding_equals_one_chunked_pass(p, data):
 
 
 @pytest.mark.parametrize("kind", ["plain", "decay", "log"])
-def test_long_sequences_run_in_segments_and_agree(kind):
-    """T past SEGMENT tokens: the chunked pass goes part by part, carrying the state, and still
-    gives the quadratic form's outputs and gradients (fp64). In log space the log-features span
-    e^±90, so keys rise far above their chunk's start and rows take the exact path too."""
+def test_long_sequences_run_in_parts_and_agree(kind):
+    """T past SEGMENT tokens: on CPU the chunked pass goes part by part, carrying the state, then
+    the 5 tokens left as one chunk, and still gives the quadratic form's outputs and gradients
+    (fp64). In log space the log-features span e^±90, so keys rise far above their chunk's start
+    and rows take the exact path too."""
     T, gen = SEGMENT + 37, torch.Generator().manual_seed(0)
     log_space = kind == "log"
     inputs = [
@@ -343,6 +370,44 @@ def test_long_sequences_run_in_segments_and_agree(kind):
         results.append([out, *torch.autograd.grad((out * cotangent(out, torch.float32)).sum(), x)])
     for got, exact in zip(*results):
         assert rel(got, exact) <= BOUND[torch.float32]
+
+
+@pytest.mark.parametrize("N", [1, 2, 3, 5, 8, 13, 64])
+def test_scan_over_chunks_is_the_decayed_sum_without_overflow(N):
+    """scan_chunks against Σ_{n'≤n} exp(A_n − A_n') X_n' written out (fp64), for A falling by up to
+    e^90 per chunk: exp(−A) alone would overflow; values and gradients agree."""
+    gen = torch.Generator().manual_seed(N)
+    X = torch.randn(2, N, 3, 4, generator=gen, dtype=torch.float64).requires_grad_()
+    A = (-90 * torch.rand(2, N, 3, 1, generator=gen, dtype=torch.float64)).cumsum(1)
+    A = A.requires_grad_()  # [2, N, 3, 1] non-increasing along the chunks
+    direct = torch.stack(
+        [sum(torch.exp(A[:, n] - A[:, m]) * X[:, m] for m in range(n + 1)) for n in range(N)], 1
+    )  # [2, N, 3, 4]
+    cot = torch.randn(direct.shape, generator=gen, dtype=torch.float64)
+    results = [
+        [P, *torch.autograd.grad((P * cot).sum(), [X, A], materialize_grads=True)]
+        for P in (scan_chunks(X, A), direct)
+    ]
+    for got, exact in zip(*results):
+        assert got.isfinite().all() and err(got, exact) <= 1e-12 * max(exact.norm().item(), 1)
+
+
+def test_student_tensors_go_to_the_teachers_device_and_its_forward_reads_nothing_back():
+    """replace_attention on a model on the 'meta' device (no data: reading a value back to the host,
+    as a Python branch on a tensor would, fails there): every parameter lands on 'meta', and a
+    forward pass, a chunked prefill and a decoding step run through, at norms where the exact path
+    is needed (on a device both paths run, chosen by torch.where)."""
+    model = replace_attention(load(FIXTURES / "gpt2-tiny").to("meta"), [8, 3], seed=11)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    phi = torch.zeros(1, 2, 70, 4, device="meta")
+    out = causal_linear_attention(phi, phi, phi, 16, log_space=True)
+    assert out.device.type == "meta" and out.shape == (1, 2, 70, 4)
+    ids = torch.zeros(1, 9, dtype=torch.long, device="meta")
+    caches = [b.attn.new_cache(1, 10) for b in model.blocks]
+    with torch.no_grad():
+        assert model(ids).shape == (1, 9, 96)
+        model(ids, 0, caches)
+        assert model(ids[:, :1], 9, caches).shape == (1, 1, 96) and caches[0].n == 10
 
 
 def test_log_scale_recovers_the_exact_kernel_estimate():
@@ -435,9 +500,11 @@ def test_bad_shapes_are_named():
     phi = torch.ones(1, 2, 5, 4)
     with pytest.raises(ValueError, match="v"):
         causal_linear_attention(phi, phi, torch.zeros(1, 2, 6, 3))
-    with pytest.raises(ValueError, match=r"decay must be \[H=2\]"):
-        causal_linear_attention(phi, phi, torch.zeros(1, 2, 5, 3), decay=torch.tensor([0.5, 1.5]))
-    with pytest.raises(ValueError, match="log_space=True needs decay=None and normalize=True"):
+    with pytest.raises(ValueError, match=r"decay must be \[H\] with values in \(0, 1\]"):
+        decay_form(torch.tensor([0.5, 1.5]))
+    with pytest.raises(ValueError, match=r"decay must be \[H=2\]; got shape \(3,\)"):
+        causal_linear_attention(phi, phi, phi, form=decay_form(torch.tensor([0.5, 0.5, 1.0])))
+    with pytest.raises(ValueError, match="log_space=True needs normalize=True"):
         causal_linear_attention(phi, phi, torch.zeros(1, 2, 5, 3), normalize=False, log_space=True)
     state = LinearState()
     causal_linear_attention(phi, phi, torch.zeros(1, 2, 5, 3), state=state)
@@ -445,7 +512,7 @@ def test_bad_shapes_are_named():
         recurrent_step(
             state, phi[:, :, :1], phi[:, :, :1], torch.zeros(1, 2, 1, 3), normalize=False
         )
-    with pytest.raises(ValueError, match=r"state S \(1, 2, 4, 4\), c None .* \(log space\)"):
+    with pytest.raises(ValueError, match=r"state S \(1, 2, 4, 4\), c None .* log space: c \[B"):
         recurrent_step(state, phi[:, :, :1], phi[:, :, :1], torch.zeros(1, 2, 1, 3), log_space=True)
 
 
