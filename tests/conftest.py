@@ -1,6 +1,6 @@
 """Shared paths and fixtures. `../shared` (stand-in teachers and datasets) sits beside the checkout
 in CI; in a user's fresh clone it is absent and the tests that need it skip, saying so.
-`data_mirror` serves a data folder over HTTP on 127.0.0.1; `tiny_store` makes a whole run's inputs."""
+`data_mirror` serves a data folder over HTTP on 127.0.0.1; `tiny_store` makes a run's inputs."""
 
 import functools
 import hashlib

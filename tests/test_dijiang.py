@@ -12,7 +12,7 @@ from conftest import FIXTURES
 
 from dofmini import load
 from dofmini.dijiang import DiJiangAttention, dct_matrix, dijiang_projection, to_dijiang
-from dofmini.distill import train_direct
+from dofmini.distill import TrainSettings, train_direct
 from dofmini.students import load_student, make_student, save_student
 
 NEW_PARAMS = {"decay_logit", "norm.weight", "norm.bias", "gate"}
@@ -198,5 +198,6 @@ def test_short_direct_training_lowers_the_lm_loss():
             ).item()
 
     before = held_loss()
-    train_direct(student, train, steps=20, batch=4, ctx=32, data_seed=0, log=lambda line: None)
+    settings = TrainSettings(steps=20, batch=4, ctx=32, data_seed=0)
+    train_direct(student, train, settings, log=lambda line: None)
     assert held_loss() < before - 0.5  # seen: 5.06 -> 3.39
