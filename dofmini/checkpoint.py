@@ -220,11 +220,11 @@ def load_folder(folder, dtype: torch.dtype = torch.float32) -> Model:
     try:
         with safe_open(str(file), "pt") as stored:
             sources = stored_names(stored, file, cfg)
-            model = Model(cfg).to(dtype)
+            model = Model(cfg)  # its parameters tied as built: GPT-2's head is its embedding
             with torch.no_grad():
                 for ours, param in model.named_parameters():
                     tensor = converted(stored, sources[ours], dtype, file)
                     param.copy_(from_neox(ours, tensor, cfg) if cfg.family == "neox" else tensor)
     except (SafetensorError, OSError) as err:
         raise CheckpointError(f"{file} is truncated or corrupt: {err}") from None
-    return model.eval()
+    return model.to(dtype).eval()
