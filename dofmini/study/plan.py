@@ -15,39 +15,43 @@ from .tasks import TASK_SIZES
 
 
 def probe(teacher, ctx: int, J: int) -> dict:
-    """Seconds per window of ctx tokens for the operations a run repeats, each timed once after a
-    warm-up on random tokens: a forward pass with logits, a distillation step of each loss and a
-    direct step; and "dof", three J×J Cholesky factorisations per head. On a GPU each timing waits
-    for the device, so it counts the work, not the launches."""
+    """Seconds per window of ctx tokens for the operations a run repeats, on random tokens after a
+    warm-up: a forward pass with logits; a distillation step of each loss and a direct step, each
+    the difference of 3 steps and 1 (so building the student is not counted); and "dof", three
+    J×J Cholesky factorisations per head. On a GPU each timing waits for the device."""
     device = next(teacher.parameters()).device
     ids = torch.randint(0, teacher.config.vocab_size, (2, ctx), generator=torch.Generator())
     ids = ids.to(device)
-    dims = [teacher.config.head_dim] * teacher.config.n_layer
-    student = make_student(teacher, "prf", dims, 0)
-    flat, settings = ids.flatten().cpu(), TrainSettings(steps=1, batch=2, ctx=ctx)
-    quiet = dict(log=lambda _: None)
-    work = {
-        "forward": lambda: teacher(ids),
-        "softmax": lambda: distill(teacher, dims, flat, settings, loss="softmax", **quiet),
-        "l2": lambda: distill(teacher, dims, flat, settings, loss="l2", **quiet),
-        "direct": lambda: train_direct(student, flat, settings, **quiet),
-        "dof": lambda: torch.linalg.cholesky(torch.eye(J, dtype=torch.float64)),
-    }
     if not torch.isfinite(teacher(ids)).all():
         raise RunError(
             "the teacher's logits on random tokens are not finite: its weights overflow "
             f"{next(teacher.parameters()).dtype} in the forward pass"
         )
-    costs = {}
-    for name, run in work.items():
-        run()  # warm-up
+    dims, flat = [teacher.config.head_dim] * teacher.config.n_layer, ids.flatten().cpu()
+    student = make_student(teacher, "prf", dims, 0)
+
+    def seconds(run) -> float:
         _synchronize(device)
         t0 = time.perf_counter()
         run()
         _synchronize(device)
-        costs[name] = (time.perf_counter() - t0) / len(ids)
+        return time.perf_counter() - t0
+
+    def train(kind: str, steps: int):
+        settings, quiet = TrainSettings(steps=steps, batch=len(ids), ctx=ctx), lambda _: None
+        if kind == "direct":
+            return lambda: train_direct(student, flat, settings, log=quiet)
+        return lambda: distill(teacher, dims, flat, settings, loss=kind, log=quiet)
+
+    seconds(lambda: teacher(ids))  # warm-up
+    costs = {"forward": seconds(lambda: teacher(ids)) / len(ids)}
+    for kind in ("softmax", "l2", "direct"):
+        seconds(train(kind, 1))  # warm-up
+        one, three = seconds(train(kind, 1)), seconds(train(kind, 3))
+        costs[kind] = ((three - one) / 2 if three > one else three / 3) / len(ids)
+    cholesky = lambda: torch.linalg.cholesky(torch.eye(J, dtype=torch.float64))
     heads = teacher.config.n_layer * teacher.config.n_head
-    costs["dof"] *= len(ids) * heads * 3
+    costs["dof"] = seconds(cholesky) * heads * 3
     return costs
 
 
