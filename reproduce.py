@@ -141,8 +141,7 @@ def parse_args(argv) -> RunConfig:
         fields["seeds"] = _ints("--seeds", args.seeds) if args.seeds else (args.seed,)
     if args.budgets:
         fields["budgets"] = _ints("--budgets", args.budgets)
-    fields.update({k: getattr(args, k) for k in ("limit", "lam", "J") if getattr(args, k)})
-    fields.update({k: getattr(args, k) for k in ("limit",) if getattr(args, k) == 0})
+    fields.update({k: v for k in ("limit", "lam", "J") if (v := getattr(args, k)) is not None})
     return check(RunConfig(**fields))
 
 

@@ -137,7 +137,7 @@ def test_changed_flag_recomputes_what_it_touches(grid_run, tmp_path):
     (["{tiny}", "--seeds", "0,-3"], "--seeds -3: expected 0.."),
     (["{tiny}", "--seeds", "5,5"], "a seed appears twice"),
     (["{tiny}", "--seed", str(2**40)], f"--seeds {2**40}: expected 0.."),
-    (["{tiny}", "--budgets", "0"], "--budgets 0: expected a positive number"),
+    (["{tiny}", "--budgets", "0"], "--budgets 0: expected 1..4096 features per layer"),
     (["{tiny}", "--budgets", "8,x"], "--budgets '8,x': expected comma-separated integers"),
     (["{tiny}", "--out", "{file}"], "exists and is not a directory"),
     (["{tiny}", "--out", ""], "--out '': expected a folder"),
