@@ -40,10 +40,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from dofmini.config import Config  # noqa: E402
 from dofmini.generate import generate  # noqa: E402
+from dofmini.hub import load  # noqa: E402
 from dofmini.linear_attention import replace_attention  # noqa: E402
-from dofmini.model import Model, load  # noqa: E402
+from dofmini.model import Config, Model  # noqa: E402
 
 STANDIN = REPO.parent / "shared" / "weights" / "standin-gpt2"
 WIKI = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.valid.raw"
@@ -204,8 +204,8 @@ def standin_dof():
 
     On WikiText-2 valid, in 256-token windows.
     """
-    from dofmini.checkpoint import load_tokenizer
     from dofmini.dof import estimate_dof
+    from dofmini.hub import load_tokenizer
 
     tokens = (
         load_tokenizer(STANDIN).encode(WIKI.read_text(encoding="utf-8")[:200_000]).ids[: 64 * 256]
