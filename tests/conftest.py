@@ -20,6 +20,21 @@ SHARED = REPO.parent / "shared"
 FIXTURES = REPO / "tests" / "fixtures"
 
 
+# a data store the user filled serves the tests that read data, as --data serves reproduce.py
+USER_STORE = os.environ.get("DOFMINI_DATA")
+
+
+def data_path(*parts: str) -> Path:
+    """A path in the data store: $DOFMINI_DATA when it is set, else ../shared/data; or skip the
+    calling test when it is absent."""
+    if not USER_STORE:
+        return shared_path("data", *parts)
+    path = Path(USER_STORE).joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"{path} is absent from the data store $DOFMINI_DATA")
+    return path
+
+
 def shared_path(*parts: str) -> Path:
     """A path under ../shared, or skip the calling test when it is absent."""
     path = SHARED.joinpath(*parts)

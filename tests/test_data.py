@@ -10,7 +10,7 @@ import string
 import time
 
 import pytest
-from conftest import shared_path
+from conftest import data_path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -87,7 +87,7 @@ def wikiextractor(articles, trailing=" ") -> bytes:
 
 def shared_as_wikiextractor(f: data.DataFile) -> bytes:
     """The shared copy of Wikipedia file `f`, put back into WikiExtractor's layout."""
-    text = shared_path("data", f.path).read_text(encoding="utf-8")
+    text = data_path(f.path).read_text(encoding="utf-8")
     parts = re.split(r"(?m)^= (.*) =\n\n", text)[1:]
     return wikiextractor([(t, b.rstrip("\n").split("\n")) for t, b in zip(parts[::2], parts[1::2])])
 
@@ -129,7 +129,7 @@ def test_wikipedia_source_downloaded_or_placed_is_converted(data_mirror, monkeyp
 
 
 def test_every_shared_copy_matches_its_pin():
-    shared = shared_path("data")
+    shared = data_path()
     for f in data.FILES:
         path = shared / f.path
         assert path.stat().st_size == f.size and sha256_file(path) == f.sha256, f.path
@@ -138,7 +138,7 @@ def test_every_shared_copy_matches_its_pin():
 def test_empty_store_fills_from_the_mirror_then_downloads_nothing(
     data_mirror, monkeypatch, tmp_path
 ):
-    mirror = data_mirror(shared_path("data"))
+    mirror = data_mirror(data_path())
     monkeypatch.setenv("DOFMINI_DATA_MIRROR", mirror.url)
     store = tmp_path / "store"
     plan = data.describe(SERVED, store).splitlines()
@@ -154,7 +154,7 @@ def test_empty_store_fills_from_the_mirror_then_downloads_nothing(
 
 
 def test_store_holds_every_file_the_tasks_read(monkeypatch, tmp_path):
-    monkeypatch.setenv("DOFMINI_DATA_MIRROR", f"file://{shared_path('data')}")
+    monkeypatch.setenv("DOFMINI_DATA_MIRROR", f"file://{data_path()}")
     data.ensure(TASKS, tmp_path, log=lambda message: None)
     assert stored(tmp_path) == paths(TASKS)
     for name in TASKS:
@@ -162,7 +162,7 @@ def test_store_holds_every_file_the_tasks_read(monkeypatch, tmp_path):
 
 
 def test_cut_download_leaves_nothing_and_a_rerun_completes(data_mirror, monkeypatch, tmp_path):
-    mirror = data_mirror(shared_path("data"))
+    mirror = data_mirror(data_path())
     monkeypatch.setenv("DOFMINI_DATA_MIRROR", mirror.url)
     cut = "wikitext-2-raw/wiki.test.raw"
     mirror.cut[cut] = 600_000
@@ -176,7 +176,7 @@ def test_cut_download_leaves_nothing_and_a_rerun_completes(data_mirror, monkeypa
 
 def test_flipped_byte_is_named_with_both_hashes(data_mirror, monkeypatch, tmp_path):
     served, store = tmp_path / "served", tmp_path / "store"
-    shutil.copytree(shared_path("data", "piqa"), served / "piqa")
+    shutil.copytree(data_path("piqa"), served / "piqa")
     corrupt = served / "piqa" / "valid.jsonl"
     body = bytearray(corrupt.read_bytes())
     body[len(body) // 2] ^= 1
@@ -219,7 +219,7 @@ def test_every_missing_file_is_attempted_and_one_message_names_each_failure(
     for group in SERVED:
         for f in data.files(group):
             (served / f.path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(shared_path("data", f.path), served / f.path)
+            shutil.copy(data_path(f.path), served / f.path)
     wrong, gone = "wikitext-2-raw/wiki.valid.raw", "logiqa/Test.txt"
     (served / wrong).write_bytes(b"not the pinned bytes\n")
     (served / gone).unlink()
@@ -236,7 +236,7 @@ def test_every_missing_file_is_attempted_and_one_message_names_each_failure(
 
 
 def test_stale_temporaries_of_killed_downloads_are_removed(monkeypatch, tmp_path):
-    monkeypatch.setenv("DOFMINI_DATA_MIRROR", f"file://{shared_path('data')}")
+    monkeypatch.setenv("DOFMINI_DATA_MIRROR", f"file://{data_path()}")
     folder = tmp_path / "wikitext-2-raw"
     folder.mkdir()
     dead = 2**22 + 12345  # above Linux's default pid_max of 2^22: no such process
@@ -250,7 +250,7 @@ def test_stale_temporaries_of_killed_downloads_are_removed(monkeypatch, tmp_path
 
 def test_a_folder_or_a_non_utf8_source_is_named(monkeypatch, tmp_path):
     (tmp_path / "wikitext-2-raw" / "wiki.test.raw").mkdir(parents=True)
-    monkeypatch.setenv("DOFMINI_DATA_MIRROR", f"file://{shared_path('data')}")
+    monkeypatch.setenv("DOFMINI_DATA_MIRROR", f"file://{data_path()}")
     with pytest.raises(data.DataError, match="wiki.test.raw is not a file; expected the file"):
         data.ensure("wikitext2", tmp_path, log=lambda message: None)
     with pytest.raises(data.DataError, match="heldout.txt is not UTF-8"):
@@ -273,7 +273,7 @@ def test_source_check_prints_a_table_and_fails_on_a_mismatch(data_mirror, monkey
     served = tmp_path / "served"
     for f in data.files(["piqa", "heldout"]):
         (served / f.path).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(shared_path("data", f.path), served / f.path)
+        shutil.copy(data_path(f.path), served / f.path)
     (heldout,) = data.files("heldout")
     (served / heldout.path).write_bytes(shared_as_wikiextractor(heldout))  # as its source serves it
     monkeypatch.setenv("DOFMINI_DATA_MIRROR", data_mirror(served).url)

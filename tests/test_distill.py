@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import FIXTURES, shared_path
+from conftest import FIXTURES, data_path, shared_path
 
 from dofmini import load, load_tokenizer
 from dofmini.distill import TrainSettings, distill, layer_pass, train_direct
@@ -26,7 +26,7 @@ quiet = lambda line: None
 @pytest.fixture(scope="module")
 def wiki():
     """(training ids, held-out ids): two disjoint slices of WikiText-2 validation, GPT-2 tokens."""
-    text = shared_path("data", "wikitext-2-raw", "wiki.valid.raw").read_text(encoding="utf-8")
+    text = data_path("wikitext-2-raw", "wiki.valid.raw").read_text(encoding="utf-8")
     tokenizer = load_tokenizer(shared_path("weights", "standin-gpt2"))
     return tuple(
         torch.tensor(tokenizer.encode(part).ids) for part in (text[:60_000], text[300_000:330_000])

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import shared_path
+from conftest import data_path, shared_path
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -138,9 +138,7 @@ def test_saturation_warning_names_heads_above_half_of_J():
 def calibration(folder, n_tokens):
     from dofmini import load_tokenizer
 
-    text = shared_path("data", "wikitext-2-raw", "wiki.valid.raw").read_text(encoding="utf-8")[
-        :20000
-    ]
+    text = data_path("wikitext-2-raw", "wiki.valid.raw").read_text(encoding="utf-8")[:20000]
     return torch.tensor(load_tokenizer(folder).encode(text).ids[:n_tokens])
 
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import FIXTURES, shared_path
+from conftest import FIXTURES, data_path, shared_path
 from tokenizers import Tokenizer, models, pre_tokenizers
 from torch import nn
 
@@ -189,9 +189,7 @@ def test_standin_wikitext2_perplexity_matches_reference(name):
     folder = shared_path("weights", name)
     reference = json.loads((folder / "reference.json").read_text())
     ctx = reference["protocol"]["ctx"]
-    ids = encode_file(
-        shared_path("data", "wikitext-2-raw", "wiki.test.raw"), load_tokenizer(folder)
-    )
+    ids = encode_file(data_path("wikitext-2-raw", "wiki.test.raw"), load_tokenizer(folder))
     assert (len(ids) // ctx) * (ctx - 1) == reference["protocol"][
         "scored_tokens"
     ]  # same tokens as the reference
@@ -203,7 +201,7 @@ def test_standin_wikitext2_perplexity_matches_reference(name):
 def test_a_teacher_evaluation_gives_reference_perplexity_and_tasks():
     folder = shared_path("weights", "standin-gpt2")
     reference = json.loads((folder / "reference.json").read_text())
-    model, tokenizer, store = load(folder), load_tokenizer(folder), shared_path("data")
+    model, tokenizer, store = load(folder), load_tokenizer(folder), data_path()
     texts = {name: encode_file(store / path, tokenizer) for name, path in PPL_TEXTS.items()}
     result = evaluate_model(model, tokenizer, texts, 256, store, 64, 3, ("piqa", "lambada"))
     assert result["wikitext2_ppl"] == pytest.approx(

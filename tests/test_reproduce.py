@@ -17,7 +17,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 import torch
-from conftest import FIXTURES, REPO, shared_path, tiny_store
+from conftest import FIXTURES, REPO, data_path, shared_path, tiny_store
 
 TASKS = {"piqa", "arc_easy", "arc_challenge", "winogrande", "wsc273", "mmlu", "logiqa", "lambada"}
 TRAINING_LINE = re.compile(r"^(softmax|l2|direct) \d+/\d+: loss", re.M)  # distill's progress lines
@@ -54,7 +54,7 @@ def reproduce(*args, timeout=900, env=None):
 def grid_run(tmp_path_factory):
     """Seeds 0, 1 and budgets 8, 16 for Fix, DoF and the oracle, on the quick profile, no tasks."""
     model = shared_path("weights", "standin-gpt2")
-    store = shared_path("data")
+    store = data_path()
     out = tmp_path_factory.mktemp("grid")
     args = [model, "--profile", "quick", "--out", out, "--data", store]
     args += ["--seeds", "0,1", "--budgets", "8,16", "--variants", "performer,fix,dof,oracle"]
@@ -188,7 +188,7 @@ def test_vendorable_module_imports_only_torch_numpy_stdlib(module):
 
 
 def test_quick_run_fills_an_empty_store_through_a_mirror(data_mirror, tmp_path):
-    mirror = data_mirror(shared_path("data"))
+    mirror = data_mirror(data_path())
     model = tmp_path / "standin"
     shutil.copytree(shared_path("weights", "standin-gpt2"), model)
     env = {**os.environ, "DOFMINI_DATA": str(tmp_path / "store"), "DOFMINI_DATA_MIRROR": mirror.url}

@@ -1,5 +1,5 @@
 import pytest
-from conftest import shared_path
+from conftest import data_path
 
 from dofmini.study.tasks import TASKS, load_task
 
@@ -17,7 +17,7 @@ COUNTS = {
 
 @pytest.fixture(scope="module")
 def data_dir():
-    return shared_path("data")
+    return data_path()
 
 
 @pytest.mark.parametrize("name", list(TASKS))
