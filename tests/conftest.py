@@ -53,6 +53,21 @@ def private_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny():
+    """The tiny GPT-2 fixture checkpoint (2 layers, 4 heads of 8, 96 token ids)."""
+    from dofmini import load
+
+    return load(FIXTURES / "gpt2-tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_ids():
+    import torch
+
+    return torch.randint(0, 96, (4096,), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="session")
 def standin_gpt2():
     from dofmini import load
 

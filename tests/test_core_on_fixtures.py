@@ -21,16 +21,6 @@ TASK_FILES = FIXTURES / "tasks"  # two or three hand-written examples in each ta
 S, quiet = TrainSettings, lambda line: None
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return load(FIXTURES / "gpt2-tiny")
-
-
-@pytest.fixture(scope="module")
-def tiny_ids():
-    return torch.randint(0, 96, (4096,), generator=torch.Generator().manual_seed(0))
-
-
 def test_every_task_frames_its_examples_as_the_harness_does():
     framed = {name: load_task(name, TASK_FILES) for name in TASKS}
     piqa = framed["piqa"]

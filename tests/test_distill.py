@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
-from conftest import FIXTURES, data_path, shared_path
+from conftest import data_path, shared_path
 
-from dofmini import load, load_tokenizer
+from dofmini import load_tokenizer
 from dofmini.distill import TrainSettings, distill, layer_pass, train_direct
 from dofmini.files import changed_settings
 from dofmini.linear_attention import PRFFeatures, causal_linear_attention
@@ -31,16 +31,6 @@ def wiki():
     return tuple(
         torch.tensor(tokenizer.encode(part).ids) for part in (text[:60_000], text[300_000:330_000])
     )
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load(FIXTURES / "gpt2-tiny")
-
-
-@pytest.fixture(scope="module")
-def tiny_ids():
-    return torch.randint(0, 96, (4096,), generator=torch.Generator().manual_seed(0))
 
 
 def tensors_hash(model) -> str:
