@@ -254,7 +254,9 @@ def fetch(url: str, what: str, tmp: Path, bar: bool = True) -> None:
     except urllib.error.HTTPError as err:
         raise DataError(f"{what}: {url} answered HTTP {err.code} ({err.reason})") from None
     except (OSError, http.client.HTTPException) as err:
-        raise DataError(f"{what}: fetching {url} failed ({err}); run again to retry") from None
+        gone = isinstance(getattr(err, "reason", None), FileNotFoundError)  # file:// with no file
+        retry = "" if gone else "; run again to retry"
+        raise DataError(f"{what}: fetching {url} failed ({err}){retry}") from None
     if length and received != length:
         raise DataError(f"{what}: {url} stopped after {received} of {length} bytes; run again")
 
