@@ -226,7 +226,8 @@ def _main(cfg: RunConfig):
     try:
         weights, absent = hub.missing_files(cfg.model), data.missing(groups, cfg.data)
         if cfg.plan_only and (weights or absent):
-            return log(runs.missing_listing(weights, absent, cfg.data, "not here yet:"))
+            header = "not here yet (the stages and their times follow once these are in place):"
+            return log(runs.missing_listing(weights, absent, cfg.data, header))
         hosts = unreachable([url for url, _ in weights] + [data.source(f) for f in absent])
         if hosts:
             _fail(runs.missing_listing(weights, absent, cfg.data, f"{', '.join(hosts)} took no "

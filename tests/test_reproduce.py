@@ -234,7 +234,7 @@ def test_plan_only_with_nothing_downloaded_lists_what_is_missing(tmp_path):
     env, out = offline_env(tmp_path), tmp_path / "out"
     result = reproduce("gpt2", "--plan-only", "--out", out, env=env, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert "not here yet:" in result.stdout and "weights, 3 file(s)" in result.stdout
+    assert "not here yet (the stages" in result.stdout and "weights, 3 file(s)" in result.stdout
     assert "data, 86 file(s), 31.2 MB" in result.stdout and "86 to download" not in result.stderr
     assert not out.exists()
 
