@@ -37,6 +37,7 @@ STUDY = tuple(
         "plots",
         "compare",
         "report",
+        "controlled",
     )
 )
 ORDER = CORE + STUDY

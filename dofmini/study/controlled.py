@@ -1,0 +1,185 @@
+"""The allocation rules tested where the truth is known. "Virtual layers" are one real layer's
+queries and keys with their logits scaled by known temperatures s (q and k each times √s, so
+q·k/√d becomes s·q·k/√d): difficulty is ordered by construction while the geometry stays real
+text's. Layerwise distillation needs only q and k, so no new teacher is needed.
+
+    python -m dofmini.study.controlled MODEL --layer 3 --out DIR [--data DIR] [--seeds 0,1,2]
+
+Measured, each stage saved and resumed as reproduce.py's are: every virtual layer's DoF (G/J and
+the raw Gram, two λ); its held-out KL against M (Fix students at each of the curve dims, the error
+curves); and Fix, proportional, square-root and oracle allocations at one budget, each seed.
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .. import dof, hub
+from ..checkpoint import CheckpointError
+from ..distill import TrainSettings, distill
+from ..files import sha256_file, write_text
+from . import data, runs, stats
+from .compare import md_table, spaced
+from .evaluate import PPL_TEXTS, layer_errors
+from .oracle import oracle_allocate
+from .stages import CALIBRATION
+
+TEMPERATURES = (0.6, 0.8, 1.0, 1.2, 1.4, 1.6)
+LAMS = (2.0**-4, 2.0**-8)
+RULES = {"dof": "proportional", "dof_sqrt": "power:0.5"}
+
+
+class VirtualTeacher(nn.Module):
+    """A teacher whose layer i is `teacher`'s layer `layer` at temperature temperatures[i]. It gives
+    only what distillation and DoF read: every layer's (q, k, v) through `capture`."""
+
+    def __init__(self, teacher, layer: int, temperatures):
+        super().__init__()
+        if not 0 <= layer < teacher.config.n_layer:
+            raise ValueError(f"--layer {layer}: expected 0..{teacher.config.n_layer - 1}")
+        self.teacher, self.layer, self.temperatures = teacher, layer, tuple(temperatures)
+        self.config = dataclasses.replace(teacher.config, n_layer=len(self.temperatures))
+        self.blocks = nn.ModuleList(_Layer(teacher.blocks[layer].attn) for _ in self.temperatures)
+        scales = ",".join(map(str, self.temperatures))
+        self.identity = f"{teacher.identity}/layer {layer} at {scales}"
+
+    def forward(self, ids, capture=None, keep=None):
+        if capture is None:
+            raise ValueError("a virtual teacher gives only q, k, v: pass capture")
+        layers = []
+        self.teacher(ids, capture=layers, keep=torch.zeros_like(ids, dtype=torch.bool))
+        q, k, v = layers[self.layer]  # [B, H, T, d] each
+        capture.extend((q * s**0.5, k * s**0.5, v) for s in self.temperatures)
+        return None
+
+
+class _Layer(nn.Module):
+    """A virtual layer's place for its student's features (replace_attention swaps `attn`)."""
+
+    def __init__(self, attn):
+        super().__init__()
+        self.attn = attn
+
+
+def run(teacher, tokens: dict, args, out: Path, log=runs.log) -> dict:
+    """Every stage of the experiment on `tokens` {"calib", "train", "heldout"}; results.json."""
+    virtual = VirtualTeacher(teacher, args.layer, TEMPERATURES)
+    n, budget, ctx = len(TEMPERATURES), args.budget, args.ctx
+    base = {"teacher": virtual.identity, "ctx": ctx, "tokens": tokens["hashes"]}
+    base["device"] = runs.device_name(teacher)
+
+    def sample():
+        x = dof.sample_queries_keys(virtual, tokens["calib"], args.J, 0, ctx)  # [n, H, J, d]
+        grid = [(norm, lam) for norm in (True, False) for lam in LAMS]
+        found = {f"{'G/J' if g else 'G'}, λ={lam:g}": dof.degrees_of_freedom(x, lam, g).tolist()
+                 for g, lam in grid}  # fmt: skip
+        return found
+
+    per_head = runs.stage(out / "dof.json", {**base, "J": args.J, "lams": LAMS}, sample)
+    settings = lambda seed: TrainSettings(args.steps, args.batch, ctx, data_seed=seed)
+
+    def errors(dims, seed):
+        """A student of these dims and seed: its per-layer held-out KL, each stage saved."""
+        key = {**base, "dims": list(dims), "seed": seed, **settings(seed).record()}
+        path = out / "students" / f"{'-'.join(map(str, dims))}-s{seed}.json"
+
+        def compute():
+            student = distill(virtual, dims, tokens["train"], settings(seed), feature_seed=seed,
+                              log=log)  # fmt: skip
+            return layer_errors(virtual, student, tokens["heldout"], ctx, args.windows)
+
+        return runs.stage(path, key, compute)
+
+    ms = list(args.curve_dims)
+    curves = {s: [errors((m,) * n, s)["kl"] for m in ms] for s in args.seeds}  # [M][layer]
+    mean = np.mean(list(curves.values()), axis=0).T.tolist()  # [layer][M]
+    layer_dof = per_head[f"G/J, λ={LAMS[0]:g}"]
+    dims = {"fix": [budget] * n, "oracle": oracle_allocate(mean, budget, ms=ms)}
+    dims |= {v: dof.allocate(layer_dof, budget, rule) for v, rule in RULES.items()}
+    kl = {v: {s: errors(d, s)["kl"] for s in args.seeds} for v, d in dims.items()}
+    results = {"temperatures": TEMPERATURES, "layer": args.layer, "budget": budget}
+    results.update(dof=per_head, curve_dims=ms, curves=curves, mean_curves=mean, dims=dims, kl=kl)
+    results["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    write_text(out / "results.json", json.dumps(results, indent=1, sort_keys=True))
+    write_text(out / "report.md", report(results))
+    return results
+
+
+def report(results: dict) -> str:
+    """The controlled experiment's report: DoF and the features needed per virtual layer, their
+    rank correlation and log-log slope, each layer's β, and the rules against Fix."""
+    temps, ms, mean = results["temperatures"], results["curve_dims"], results["mean_curves"]
+    target = float(np.median([curve[len(ms) // 2] for curve in mean]))
+    needed = [stats.features_needed(ms, curve, target) for curve in mean]
+    betas = [-np.polyfit(np.log(ms), np.log(curve), 1)[0] for curve in mean]  # error ∝ M^-β
+    rows = [[s, *(f"{max(results['dof'][k][i]):.1f}" for k in results["dof"]), f"{n:.1f}",
+             f"{b:.2f}"] for i, (s, n, b) in enumerate(zip(temps, needed, betas))]  # fmt: skip
+    lines = [f"# Controlled experiment: layer {results['layer']} at temperatures {spaced(temps)}"]
+    lines.append(md_table(["s", *results["dof"], f"M to reach KL {target:.3g}", "β"], rows))
+    finite = [i for i, n in enumerate(needed) if math.isfinite(n)]
+    for name, layer_dof in results["dof"].items():
+        x, y = [max(layer_dof[i]) for i in finite], [needed[i] for i in finite]
+        if len(finite) > 2:
+            rho = stats.spearman(x, y)
+            slope = np.polyfit(np.log(x), np.log(y), 1)[0]
+            p = stats.permutation_p(x, y)
+            lines.append(f"- {name}: Spearman {rho:+.2f} (permutation p {p:.3f}), log-log slope "
+                         f"{slope:.2f}")  # fmt: skip
+    seeds = sorted(results["kl"]["fix"])
+    rows = []
+    for variant, by_seed in results["kl"].items():
+        cells = []
+        for view in (np.mean, max):
+            own = [float(view(by_seed[s])) for s in seeds]
+            fix = [float(view(results["kl"]["fix"][s])) for s in seeds]
+            diff = stats.paired_diff(own, fix) if len(seeds) > 1 else (own[0] - fix[0], math.nan)
+            cells += [f"{np.mean(own):.4g}", f"{diff[0]:+.4g} ± {diff[1]:.2g}"]
+        rows.append([variant, spaced(results["dims"][variant]), *cells])
+    header = ["variant", "dims", "mean KL", "− fix", "worst-layer KL", "− fix"]
+    lines += [f"\nBudget {results['budget']}, seeds {spaced(seeds)}:\n", md_table(header, rows)]
+    return "\n".join(lines) + "\n"
+
+
+def _fail(message: str):
+    raise SystemExit(f"python -m dofmini.study.controlled: error: {message}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m dofmini.study.controlled", description=__doc__)
+    p.add_argument("model")
+    p.add_argument("--layer", type=int, required=True, help="the real layer the virtual ones copy")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--data", type=Path, help="the data store (default $DOFMINI_DATA or the cache)")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--budget", type=int, default=32)
+    p.add_argument("--steps", type=int, default=200)
+    for name, default in (("batch", 8), ("ctx", 256), ("J", 1024), ("windows", 32)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    args = p.parse_args(argv)
+    args.seeds, args.curve_dims = [int(s) for s in args.seeds.split(",")], (8, 16, 32, 64, 128)
+    store = data.store_dir(args.data)
+    try:
+        hashes = data.ensure(["wikitext2", "corpus", "heldout"], store)
+        teacher, tokenizer = hub.load(args.model), hub.load_tokenizer(args.model)
+    except (data.DataError, CheckpointError) as err:
+        _fail(str(err))
+    hashes["tokenizer"] = sha256_file(hub.locate(args.model) / "tokenizer.json")
+    corpus = [f.path for f in data.files("corpus")]
+    texts = {"calib": [CALIBRATION], "heldout": [PPL_TEXTS["heldout"]], "train": corpus}
+    tokens = {"hashes": hashes}
+    with runs.locked(args.out, _fail):
+        for name, paths in texts.items():
+            key = {"files": [hashes[p] for p in paths], "tokenizer": hashes["tokenizer"]}
+            cache = args.out / f"tokens-{name}.npy"
+            tokens[name] = runs.token_ids(cache, key, [store / p for p in paths], tokenizer, None)
+        run(teacher, tokens, args, args.out)
+
+
+if __name__ == "__main__":
+    main()
