@@ -220,8 +220,8 @@ def distill(teacher, dims, token_ids, settings: TrainSettings = DEFAULT, *, loss
         losses = []
         for block, (q, k, _) in zip(student.blocks, capture(teacher, ids)):
             terms = layer_pass(block.attn.features, q, k, None, {term}, settings.chunk, True, dtype)
-            losses.append(terms[term].mean().item())
-        return losses
+            losses.append(terms[term].mean())
+        return torch.stack(losses).tolist()  # one read from the device per step
 
     return _train(student, step, token_ids, loss, settings, out_path, log, meta)
 
