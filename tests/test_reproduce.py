@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -264,3 +265,45 @@ def test_offline_run_stops_within_ten_seconds_naming_every_missing_file(tmp_path
         assert path in result.stderr
     assert not store.exists() or not any(p.is_file() for p in store.rglob("*"))
     assert not out.exists()
+
+
+def overflowing_copy(model, root):
+    """gpt2-tiny with every weight times 1e30: finite in float32, but its forward pass overflows."""
+    from safetensors.torch import load_file, save_file
+
+    folder = root / "huge"
+    shutil.copytree(model, folder)
+    tensors = {n: t * 1e30 for n, t in load_file(str(model / "model.safetensors")).items()}
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("case, message", [
+    ("sweep", "the sweep's J 2048 is more than the 1024 queries and keys per head"),
+    ("huge", "the teacher's logits on random tokens are not finite"),
+    ("lam", ""),
+])  # fmt: skip
+def test_what_only_the_model_and_data_reveal_ends_in_one_line(tmp_path, case, message):
+    model, env = tiny_store(tmp_path)
+    args = ["--profile", "quick", "--limit", "0", "--variants", "fix,dof", "--out", tmp_path / "o"]
+    args += {"sweep": ["--sweep"], "lam": ["--lam", "1e20"]}.get(case, [])
+    model = overflowing_copy(model, tmp_path) if case == "huge" else model
+    result = reproduce(model, *args, env=env)
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    if message:
+        assert result.returncode != 0 and message in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_ctrl_c_says_how_to_resume(tmp_path):
+    model, env = tiny_store(tmp_path)
+    args = [sys.executable, str(REPO / "reproduce.py"), str(model), "--profile", "quick"]
+    args += ["--limit", "0", "--out", str(tmp_path / "o")]
+    run = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in run.stdout:  # interrupt once the stages have begun
+        if line.startswith("[1/"):
+            run.send_signal(signal.SIGINT)
+            break
+    _, err = run.communicate(timeout=120)
+    assert run.returncode != 0 and "Traceback" not in err
+    assert "interrupted; run the same command again to resume" in err
