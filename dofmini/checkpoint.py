@@ -203,9 +203,11 @@ def converted(stored, name: str, dtype: torch.dtype, file: Path) -> torch.Tensor
             f"{what} holds {int(bad.sum())} NaN or inf value(s), first at index "
             f"{bad.nonzero()[0].tolist()}; expected finite weights"
         )
+    narrow = torch.finfo(dtype).max < torch.finfo(torch.float32).max  # e.g. float16
+    wider = ", or load in float32" if narrow else ""
     raise CheckpointError(
         f"{what} has values up to {tensor.abs().max().item():.4g}, beyond {dtype}'s range; "
-        f"expected them to fit, or load in a wider dtype (e.g. float32)"
+        f"expected them to fit{wider}"
     )
 
 

@@ -251,7 +251,7 @@ def put(name, index, value):
             put("transformer.wte.weight", (0, 0), 1e6),
             torch.float16,
             r"tensor 'transformer.wte.weight' .* has values up to 1e\+06, beyond torch.float16's "
-            r"range",
+            r"range; expected them to fit, or load in float32",
         ),
     ],
     ids=["nan", "inf", "fp16-overflow"],
