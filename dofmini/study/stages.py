@@ -3,6 +3,7 @@ sweep, the error curves and the oracle, each student's training and evaluation. 
 result with the key of the settings and inputs that made it (runs.stage), built here once each."""
 
 import dataclasses
+import functools
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -239,16 +240,15 @@ def error_curves(run: Run) -> dict:
     """Every layer's held-out KL at each of curve_dims features (Fix students: one distillation
     per M trains all layers at once), on the held-out windows after the reported errors' ones."""
     cfg, n_layer = run.cfg, run.teacher.config.n_layer
-    kl, curve_only_seconds = {}, 0.0
-    for seed in cfg.seeds:
-        for m in cfg.curve_dims:
-            spec = Student("fix", "softmax", m, seed, (m,) * n_layer)
-            student, info = train_student(run, spec)
-            key, path = curve_stage(run, spec)
-            compute = lambda: layer_errors(run, student, cfg.curve_windows, cfg.error_windows)  # noqa: B023 (called at once)
-            kl.setdefault(str(seed), []).append(run.stage(spec.name, path, key, compute)["kl"])
-            if m not in run.budgets:  # the others are Fix students, timed with the students
-                curve_only_seconds += info["train_seconds"]
+    kl, curve_only_seconds, windows = {}, 0.0, (cfg.curve_windows, cfg.error_windows)
+    for seed, m in itertools.product(cfg.seeds, cfg.curve_dims):
+        spec = Student("fix", "softmax", m, seed, (m,) * n_layer)
+        student, info = train_student(run, spec)
+        key, path = curve_stage(run, spec)
+        compute = functools.partial(layer_errors, run, student, *windows)
+        kl.setdefault(str(seed), []).append(run.stage(spec.name, path, key, compute)["kl"])
+        if m not in run.budgets:  # the others are Fix students, timed with the students
+            curve_only_seconds += info["train_seconds"]
     return curves_from(run, kl, curve_only_seconds)
 
 
