@@ -2,6 +2,7 @@
 seconds on this machine scaled by each stage's size; and the progress clock, which rescales the
 estimates by the pace so far while the run goes on."""
 
+import contextlib
 import time
 
 import torch
@@ -118,14 +119,19 @@ class Clock:
         self.begun = set()
         self.worked = {}  # stage name -> seconds spent computing its results
 
+    @contextlib.contextmanager
+    def timing(self):
+        """Count the seconds of the `with` block toward the current stage's pace."""
+        t0 = time.time()
+        yield
+        self.worked[self.current] = self.worked.get(self.current, 0.0) + time.time() - t0
+
     def timed(self, compute):
         """`compute`, with its seconds counted toward the current stage's pace."""
 
         def run():
-            t0 = time.time()
-            result = compute()
-            self.worked[self.current] = self.worked.get(self.current, 0.0) + time.time() - t0
-            return result
+            with self.timing():
+                return compute()
 
         return run
 

@@ -71,8 +71,7 @@ class Run:
 
 
 def student_keys(run: Run) -> list:
-    """(variant, loss, budget, seed) of every student in run order; the oracle's curves first
-    (Fix students at each of curve_dims)."""
+    """(variant, loss, budget, seed) of every student in run order, the oracle's curves first."""
     cfg, keys = run.cfg, []
     if "oracle" in cfg.variants:
         keys += [("fix", "softmax", m, seed) for seed in cfg.seeds for m in cfg.curve_dims]
@@ -216,23 +215,23 @@ def train_student(run: Run, spec: Student):
         save_tensors(tensors, path, {**meta, "variant": spec.variant, "key": key, "info": info})
         log(f"{spec.name}: the same training as {twins[0].name} (same dims, loss and seed): copied")
     else:
-        log(f"{spec.name}: dims {list(spec.dims)}")
-        meta, tokens = {"variant": spec.variant, "key": key}, run.texts["train"]
-        train = settings(run, spec.seed)
-        common = dict(out_path=path, log=log, meta=meta)
-        if spec.variant == "dijiang":
-            student = make_student(run.teacher, "dijiang", spec.dims, spec.seed)
-            student = train_direct(student, tokens, train, **common)
-        elif spec.variant == "performer":
-            student = performer(run, spec)
-            student.train_seconds, student.loss_curve = 0.0, []
-        elif spec.loss == "direct":
-            student = train_direct(performer(run, spec), tokens, train, **common)
-        else:
-            options = dict(loss=spec.loss, feature_seed=spec.seed, **common)
-            student = distill(run.teacher, spec.dims, tokens, train, **options)
-        info = {"train_seconds": student.train_seconds, "loss_curve": student.loss_curve}
-        save_student(student, path, {**meta, "info": info})
+        with run.clock.timing():  # the training counts toward the progress clock's pace
+            log(f"{spec.name}: dims {list(spec.dims)}")
+            meta, tokens = {"variant": spec.variant, "key": key}, run.texts["train"]
+            train, common = settings(run, spec.seed), dict(out_path=path, log=log, meta=meta)
+            if spec.variant == "dijiang":
+                student = make_student(run.teacher, "dijiang", spec.dims, spec.seed)
+                student = train_direct(student, tokens, train, **common)
+            elif spec.variant == "performer":
+                student = performer(run, spec)
+                student.train_seconds, student.loss_curve = 0.0, []
+            elif spec.loss == "direct":
+                student = train_direct(performer(run, spec), tokens, train, **common)
+            else:
+                options = dict(loss=spec.loss, feature_seed=spec.seed, **common)
+                student = distill(run.teacher, spec.dims, tokens, train, **options)
+            info = {"train_seconds": student.train_seconds, "loss_curve": student.loss_curve}
+            save_student(student, path, {**meta, "info": info})
     return load_student(run.teacher, path, {"key": key}), read_tensors(path)[1]["info"]
 
 
@@ -253,8 +252,7 @@ def error_curves(run: Run) -> dict:
 
 
 def curves_from(run: Run, kl: dict, curve_only_seconds: float) -> dict:
-    """The curves' record from each seed's per-layer KL [M][layer], with the oracle allocation
-    their mean over seeds implies at each budget."""
+    """The curves' record from each seed's KL [M][layer], with the oracle allocation they imply."""
     ms = list(run.cfg.curve_dims)
     mean = np.mean([kl[str(s)] for s in run.cfg.seeds], axis=0).T.tolist()  # [layer][M]
     oracle = {str(b): oracle_allocate(mean, b, ms=ms) for b in run.budgets}
@@ -291,7 +289,7 @@ def train_and_evaluate(run: Run, spec: Student) -> dict:
     return result
 
 
-def performer(run: Run, spec: Student):  # the untrained draw: where its training started
+def performer(run: Run, spec: Student):  # the untrained draw where training starts
     return make_student(run.teacher, "prf", spec.dims, spec.seed)
 
 
