@@ -105,7 +105,7 @@ def parse_args(argv) -> RunConfig:
                    "holding config.json, model.safetensors, tokenizer.json")  # fmt: skip
     p.add_argument("--profile", choices=PROFILES, default="default",
                    help="quick: a smoke run; default (the default): one seed, one budget;\n"
-                   "study: seeds 0-2, budgets 16/32/64, Fix/DoF/oracle, softmax and l2@64;\n"
+                   "study: seeds 0-2, budgets 16/32/64, Fix, four DoF rules, oracle, sweep;\n"
                    "paper: the paper's sizes, meant for a GPU")  # fmt: skip
     p.add_argument("--out", help="output folder (default runs/<model>-<profile>)")
     p.add_argument("--data", type=Path, help="data store (default $DOFMINI_DATA, else the cache)")
@@ -223,19 +223,16 @@ def main(argv=None):
 def _main(cfg: RunConfig):
     groups = data_groups(cfg)
     log(data.describe(groups, cfg.data))
-    try:
-        weights, absent = hub.missing_files(cfg.model), data.missing(groups, cfg.data)
-        if cfg.plan_only and (weights or absent):
-            header = "not here yet (the stages and their times follow once these are in place):"
-            return log(runs.missing_listing(weights, absent, cfg.data, header))
-        hosts = unreachable([url for url, _ in weights] + [data.source(f) for f in absent])
-        if hosts:
-            _fail(runs.missing_listing(weights, absent, cfg.data, f"{', '.join(hosts)} took no "
-                  "connection; put each missing file at its path (a Wikipedia file as served), "
-                  "or point --data or DOFMINI_DATA_MIRROR at a copy of the store:"))  # fmt: skip
-        run = load_teacher(cfg, data.ensure(groups, cfg.data, log=log))
-    except (CheckpointError, data.DataError) as err:
-        _fail(str(err))
+    weights, absent = hub.missing_files(cfg.model), data.missing(groups, cfg.data)
+    if cfg.plan_only and (weights or absent):
+        header = "not here yet (the stages and their times follow once these are in place):"
+        return log(runs.missing_listing(weights, absent, cfg.data, header))
+    hosts = unreachable([url for url, _ in weights] + [data.source(f) for f in absent])
+    if hosts:
+        _fail(runs.missing_listing(weights, absent, cfg.data, f"{', '.join(hosts)} took no "
+              "connection; put each missing file at its path (a Wikipedia file as served), "
+              "or point --data or DOFMINI_DATA_MIRROR at a copy of the store:"))  # fmt: skip
+    run = load_teacher(cfg, data.ensure(groups, cfg.data, log=log))
     encode_texts(run)
     plan_run(run)
     if cfg.plan_only:
