@@ -15,7 +15,6 @@ from torch import nn
 from dofmini import load, load_tokenizer
 from dofmini.study.evaluate import (
     PPL_TEXTS,
-    encode_file,
     evaluate_model,
     perplexity,
     score_examples,
@@ -47,6 +46,12 @@ class Bigram(nn.Module):
     def forward(self, ids, keep=None):
         logprobs = self.table[ids]  # [B, T, V]
         return logprobs if keep is None else logprobs[keep]  # [N, V] as dofmini.model.Model gives
+
+
+def encode_file(path, tokenizer) -> torch.Tensor:
+    """The whole file read as UTF-8 and encoded in one call: the reference protocol, as
+    reproduce.py's token caches do it."""
+    return torch.tensor(tokenizer.encode(path.read_text(encoding="utf-8")).ids)
 
 
 @pytest.fixture(scope="module")

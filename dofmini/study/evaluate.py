@@ -10,7 +10,6 @@ over-long inputs lose tokens from the left.
 import math
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -28,11 +27,6 @@ PPL_TEXTS = {"wikitext2": "wikitext-2-raw/wiki.test.raw", "heldout": "corpus/wik
 def _progress(what: str, total: int):
     """A progress bar on stdout for a loop of `total` steps; none for short loops."""
     return tqdm(total=total, desc=what, file=sys.stdout, disable=total < 500, mininterval=5)
-
-
-def encode_file(path, tokenizer) -> torch.Tensor:
-    """The whole file read as UTF-8 and encoded in one call (the reference protocol)."""
-    return torch.tensor(tokenizer.encode(Path(path).read_text(encoding="utf-8")).ids)
 
 
 @torch.no_grad()
