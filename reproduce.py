@@ -129,7 +129,8 @@ def parse_args(argv) -> RunConfig:
         _fail("--out '': expected a folder")
     out = Path(args.out) if args.out else None
     fields = dict(PROFILES[args.profile], model=args.model, profile=args.profile, out=out)
-    fields.update(data=args.data, device=args.device, raw_gram=args.raw_gram, sweep=args.sweep)
+    fields.update(data=args.data, device=args.device, raw_gram=args.raw_gram)
+    fields["sweep"] = args.sweep or fields.get("sweep", False)  # a profile may ask for the sweep
     fields.update(plan_only=args.plan_only)
     if args.variants:
         fields["variants"] = () if args.variants == "none" else tuple(args.variants.split(","))

@@ -307,3 +307,15 @@ def test_ctrl_c_says_how_to_resume(tmp_path):
     _, err = run.communicate(timeout=120)
     assert run.returncode != 0 and "Traceback" not in err
     assert "interrupted; run the same command again to resume" in err
+
+
+def test_a_profile_setting_is_not_undone_by_an_absent_flag(tmp_path):
+    """The study profile asks for the λ/J sweep; leaving out --sweep must not switch it off."""
+    code = (
+        "import reproduce; from pathlib import Path; "
+        f"cfg = reproduce.parse_args([{str(FIXTURES / 'gpt2-tiny')!r}, '--profile', 'study', "
+        f"'--out', {str(tmp_path / 'o')!r}]); print(cfg.sweep, cfg.steps, cfg.variants)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("True 400 ('fix', 'dof', 'dof_sqrt'")
