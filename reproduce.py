@@ -336,13 +336,12 @@ def done_stages(run: stages.Run) -> set:
         found.add("teacher evaluation")
     allocation = runs.saved(out / "allocation.json", stages.allocation_key(run))
     found |= {"DoF estimate"} if allocation else set()
-    kl, curves = {}, None
+    errors, curves = {}, None
     for seed, m in itertools.product(cfg.seeds, cfg.curve_dims if "oracle" in cfg.variants else ()):
         spec = stages.Student("fix", "softmax", m, seed, (m,) * run.teacher.config.n_layer)
-        errors = runs.saved(*stages.curve_stage(run, spec)[::-1])
-        kl.setdefault(str(seed), []).append(errors and errors["kl"])
-    if kl and all(None not in by_m for by_m in kl.values()):
-        curves = stages.curves_from(run, kl, 0.0)
+        errors.setdefault(str(seed), []).append(runs.saved(*stages.curve_stage(run, spec)[::-1]))
+    if errors and all(None not in by_m for by_m in errors.values()):
+        curves = stages.curves_from(run, errors, 0.0)
     for variant, loss, budget, seed in stages.student_keys(run):
         dims = stages.dims_of(run, variant, budget, allocation, curves)
         spec = stages.Student(variant, loss, budget, seed, dims)

@@ -15,6 +15,7 @@ a non-finite loss stops training. Memory: one layer and one chunk of queries at 
 
 import dataclasses
 import hashlib
+import json
 import math
 import time
 from pathlib import Path
@@ -142,6 +143,7 @@ def _train(student, step_fn, token_ids, what: str, s: TrainSettings, out_path, l
     tokens_hash = hashlib.sha256(token_ids.numpy().tobytes()).hexdigest()[:16]
     student.meta = {**student.meta, **(meta or {}), "loss": what}
     settings = {**student.meta, "teacher": student.identity, **s.record(), "tokens": tokens_hash}
+    settings = json.loads(json.dumps(settings))  # as a progress file gives it back: no tuples
     gen = torch.Generator().manual_seed(s.data_seed)
     device = next(student.parameters()).device
     progress = Path(f"{out_path}.progress") if out_path else None

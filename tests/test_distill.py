@@ -217,11 +217,14 @@ def interrupt_at(step):
 def test_resume_after_interruption_equals_an_uninterrupted_run(tiny, tiny_ids, tmp_path, loss):
     settings = S(steps=6, batch=2, ctx=32, data_seed=1, save_every=2, log_every=2)
 
+    meta = {"key": {"dims": (5, 7)}}  # a tuple, as a stage key holds, comes back as a list
+
     def run(path, log):
+        common = dict(out_path=path, log=log, meta=meta)
         if loss == "direct":
             start = make_student(tiny, "prf", [5, 7], 1)
-            return train_direct(start, tiny_ids, settings, out_path=path, log=log)
-        return distill(tiny, [5, 7], tiny_ids, settings, feature_seed=1, out_path=path, log=log)
+            return train_direct(start, tiny_ids, settings, **common)
+        return distill(tiny, [5, 7], tiny_ids, settings, feature_seed=1, **common)
 
     whole = trainable(run(tmp_path / "whole.safetensors", quiet))
     path = tmp_path / "resumed.safetensors"

@@ -16,6 +16,7 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 
+import numpy as np
 import pytest
 import torch
 from conftest import FIXTURES, REPO, data_path, shared_path, tiny_store
@@ -82,10 +83,12 @@ def test_grid_has_every_variant_budget_and_seed(grid_run):
     curves = results["curves"]
     assert curves["dims"] == [8, 16, 32, 64, 128] and set(curves["kl"]) == {"0", "1"}
     assert all(len(curves["oracle"][b]) == 6 for b in ("8", "16"))
+    assert np.shape(curves["kl_heads"]["1"]) == (5, 6, 4)  # [M][layer][head]
     assert results["config"]["seeds"] == [0, 1] and results["provenance"]["dofmini"]
     assert not any(str(out) in json.dumps(v) for v in results["inputs"].values())
     text = (out / "report.md").read_text()
     assert "dof − fix, softmax loss, budget 16 (2 seeds)" in text and "Spearman" in text
+    assert "| heads |" in text and "| layers, DoF mean over heads |" in text  # the evidence
     assert "| fix/softmax/b16 (steps 1/2/4) |" in text  # the flattening table
     assert curves["curve_only_train_seconds"] > 0
     # at budget 8, the least of curve_dims, the oracle can only give every layer 8 (Fix's dims):

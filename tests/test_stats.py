@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from dofmini.study.compare import against_fix
 from dofmini.study.oracle import oracle_allocate
 from dofmini.study.stats import (
+    dof_predicts,
     features_needed,
+    loglog_slope,
     mean_ci,
     paired_diff,
     permutation_p,
@@ -153,6 +155,25 @@ def test_features_needed_interpolates_in_log_m():
         features_needed([8, 8, 32], errors, 0.3)
     with pytest.raises(ValueError, match="equal nonzero lengths"):
         features_needed([8, 16], errors, 0.3)
+
+
+def test_loglog_slope_recovers_a_power_law():
+    ms = [8, 16, 32, 64]
+    assert loglog_slope(ms, [3 * m**-0.7 for m in ms]) == pytest.approx(-0.7)
+    assert loglog_slope([1, 2, 4], [2, 8, 8]) == pytest.approx(1.0)  # log2: x 0 1 2, y 1 3 3
+    assert math.isnan(loglog_slope([2, 2], [1, 5]))  # no spread in x
+    with pytest.raises(ValueError, match="loglog_slope: x must be .* finite"):
+        loglog_slope([1, math.inf], [1, 2])
+
+
+def test_dof_predicts_ranks_a_never_reached_point_last_and_leaves_it_out_of_the_slope():
+    dof, needed = [10, 20, 40, 80], [8, 16, 32, math.inf]
+    rho, p, slope, used = dof_predicts(dof, needed, cap=129)
+    assert rho == pytest.approx(1.0) and p == pytest.approx(2 / 24)  # 4! orders, two at |ρ| = 1
+    assert slope == pytest.approx(1.0) and used == 3
+    rho, p, slope, used = dof_predicts([10, 20, 40], [32, 16, 8], cap=129)
+    assert rho == pytest.approx(-1.0) and slope == pytest.approx(-1.0) and used == 3
+    assert math.isnan(dof_predicts([1, 2, 3], [8, math.inf, math.inf], cap=9)[2])  # 1 point
 
 
 def power_law(errors, ms, m):

@@ -165,47 +165,74 @@ def training(grouped: dict, out) -> tuple:
 
 
 def curves_section(results: dict, out) -> str:
-    """The per-layer error curves, how well layer DoF predicts them, and the oracle allocation."""
+    """The per-layer error curves with each layer's β, how well DoF predicts the features a layer
+    and a head need (per head, and per layer under both aggregations), and the oracle allocation."""
     curves = results.get("curves")
     if not curves:
         return ""
-    ms, mean = curves["dims"], curves["mean_kl"]  # mean[layer][k]
-    layer_dof = [max(h) for h in results["dof"]["per_head"]]
-    series = {
-        f"layer {i} (DoF {d:.0f})": (ms, e, None) for i, (d, e) in enumerate(zip(layer_dof, mean))
-    }
+    ms, mean, per_head = curves["dims"], curves["mean_kl"], results["dof"]["per_head"]
+    heads = np.mean(list(curves["kl_heads"].values()), axis=0).transpose(1, 2, 0)  # [L, H, M]
+    series = {f"layer {i}": (ms, e, None) for i, e in enumerate(mean)}
     args = "held-out KL per layer against its features", "features M", "KL", True, True
     chart = _chart(out, "curves_kl", plots.xy_chart(series, *args))
-    target = float(np.median([errs[len(ms) // 2] for errs in mean]))
-    needed = [stats.features_needed(ms, errs, target) for errs in mean]
-    # a layer that never reaches the target within the measured Ms ranks above every one that does
-    ranked = [min(n, ms[-1] + 1) for n in needed]
-    rho = stats.spearman(layer_dof, ranked)
-    p = stats.permutation_p(layer_dof, ranked, seed=PERMUTATION_SEED, n=PERMUTATIONS)
-    header = ["layer", "layer DoF", *(f"M={m}" for m in ms), f"M to reach KL {target:.3g}"]
+    layer_target, needed = needed_at_common_error(ms, mean)
+    head_target, head_needed = needed_at_common_error(ms, heads.reshape(-1, len(ms)))
+    head_needed = np.reshape(head_needed, heads.shape[:2]).tolist()  # [L][H]
+    betas = [-stats.loglog_slope(ms, errs) for errs in mean]
     rows = [
-        [i, f"{d:.1f}", *(f"{x:.4g}" for x in errs), f"{n:.1f}"]
-        for i, (d, errs, n) in enumerate(zip(layer_dof, mean, needed))
-    ]
+        [i, f"{max(h):.1f}", f"{np.mean(h):.1f}", *(f"{x:.4g}" for x in errs), f"{n:.1f}",
+         f"{b:.2f}", spaced(h, ".0f"), spaced(hn, ".0f")]
+        for i, (h, errs, n, b, hn) in enumerate(zip(per_head, mean, needed, betas, head_needed))
+    ]  # fmt: skip
+    header = ["layer", "DoF (max)", "DoF (mean)", *(f"M={m}" for m in ms)]
+    header += [f"M to KL {layer_target:.3g}", "β", "head DoF", f"head M to KL {head_target:.3g}"]
+    evidence = evidence_table(ms, [
+        ("heads", np.ravel(per_head), np.ravel(head_needed)),
+        ("layers, DoF max over heads", [max(h) for h in per_head], needed),
+        ("layers, DoF mean over heads", [np.mean(h) for h in per_head], needed),
+    ])  # fmt: skip
     dof_dims = results["dof"]["dims"]
     oracle = [[b, spaced(dof_dims[b]["dof"]), spaced(dims)] for b, dims in curves["oracle"].items()]
     return f"""
-## Per-layer error against features, and the oracle allocation
+## Per-layer error against features, DoF as a predictor, and the oracle allocation
 
 Fix students at M = {", ".join(map(str, ms))} features in every layer, seeds
 {", ".join(curves["kl"])}; held-out KL on windows disjoint from those of the tables above, mean
-over seeds.
+over seeds. β is each layer's power law, KL ≈ a·M^(−β), fitted through its points: the summed
+error is least with M ∝ a^(1/(1+β)), so a proportional rule ties Fix at best where β ≤ 1.
 
 {chart}
 
 {md_table(header, rows)}
 
-Spearman rank correlation between layer DoF and the M a layer needs to reach KL {target:.3g}:
-{rho:+.2f} (a layer still above it at M = {ms[-1]} ranks last); two-sided permutation p =
-{p:.3g} (every order of the layers when there are at most {PERMUTATIONS}, else {PERMUTATIONS}
-orders drawn with seed {PERMUTATION_SEED}).
+Does DoF order the features needed? The M a layer (a head) needs to reach the common KL in the
+table, against its DoF: Spearman's ρ with a two-sided permutation p (every order when there are
+at most {PERMUTATIONS}, else {PERMUTATIONS} drawn with seed {PERMUTATION_SEED}), and the log-log
+slope of M needed on DoF (1 where M needed ∝ DoF) over those that reached the target; one still
+above it at M = {ms[-1]} ranks last, one below it at M = {ms[0]} counts as {ms[0]}.
+
+{evidence}
 
 The oracle allocation minimises the summed KL of these curves at each budget, each taken as the
 power of M through its measured points:
 
 {md_table(["budget", "DoF dims", "oracle dims"], oracle)}"""
+
+
+def needed_at_common_error(ms, curves) -> tuple:
+    """(target, M each curve needs to reach it): the target is the median error at the middle M,
+    so about half the curves (layers or heads) reach it there."""
+    target = float(np.median([curve[len(ms) // 2] for curve in curves]))
+    return target, [stats.features_needed(ms, curve, target) for curve in curves]
+
+
+def evidence_table(ms, views) -> str:
+    """For each (level, DoF values, M needed): Spearman's ρ, its permutation p, and the log-log
+    slope of M needed on DoF. A curve still above the target at the largest M ranks last."""
+    rows = []
+    for name, dof, needed in views:
+        rho, p, slope, used = stats.dof_predicts(
+            [float(d) for d in dof], needed, ms[-1] + 1, PERMUTATION_SEED, PERMUTATIONS
+        )
+        rows.append([name, f"{rho:+.2f}", f"{p:.3g}", f"{slope:.2f}", f"{used} of {len(needed)}"])
+    return md_table(["level", "Spearman ρ", "permutation p", "log-log slope", "points"], rows)

@@ -25,7 +25,7 @@ from ..checkpoint import CheckpointError
 from ..distill import TrainSettings, distill
 from ..files import sha256_file, write_text
 from . import data, runs, stats
-from .compare import md_table, spaced
+from .compare import evidence_table, md_table, needed_at_common_error, spaced
 from .evaluate import PPL_TEXTS, layer_errors
 from .oracle import oracle_allocate
 from .stages import CALIBRATION
@@ -115,22 +115,16 @@ def report(results: dict) -> str:
     """The controlled experiment's report: DoF and the features needed per virtual layer, their
     rank correlation and log-log slope, each layer's β, and the rules against Fix."""
     temps, ms, mean = results["temperatures"], results["curve_dims"], results["mean_curves"]
-    target = float(np.median([curve[len(ms) // 2] for curve in mean]))
-    needed = [stats.features_needed(ms, curve, target) for curve in mean]
-    betas = [-np.polyfit(np.log(ms), np.log(curve), 1)[0] for curve in mean]  # error ∝ M^-β
+    target, needed = needed_at_common_error(ms, mean)
+    betas = [-stats.loglog_slope(ms, curve) for curve in mean]  # error ∝ M^-β
     rows = [[s, *(f"{max(results['dof'][k][i]):.1f}" for k in results["dof"]), f"{n:.1f}",
              f"{b:.2f}"] for i, (s, n, b) in enumerate(zip(temps, needed, betas))]  # fmt: skip
     lines = [f"# Controlled experiment: layer {results['layer']} at temperatures {spaced(temps)}"]
     lines.append(md_table(["s", *results["dof"], f"M to reach KL {target:.3g}", "β"], rows))
-    finite = [i for i, n in enumerate(needed) if math.isfinite(n)]
-    for name, layer_dof in results["dof"].items():
-        x, y = [max(layer_dof[i]) for i in finite], [needed[i] for i in finite]
-        if len(finite) > 2:
-            rho = stats.spearman(x, y)
-            slope = np.polyfit(np.log(x), np.log(y), 1)[0]
-            p = stats.permutation_p(x, y)
-            lines.append(f"- {name}: Spearman {rho:+.2f} (permutation p {p:.3f}), log-log slope "
-                         f"{slope:.2f}")  # fmt: skip
+    views = [
+        (name, [max(h) for h in per_head], needed) for name, per_head in results["dof"].items()
+    ]
+    lines += ["\nDoF (max over heads) against the M needed:\n", evidence_table(ms, views)]
     seeds = sorted(results["kl"]["fix"])
     rows = []
     for variant, by_seed in results["kl"].items():

@@ -239,24 +239,27 @@ def error_curves(run: Run) -> dict:
     """Every layer's held-out KL at each of curve_dims features (Fix students: one distillation
     per M trains all layers at once), on the held-out windows after the reported errors' ones."""
     cfg, n_layer = run.cfg, run.teacher.config.n_layer
-    kl, curve_only_seconds, windows = {}, 0.0, (cfg.curve_windows, cfg.error_windows)
+    errors, curve_only_seconds, windows = {}, 0.0, (cfg.curve_windows, cfg.error_windows)
     for seed, m in itertools.product(cfg.seeds, cfg.curve_dims):
         spec = Student("fix", "softmax", m, seed, (m,) * n_layer)
         student, info = train_student(run, spec)
         key, path = curve_stage(run, spec)
         compute = functools.partial(layer_errors, run, student, *windows)
-        kl.setdefault(str(seed), []).append(run.stage(spec.name, path, key, compute)["kl"])
+        errors.setdefault(str(seed), []).append(run.stage(spec.name, path, key, compute))
         if m not in run.budgets:  # the others are Fix students, timed with the students
             curve_only_seconds += info["train_seconds"]
-    return curves_from(run, kl, curve_only_seconds)
+    return curves_from(run, errors, curve_only_seconds)
 
 
-def curves_from(run: Run, kl: dict, curve_only_seconds: float) -> dict:
-    """The curves' record from each seed's KL [M][layer], with the oracle allocation they imply."""
-    ms = list(run.cfg.curve_dims)
-    mean = np.mean([kl[str(s)] for s in run.cfg.seeds], axis=0).T.tolist()  # [layer][M]
+def curves_from(run: Run, errors: dict, curve_only_seconds: float) -> dict:
+    """The curves' record from each seed's layer errors [M], with the oracle allocation the mean
+    layer KL implies; each head's KL is kept for the per-head evidence."""
+    ms, seeds = list(run.cfg.curve_dims), [str(s) for s in run.cfg.seeds]
+    kl = {s: [e["kl"] for e in errors[s]] for s in seeds}  # [M][layer]
+    heads = {s: [e["kl_heads"] for e in errors[s]] for s in seeds}  # [M][layer][head]
+    mean = np.mean(list(kl.values()), axis=0).T.tolist()  # [layer][M]
     oracle = {str(b): oracle_allocate(mean, b, ms=ms) for b in run.budgets}
-    found = dict(dims=ms, kl=kl, mean_kl=mean, oracle=oracle)
+    found = dict(dims=ms, kl=kl, kl_heads=heads, mean_kl=mean, oracle=oracle)
     return dict(found, curve_only_train_seconds=curve_only_seconds)
 
 

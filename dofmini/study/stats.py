@@ -136,6 +136,30 @@ def features_needed(ms, errors, target):
     return ms[reached - 1] * (ms[reached] / ms[reached - 1]) ** ((e0 - target) / (e0 - e1))
 
 
+def loglog_slope(x, y):
+    """The least-squares slope of log y on log x (positive numbers): 1 where y ∝ x, and −β for
+    errors y = a·x^(−β)."""
+    lx = [math.log(v) for v in _finite("loglog_slope: x", x)]
+    ly = [math.log(v) for v in _finite("loglog_slope: y", y)]
+    if len(lx) != len(ly) or len(lx) < 2:
+        raise ValueError(f"loglog_slope: x and y need equal lengths >= 2, got {len(lx)}, {len(ly)}")
+    mx, my = math.fsum(lx) / len(lx), math.fsum(ly) / len(ly)
+    spread = math.fsum((a - mx) ** 2 for a in lx)
+    return math.fsum((a - mx) * (b - my) for a, b in zip(lx, ly)) / spread if spread else math.nan
+
+
+def dof_predicts(dof, needed, cap, seed=0, n=10000):
+    """How well DoF orders the features needed to reach a common error: (Spearman ρ, its
+    permutation p, the log-log slope of needed on DoF, how many points the slope used). A point
+    that never reached the target (inf) ranks above every other at `cap` and is left out of the
+    slope; one that reached it at the smallest measured M counts at that M (it may need fewer)."""
+    ranked = [min(m, cap) for m in needed]
+    rho, p = spearman(dof, ranked), permutation_p(dof, ranked, seed=seed, n=n)
+    pairs = [(d, m) for d, m in zip(dof, needed) if math.isfinite(m)]
+    slope = loglog_slope(*zip(*pairs)) if len(pairs) > 2 else math.nan
+    return rho, p, slope, len(pairs)
+
+
 def _finite(name, values):
     """values as a list of floats, or a ValueError naming them when empty or not all finite."""
     values = [float(v) for v in values]
