@@ -183,8 +183,10 @@ def check(cfg: RunConfig) -> RunConfig:
     for seed in cfg.seeds:
         if not 0 <= seed <= SEED_LIMIT - 1000:
             _fail(f"--seeds {seed}: expected 0..{SEED_LIMIT - 1000}")
-    if len(set(cfg.seeds)) != len(cfg.seeds):
-        _fail(f"--seeds {cfg.seeds}: a seed appears twice")
+    losses = [loss for loss, _ in cfg.losses]
+    for flag, values in [("--variants", cfg.variants), ("--loss", losses), ("--seeds", cfg.seeds)]:
+        if len(set(values)) != len(values):
+            _fail(f"{flag} {','.join(map(str, values))}: a value appears twice")
     for budget in cfg.budgets or ():
         if not 1 <= budget <= MAX_FEATURES:
             _fail(f"--budgets {budget}: expected 1..{MAX_FEATURES} features per layer")
@@ -208,17 +210,8 @@ def check(cfg: RunConfig) -> RunConfig:
 
 def main(argv=None):
     cfg = parse_args(argv)
-    try:
-        with runs.locked(cfg.out, _fail):
-            return _main(cfg)
-    except (CheckpointError, data.DataError, runs.RunError) as err:
-        _fail(str(err))
-    except KeyboardInterrupt:
-        raise SystemExit(
-            "reproduce.py: interrupted; run the same command again to resume"
-        ) from None
-    except OSError as err:  # a full disk, a read-only folder: files.atomic_write names the file
-        _fail(err.strerror or str(err))
+    with runs.one_line_errors(_fail), runs.locked(cfg.out, _fail):
+        return _main(cfg)
 
 
 def _main(cfg: RunConfig):

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .checkpoint import CheckpointError
 from .dof import capture
 from .files import changed_settings
 from .students import make_student, read_tensors, save_student, save_tensors, trainable
@@ -184,12 +185,18 @@ def _save_progress(path, settings, params, opt, gen, done, seconds, curve):
 
 def _resume(path: Path, settings, params, opt, gen, log):
     """(step, seconds, loss curve) of a progress file of the same settings, restoring the tensors,
-    Adam and the data generator; (0, 0.0, []) without one, setting aside one of other settings."""
+    Adam and the data generator; (0, 0.0, []) without one, setting aside one of other settings or
+    one that cannot be read."""
     if not (path and path.exists()):
         return 0, 0.0, []
-    stored, meta = read_tensors(path)
-    if changed := changed_settings(meta.get("settings", {}), settings):
-        log(f"{path}: progress of other settings ({changed} changed); starting over")
+    try:
+        stored, meta = read_tensors(path)
+        changed = changed_settings(meta.get("settings", {}), settings)
+        why = changed and f"progress of other settings ({changed} changed)"
+    except CheckpointError as err:  # a damaged progress file costs its steps, not the run
+        why = f"unreadable ({err})"
+    if why:
+        log(f"{path}: {why}; starting over")
         path.unlink()
         return 0, 0.0, []
     with torch.no_grad():

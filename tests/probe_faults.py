@@ -16,6 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import REPO, tiny_store  # noqa: E402
 
@@ -29,8 +31,10 @@ def reproduce(model, *args, env, out):
 def classify(done, expect_ok=None) -> str:
     if "Traceback" in done.stderr:
         return "raw traceback"
-    if done.returncode != 0:  # one message, on one line or listing each failed file
-        return "clear error" if done.stderr.startswith("reproduce.py: ") else "raw traceback"
+    if done.returncode != 0:  # one message, on one line or listing each failed file; argparse's
+        usage = done.stderr.startswith("usage: ") and "reproduce.py: error: " in done.stderr
+        clear = done.stderr.startswith("reproduce.py: ") or usage
+        return "clear error" if clear else "raw traceback"
     return "as expected" if expect_ok and expect_ok(done) else "silent wrong"
 
 
@@ -43,7 +47,13 @@ def edit_tensors(folder: Path, change):
 
 
 def main():
-    root = Path(tempfile.mkdtemp())
+    with tempfile.TemporaryDirectory() as folder:
+        bad = probe_all(Path(folder))
+    sys.exit(1 if bad else 0)
+
+
+def probe_all(root: Path) -> list:
+    """Every probe under `root`; prints the table and returns the silent wrong and tracebacks."""
     model, env = tiny_store(root)
     baseline = reproduce(model, env=env, out=root / "base")
     assert baseline.returncode == 0, baseline.stderr
@@ -130,6 +140,68 @@ def main():
         ),
     )
 
+    def tensor(name, change):
+        """A setup that replaces tensor `name` by change(it), or drops it where change is None."""
+
+        def edit(tensors):
+            value = tensors.pop(name)
+            tensors.update({} if change is None else {name: change(value)})
+
+        return lambda f, c, e: edit_tensors(f, edit)
+
+    def config(old, new):
+        path = lambda f: f / "config.json"
+        return lambda f, c, e: path(f).write_text(path(f).read_text().replace(old, new))
+
+    def weight_bytes(change):
+        return lambda f, c, e: weights(f).write_bytes(change(weights(f).read_bytes()))
+
+    layer = "transformer.h.0."
+    dropped = [layer + n for n in ("ln_1.weight", "attn.c_attn.weight", "attn.c_attn.bias")]
+    dropped += [layer + n for n in ("attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.bias")]
+    dropped += [f"transformer.{n}.weight" for n in ("wte", "wpe", "ln_f")] + [layer + "ln_2.bias"]
+    for name in dropped:
+        probe("checkpoint", f"{name} missing", tensor(name, None))
+    inf_row = lambda x: x.index_fill(0, torch.tensor([3]), float("inf"))
+    for label, name, change in [
+        ("c_attn.weight transposed", layer + "attn.c_attn.weight", lambda x: x.T.contiguous()),
+        ("wte one row short", "transformer.wte.weight", lambda x: x[:-1].clone()),
+        ("wpe shorter than n_positions", "transformer.wpe.weight", lambda x: x[:32].clone()),
+        ("ln_1.weight as int32", layer + "ln_1.weight", lambda x: x.int()),
+        ("c_fc.weight as bool", layer + "mlp.c_fc.weight", lambda x: x > 0),
+        ("an inf in wte", "transformer.wte.weight", inf_row),
+    ]:
+        probe("checkpoint", label, tensor(name, change))
+    probe("checkpoint", "a tensor of a layer past n_layer", lambda f, c, e: edit_tensors(
+        f, lambda t: t.update({"transformer.h.2.ln_1.weight": t[layer + "ln_1.weight"].clone()})
+    ))  # fmt: skip
+    for label, old, new in [
+        ("n_layer missing", '"n_layer": 2,', ""),
+        ("n_embd a string", '"n_embd": 32', '"n_embd": "32"'),
+        ("n_layer 0", '"n_layer": 2', '"n_layer": 0'),
+        ("n_layer 3 (weights for 2)", '"n_layer": 2', '"n_layer": 3'),
+        ("vocab_size 200 (wte has 96)", '"vocab_size": 96', '"vocab_size": 200'),
+        ("layer_norm_epsilon -1", '"layer_norm_epsilon": 1e-05', '"layer_norm_epsilon": -1'),
+        ("activation relu", '"gelu_new"', '"relu"'),
+        ("model_type llama", '"gpt2"', '"llama"'),
+        ("n_positions 16 (ctx 64)", '"n_positions": 64', '"n_positions": 16'),
+    ]:
+        probe("checkpoint", f"config: {label}", config(old, new))
+    for label, change in [
+        ("empty model.safetensors", lambda b: b""),
+        ("header length only", lambda b: b[:8]),
+        ("last 100 bytes cut", lambda b: b[:-100]),
+        ("a header length of 2^60", lambda b: (2**60).to_bytes(8, "little") + b[8:]),
+    ]:
+        probe("checkpoint", label, weight_bytes(change))
+    probe("checkpoint", "tokenizer.json missing", lambda f, c, e: (f / "tokenizer.json").unlink())
+    probe(
+        "checkpoint",
+        "tokenizer.json not JSON",
+        lambda f, c, e: (f / "tokenizer.json").write_text("{"),
+    )
+    probe("checkpoint", "config.json missing", lambda f, c, e: (f / "config.json").unlink())
+
     def edited_in_place(folder, case, case_env):
         import os
 
@@ -182,13 +254,64 @@ def main():
         stale_tmp,
         expect_ok=lambda d: not list(Path(d.args[-1]).parent.glob("store/wikitext-2-raw/.*.tmp")),
     )
+
+    def damaged(path, change):
+        def setup(folder, case, case_env):
+            change(store_copy(case_env, case) / path)
+
+        return setup
+
+    valid, heldout = "wikitext-2-raw/wiki.valid.raw", "corpus/wikipedia-heldout.txt"
+    for label, path, change in [
+        ("a store file missing (its URL unreachable)", valid, lambda p: p.unlink()),
+        ("a store file cut short", valid, lambda p: p.write_bytes(p.read_bytes()[:-10])),
+        ("a store file emptied", "corpus/wikipedia/tiny.txt", lambda p: p.write_bytes(b"")),
+        ("a store file with a byte appended", heldout, lambda p: p.open("ab").write(b"x")),
+    ]:  # fmt: skip
+        probe("data", label, damaged(path, change))
+
+    def registry(text):
+        def setup(folder, case, case_env):
+            (case / "registry.tsv").write_text(text(Path(env["DOFMINI_DATA_REGISTRY"]).read_text()))
+            case_env["DOFMINI_DATA_REGISTRY"] = str(case / "registry.tsv")
+
+        return setup
+
+    probe("data", "$DOFMINI_DATA_REGISTRY names no file",
+          lambda f, c, e: e.update(DOFMINI_DATA_REGISTRY=str(c / "absent.tsv")))  # fmt: skip
+    probe(
+        "data",
+        "a registry row with a field missing",
+        registry(lambda t: t.replace("\t", " ", 1).replace("\n", "\nwikitext2\tx\t3\n", 1)),
+    )
+    row = "\t".join(["corpus", "corpus/x.txt", "ten", "0" * 64, "https://example.invalid/x"])
+    probe("data", "a registry row with bytes not a number", registry(lambda t: t + row + "\n"))
+
+    def mirror_closed(folder, case, case_env):
+        (store_copy(case_env, case) / valid).unlink()
+        case_env["DOFMINI_DATA_MIRROR"] = "http://127.0.0.1:9"
+
+    probe("data", "a missing file and a mirror on a closed port", mirror_closed)
+    probe("data", "--data a folder that does not exist (every file missing)",
+          args=["--data", root / "nowhere"])  # fmt: skip
+
     flags = ["--lam 0", "--lam nan", "--lam 1e20", "--budgets 0", "--budgets 100000000",
              "--budgets 8,x", "--seeds 5,5", "--seed 3 --seeds 1", "--loss softmax:32", "--loss kl",
              "--variants hedgehog", "--J 1", "--sweep", "--device cuda", "--device cuda:7",
-             "--limit -1"]  # fmt: skip
+             "--limit -1", "--lam -1", "--lam inf", "--lam x", "--J 0", "--J -5", "--J x",
+             "--J 1000000000", "--budgets -4", "--budgets ,", "--seeds a", "--seeds -1",
+             "--seed x", "--loss softmax:0", "--loss softmax:x", "--loss l2,l2",
+             "--variants fix,fix", "--variants ,", "--device tpu", "--limit x", "--profile nope",
+             "--budgets 8 --loss softmax:16"]  # fmt: skip
     for flag in flags:
         probe("flags", flag, args=flag.split())
     probe("flags", "--out ''", out="")
+    probe(
+        "flags",
+        "--out a file",
+        lambda f, c, e: (c / "file").write_text("x"),
+        out=root / "base" / "results.json",
+    )
     command = [sys.executable, str(REPO / "reproduce.py"), "gtp2"]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     rows.append(("flags", "a mistyped model name (gtp2)", classify(done), done.stderr.strip()))
@@ -239,45 +362,66 @@ def main():
         expect_ok=lambda d: strip(same(d)) == strip(results["students"]),
     )
 
-    case = root / "interrupt"
-    case.mkdir()
-    command = [sys.executable, str(REPO / "reproduce.py"), str(model), "--profile", "quick"]
-    command += ["--limit", "0", "--variants", "fix,dof", "--out", str(case / "out")]
-    run = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    for line in run.stdout:
-        if line.startswith("[3/"):
-            run.send_signal(signal.SIGINT)
-            break
-    _, err = run.communicate(timeout=300)
-    rows.append(
-        (
-            "runs",
-            "Ctrl-C mid-run",
-            classify(subprocess.CompletedProcess([], run.returncode, "", err)),
-            err.strip()[:140],
+    def damaged_run(name, change):
+        def setup(folder, case, case_env):
+            shutil.copytree(root / "base", case / "out")
+            change(case / "out" / name)
+
+        return setup
+
+    def garbage_progress(path):  # with its twin gone too, so that it is trained again
+        path.unlink()
+        path.with_name(path.name.replace("fix-", "dof-")).unlink()
+        path.with_name(path.name + ".progress").write_bytes(b"garbage")
+
+    cut = lambda size: lambda p: p.write_bytes(p.read_bytes()[:size])
+    other = lambda name: lambda p: shutil.copy(p.with_name(name), p)
+    b8 = "softmax-b8-s0"
+    for label, name, change in [
+        ("teacher.json cut short", "teacher.json", lambda p: p.write_text(p.read_text()[:20])),
+        ("allocation.json not JSON", "allocation.json", lambda p: p.write_text("{")),
+        ("a token cache cut short", "tokens-train.npy", cut(200)),
+        ("a token cache of other text", "tokens-train.npy", other("tokens-heldout.npy")),
+        ("results.json deleted", "results.json", lambda p: p.unlink()),
+        ("a student file cut short", f"students/dof-{b8}.safetensors", cut(300)),
+        ("a progress file of garbage", f"students/fix-{b8}.safetensors", garbage_progress),
+        ("an eval file of another student", f"eval/dof-{b8}.json", other(f"fix-{b8}.json")),
+    ]:  # fmt: skip
+        probe("runs", label, damaged_run(name, change),
+              expect_ok=lambda d: strip(same(d)) == strip(results["students"]))  # fmt: skip
+
+    for sig, at in [(signal.SIGINT, "[3/"), (signal.SIGKILL, "[4/"), (signal.SIGTERM, "[5/")]:
+        case = root / f"interrupt-{sig.name}"
+        case.mkdir()
+        command = [sys.executable, str(REPO / "reproduce.py"), str(model), "--profile", "quick"]
+        command += ["--limit", "0", "--variants", "fix,dof", "--out", str(case / "out")]
+        run = subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
-    )
-    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    resumed = again.returncode == 0 and strip(
-        json.loads((case / "out" / "results.json").read_text())["students"]
-    ) == strip(results["students"])
-    rows.append(
-        (
-            "runs",
-            "rerun after Ctrl-C equals an uninterrupted run",
-            "as expected" if resumed else "silent wrong",
-            "(exit 0)",
+        for line in run.stdout:
+            if line.startswith(at):
+                run.send_signal(sig)
+                break
+        _, err = run.communicate(timeout=300)
+        # a kill leaves no message by nature; what counts is that the rerun is whole
+        verdict = classify(subprocess.CompletedProcess([], run.returncode, "", err))
+        verdict = "as expected" if sig != signal.SIGINT and not err else verdict
+        rows.append(("runs", f"{sig.name} at stage {at[1:-1]}", verdict, err.strip()[:140]))
+        again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        resumed = again.returncode == 0 and strip(
+            json.loads((case / "out" / "results.json").read_text())["students"]
+        ) == strip(results["students"])
+        verdict = "as expected" if resumed else "silent wrong"
+        rows.append(
+            ("runs", f"rerun after {sig.name} equals an uninterrupted run", verdict, "(exit 0)")
         )
-    )
 
     print("| class | probe | verdict | what it said |\n|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(str(c).replace("|", "/") for c in row) + " |")
     bad = [r for r in rows if r[2] in ("silent wrong", "raw traceback")]
     print(f"\n{len(rows)} probes; {len(bad)} silent wrong or raw traceback")
-    sys.exit(1 if bad else 0)
+    return bad
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def paths(groups) -> set:
 def test_every_group_resolves_and_covers_what_the_code_reads():
     assert set(data.GROUPS) == {"wikitext2", "corpus", "heldout", *TASKS}
     assert all(data.files(group) for group in data.GROUPS)
-    assert {f.group for f in data.FILES} == set(data.GROUPS)
+    assert {f.group for f in data.registry()} == set(data.GROUPS)
     assert set(PPL_TEXTS.values()) <= paths(PPL_TEXTS)
     assert len(paths("corpus")) == 17
     assert all(re.fullmatch(r"corpus/wikipedia/[^/]+\.txt", p) for p in paths("corpus"))
@@ -53,8 +53,8 @@ def test_every_group_resolves_and_covers_what_the_code_reads():
 
 
 def test_registry_rows_are_well_formed():
-    assert len({f.path for f in data.FILES}) == len(data.FILES)
-    for f in data.FILES:
+    assert len({f.path for f in data.registry()}) == len(data.registry())
+    for f in data.registry():
         assert re.fullmatch(r"[\w.-]+(/[\w.-]+)*", f.path) and ".." not in f.path.split("/")
         assert f.size > 0 and re.fullmatch(r"[0-9a-f]{64}", f.sha256)
         assert f.url.startswith("https://") and " " not in f.url
@@ -120,7 +120,7 @@ def test_wikipedia_source_downloaded_or_placed_is_converted(data_mirror, monkeyp
     served.mkdir()
     (served / "wiki_45").write_bytes(shared_as_wikiextractor(heldout))
     source = heldout._replace(url=f"{data_mirror(served).url}/wiki_45")
-    monkeypatch.setattr(data, "FILES", (source,))  # the registry, with this source's URL
+    monkeypatch.setattr(data, "registry", lambda: (source,))  # the registry, with this source's URL
     assert data.ensure("heldout", store, log=lambda message: None) == {heldout.path: heldout.sha256}
     assert sha256_file(store / heldout.path) == heldout.sha256 and stored(store) == {heldout.path}
     shutil.copy(served / "wiki_45", store / heldout.path)  # as the offline message says to
@@ -130,7 +130,7 @@ def test_wikipedia_source_downloaded_or_placed_is_converted(data_mirror, monkeyp
 
 def test_every_shared_copy_matches_its_pin():
     shared = data_path()
-    for f in data.FILES:
+    for f in data.registry():
         path = shared / f.path
         assert path.stat().st_size == f.size and sha256_file(path) == f.sha256, f.path
 
@@ -171,7 +171,7 @@ def test_cut_download_leaves_nothing_and_a_rerun_completes(data_mirror, monkeypa
     assert stored(tmp_path) == {"wikitext-2-raw/wiki.valid.raw"}  # no partial file, no temporary
     data.ensure(["wikitext2"], tmp_path, log=lambda message: None)
     assert stored(tmp_path) == paths("wikitext2") and mirror.requests.count(cut) == 2
-    assert sha256_file(tmp_path / cut) == {f.path: f.sha256 for f in data.FILES}[cut]
+    assert sha256_file(tmp_path / cut) == {f.path: f.sha256 for f in data.registry()}[cut]
 
 
 def test_flipped_byte_is_named_with_both_hashes(data_mirror, monkeypatch, tmp_path):

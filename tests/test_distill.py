@@ -255,6 +255,17 @@ def test_progress_of_other_settings_is_set_aside_and_training_starts_over(tiny, 
     assert all(torch.equal(t, fresh[n]) for n, t in trainable(student).items())
 
 
+def test_an_unreadable_progress_file_is_named_and_training_starts_over(tiny, tiny_ids, tmp_path):
+    path, settings = tmp_path / "s.safetensors", S(steps=2, batch=2, ctx=32, log_every=1)
+    path.with_name(path.name + ".progress").write_bytes(b"garbage")
+    lines = []
+    student = distill(tiny, [4, 4], tiny_ids, settings, out_path=path, log=lines.append)
+    assert f"{path}.progress: unreadable (cannot read {path}.progress" in lines[0], lines
+    assert "starting over" in lines[0] and not path.with_name(path.name + ".progress").exists()
+    fresh = trainable(distill(tiny, [4, 4], tiny_ids, settings, log=quiet))
+    assert all(torch.equal(t, fresh[n]) for n, t in trainable(student).items())
+
+
 def test_changed_settings_names_every_differing_or_missing_key():
     assert changed_settings({"lr": 0.1, "b": 1}, {"lr": 0.1, "b": 1}) == ""
     assert changed_settings({"lr": 0.1, "x": None}, {"lr": 0.2, "b": 1}) == "b, lr, x"

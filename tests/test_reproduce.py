@@ -139,7 +139,9 @@ def test_changed_flag_recomputes_what_it_touches(grid_run, tmp_path):
     (["{tiny}", "--lam", "nan"], "--lam nan: expected a positive finite number"),
     (["{tiny}", "--limit", "-1"], "--limit -1: expected 0 (no tasks) or more"),
     (["{tiny}", "--seeds", "0,-3"], "--seeds -3: expected 0.."),
-    (["{tiny}", "--seeds", "5,5"], "a seed appears twice"),
+    (["{tiny}", "--seeds", "5,5"], "--seeds 5,5: a value appears twice"),
+    (["{tiny}", "--variants", "fix,fix"], "--variants fix,fix: a value appears twice"),
+    (["{tiny}", "--loss", "l2,softmax,l2"], "--loss l2,softmax,l2: a value appears twice"),
     (["{tiny}", "--seed", str(2**40)], f"--seeds {2**40}: expected 0.."),
     (["{tiny}", "--budgets", "0"], "--budgets 0: expected 1..4096 features per layer"),
     (["{tiny}", "--budgets", "8,x"], "--budgets '8,x': expected comma-separated integers"),
@@ -164,6 +166,25 @@ def test_bad_values_give_one_line_before_model_work(tmp_path, args, message):
     assert result.returncode != 0
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "Traceback" not in result.stderr and time.time() - t0 < 30
+
+
+@pytest.mark.parametrize("registry, message", [
+    (None, "absent.tsv: No such file"),
+    ("group\tpath\tbytes\tsha256\turl\nwikitext2\tx\t3\n", "line 2: 'wikitext2\\tx\\t3'"),
+    ("header\ncorpus\tx\tten\t" + "0" * 64 + "\thttps://h/x\n", "expected a group"),
+])  # fmt: skip
+def test_a_bad_data_registry_is_one_line_naming_it(tmp_path, registry, message):
+    path = tmp_path / "absent.tsv"
+    if registry:
+        path.write_text(registry)
+    env = {"PATH": "", "HOME": str(tmp_path), "DOFMINI_DATA_REGISTRY": str(path)}
+    args = ["--data", tmp_path / "store", "--out", tmp_path / "out"]
+    result = reproduce(FIXTURES / "gpt2-tiny", *args, timeout=120, env=env)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"reproduce.py: error: cannot read {path}: ") or (
+        str(path) in result.stderr and message in result.stderr
+    ), result.stderr
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.skipif(

@@ -26,6 +26,16 @@ def test_stage_reuses_only_an_identical_key(tmp_path, capsys):
     assert json.loads(path.read_text())["key"]["lam"] == 0.5  # the file holds what made it
 
 
+def test_a_damaged_stage_file_is_named_and_computed_again(tmp_path, capsys):
+    path, key = tmp_path / "teacher.json", {"teacher": "t:abc"}
+    stage(path, key, lambda: {"ppl": 1.5})
+    for damage in ['{"key": {"teacher": "t:a', "[1, 2]", "\xff"]:  # cut short, no record, not UTF-8
+        path.write_text(damage, encoding="latin-1")
+        assert stage(path, key, lambda: {"ppl": 2.5}) == {"ppl": 2.5}
+        assert f"redo: {path}: damaged" in capsys.readouterr().out
+        assert stage(path, key, lambda: {"ppl": 3.5}) == {"ppl": 2.5}  # whole again
+
+
 def test_token_cache_is_redone_for_another_tokenizer(tmp_path, capsys):
     text = tmp_path / "text.txt"
     text.write_text("the cat ran far")
@@ -55,3 +65,19 @@ def test_clock_paces_a_resumed_run_on_computed_stages_only(capsys):
     # pace 0.2 s / 40 s = 0.005, so "next" takes ~60 s; pacing on the reloaded stage too
     # would have said ~2 s
     assert lines[-1].startswith("[3/3] next (~1 min;"), lines[-1]
+
+
+def test_a_token_cache_replaced_or_cut_is_encoded_again(tmp_path, capsys):
+    text, other = tmp_path / "text.txt", tmp_path / "other.txt"
+    text.write_text("the cat ran far")
+    other.write_text("far far")
+    words = {w: i for i, w in enumerate(["[UNK]", "the", "cat", "ran", "far"])}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    cache, other_cache, key = tmp_path / "tokens-train.npy", tmp_path / "tokens-x.npy", {"t": 1}
+    token_ids(other_cache, {"t": 2}, [other], tokenizer, None)
+    token_ids(cache, key, [text], tokenizer, None)
+    for damage in (other_cache.read_bytes(), cache.read_bytes()[:20]):  # another text's, cut
+        cache.write_bytes(damage)
+        assert token_ids(cache, key, [text], tokenizer, None).tolist() == [1, 2, 3, 4]
+        assert f"redo: {cache}: its bytes are not those its record names" in capsys.readouterr().out

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from .. import dof, hub
-from ..checkpoint import CheckpointError
 from ..distill import TrainSettings, distill
 from ..files import sha256_file, write_text
 from . import data, runs, stats
@@ -42,7 +41,7 @@ class VirtualTeacher(nn.Module):
     def __init__(self, teacher, layer: int, temperatures):
         super().__init__()
         if not 0 <= layer < teacher.config.n_layer:
-            raise ValueError(f"--layer {layer}: expected 0..{teacher.config.n_layer - 1}")
+            raise runs.RunError(f"--layer {layer}: expected 0..{teacher.config.n_layer - 1}")
         self.teacher, self.layer, self.temperatures = teacher, layer, tuple(temperatures)
         self.config = dataclasses.replace(teacher.config, n_layer=len(self.temperatures))
         self.blocks = nn.ModuleList(_Layer(teacher.blocks[layer].attn) for _ in self.temperatures)
@@ -156,23 +155,30 @@ def main(argv=None):
     for name, default in (("batch", 8), ("ctx", 256), ("J", 1024), ("windows", 32)):
         p.add_argument(f"--{name}", type=int, default=default)
     args = p.parse_args(argv)
-    args.seeds, args.curve_dims = [int(s) for s in args.seeds.split(",")], (8, 16, 32, 64, 128)
-    store = data.store_dir(args.data)
+    args.curve_dims = (8, 16, 32, 64, 128)
     try:
-        hashes = data.ensure(["wikitext2", "corpus", "heldout"], store)
-        teacher, tokenizer = hub.load(args.model), hub.load_tokenizer(args.model)
-    except (data.DataError, CheckpointError) as err:
-        _fail(str(err))
+        args.seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        _fail(f"--seeds {args.seeds!r}: expected comma-separated integers")
+    if not args.curve_dims[0] <= args.budget <= args.curve_dims[-1]:
+        _fail(f"--budget {args.budget}: the oracle needs one within the curves' M, 8..128")
+    with runs.one_line_errors(_fail), runs.locked(args.out, _fail):
+        _run(args)
+
+
+def _run(args):
+    store = data.store_dir(args.data)
+    hashes = data.ensure(["wikitext2", "corpus", "heldout"], store)
+    teacher, tokenizer = hub.load(args.model), hub.load_tokenizer(args.model)
     hashes["tokenizer"] = sha256_file(hub.locate(args.model) / "tokenizer.json")
     corpus = [f.path for f in data.files("corpus")]
     texts = {"calib": [CALIBRATION], "heldout": [PPL_TEXTS["heldout"]], "train": corpus}
     tokens = {"hashes": hashes}
-    with runs.locked(args.out, _fail):
-        for name, paths in texts.items():
-            key = {"files": [hashes[p] for p in paths], "tokenizer": hashes["tokenizer"]}
-            cache = args.out / f"tokens-{name}.npy"
-            tokens[name] = runs.token_ids(cache, key, [store / p for p in paths], tokenizer, None)
-        run(teacher, tokens, args, args.out)
+    for name, paths in texts.items():
+        key = {"files": [hashes[p] for p in paths], "tokenizer": hashes["tokenizer"]}
+        cache = args.out / f"tokens-{name}.npy"
+        tokens[name] = runs.token_ids(cache, key, [store / p for p in paths], tokenizer, None)
+    run(teacher, tokens, args, args.out)
 
 
 if __name__ == "__main__":

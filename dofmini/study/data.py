@@ -11,6 +11,7 @@ plain text, by one rule for every such file (`articles_from_wikiextractor`).
 `python -m dofmini.study.sources` checks every source against its pin (for maintainers).
 """
 
+import functools
 import http.client
 import os
 import re
@@ -55,7 +56,10 @@ class DataFile(NamedTuple):
 
 
 def _lines(file: Path) -> list:
-    text = file.read_text(encoding="utf-8")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise DataError(f"cannot read {file}: {getattr(err, 'strerror', None) or err}") from None
     return [line for line in text.splitlines() if line and not line.startswith("#")]
 
 
@@ -79,10 +83,12 @@ def read_registry(file: Path) -> tuple:
     return tuple(rows)
 
 
-REGISTRY = Path(
-    os.environ.get("DOFMINI_DATA_REGISTRY") or Path(__file__).with_name("data_files.tsv")
-)
-FILES = read_registry(REGISTRY)
+@functools.cache
+def registry() -> tuple:
+    """The rows of $DOFMINI_DATA_REGISTRY, else of data_files.tsv, read on first use (so that a bad
+    registry is reported as a run's error, not at import)."""
+    default = Path(__file__).with_name("data_files.tsv")
+    return read_registry(Path(os.environ.get("DOFMINI_DATA_REGISTRY") or default))
 
 
 def _articles(lines: list) -> dict:
@@ -112,7 +118,7 @@ def files(groups) -> list:
     unknown = [g for g in groups if g not in GROUPS]
     if unknown:
         raise DataError(f"unknown data group(s) {unknown}; known: {', '.join(GROUPS)}")
-    return [f for f in FILES if f.group in groups]
+    return [f for f in registry() if f.group in groups]
 
 
 def source(f: DataFile) -> str:
@@ -131,7 +137,7 @@ def describe(groups, root) -> str:
     absent = missing(groups, root)
     lines = [f"data store {Path(root).resolve()}:"]
     for group in dict.fromkeys(f.group for f in files(groups)):
-        rows = [f for f in FILES if f.group == group]
+        rows = [f for f in registry() if f.group == group]
         hosts = sorted({urllib.parse.urlsplit(source(f)).netloc or "a local folder" for f in rows})
         todo = sum(f in absent for f in rows)
         lines.append(

@@ -70,7 +70,9 @@ def stage_sizes(cfg, ctx: int, corpus: list) -> dict:
     """The windows a stage puts through the model, from the data files' sizes: "evaluation" (both
     perplexity texts and the tasks), "train_windows" per student and "error_windows" (its layer
     errors before and after training)."""
-    texts = [_tokens_in(f for f in data.FILES if f.path == p) // ctx for p in PPL_TEXTS.values()]
+    texts = [
+        _tokens_in(f for f in data.registry() if f.path == p) // ctx for p in PPL_TEXTS.values()
+    ]
     texts = [min(w, cfg.eval_windows or w) for w in texts]
     tasks = [] if cfg.limit == 0 else list(TASK_SIZES)
     task_tokens = sum(min(cfg.limit or n, n) * size for n, size in map(TASK_SIZES.get, tasks))

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from .. import __version__
-from ..files import atomic_write, changed_settings, write_text
+from ..checkpoint import CheckpointError
+from ..files import atomic_write, changed_settings, sha256_file, write_text
 from . import data
 
 
@@ -36,12 +37,26 @@ def as_json(value):
     return json.loads(json.dumps(value))
 
 
+def _stored(path: Path) -> dict:
+    """The record a stage or key file of ours holds; {} when absent or damaged (cut short, not JSON,
+    not a record), so that the stage is computed again."""
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return {}
+    return stored if isinstance(stored, dict) else {}
+
+
+def _why_redo(path: Path, old, key: dict) -> str:
+    if old is None:
+        return f"redo: {path}: damaged (no record of its settings)"
+    return f"redo: {path}: {changed_settings(old, as_json(key))} changed"
+
+
 def saved(path: Path, key: dict):
     """The result a stage saved at `path`, if it was made with `key`; else None."""
-    if not path.is_file():
-        return None
-    stored = json.loads(path.read_text())
-    return stored["result"] if stored.get("key") == as_json(key) else None
+    stored = _stored(path)
+    return stored.get("result") if stored.get("key") == as_json(key) else None
 
 
 def stage(path: Path, key: dict, compute):
@@ -50,9 +65,8 @@ def stage(path: Path, key: dict, compute):
     if result is not None:
         log(f"skip: {path} done")
         return result
-    if path.is_file():
-        old = json.loads(path.read_text()).get("key", {})
-        log(f"redo: {path}: {changed_settings(old, as_json(key))} changed")
+    if path.exists():
+        log(_why_redo(path, _stored(path).get("key"), key))
     result = compute()
     write_text(path, json.dumps({"key": as_json(key), "result": result}, indent=1, sort_keys=True))
     return result
@@ -64,17 +78,21 @@ def _save_npy(path: Path, array: np.ndarray):
 
 
 def token_ids(path: Path, key: dict, texts, tokenizer, max_chars) -> torch.Tensor:
-    """Token ids of text files, encoded once and cached as .npy (no pickle) beside a key file."""
+    """Token ids of text files, encoded once and cached as .npy (no pickle) beside a key file that
+    also holds the cache's sha256, so a cache replaced or damaged since is encoded again."""
     key_path = path.with_suffix(".json")
-    if path.is_file() and key_path.is_file():
-        old = json.loads(key_path.read_text())
-        if old == as_json(key):
+    stored = _stored(key_path)
+    if stored.get("key") == as_json(key) and path.is_file():
+        if sha256_file(path) == stored.get("sha256"):
             return torch.from_numpy(np.load(path))
-        log(f"redo: {path}: {changed_settings(old, as_json(key))} changed")
+        log(f"redo: {path}: its bytes are not those its record names")
+    elif key_path.exists() or path.exists():
+        log(_why_redo(path, stored.get("key"), key))
     text = "".join(Path(f).read_text(encoding="utf-8") for f in texts)[:max_chars]
     ids = np.array(tokenizer.encode(text).ids, dtype=np.int64)
     atomic_write(path, lambda tmp: _save_npy(tmp, ids))
-    write_text(key_path, json.dumps(as_json(key), sort_keys=True))
+    record = {"key": as_json(key), "sha256": sha256_file(path)}
+    write_text(key_path, json.dumps(record, sort_keys=True))
     return torch.from_numpy(ids)
 
 
@@ -85,6 +103,22 @@ def check_writable(out: Path, flag: str, fail) -> None:
     parent = next(p for p in (out, *out.absolute().parents) if p.exists())
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         fail(f"{flag} {out} cannot be created: {parent} is not a writable folder")
+
+
+@contextlib.contextmanager
+def one_line_errors(fail):
+    """Every failure a user can cause as one line through fail(message), never a traceback: a bad
+    checkpoint, data file or setting, a full disk or a read-only folder (atomic_write names the
+    file), and Ctrl-C (finished stages and saved progress stay; the same command resumes)."""
+    try:
+        yield
+    except (CheckpointError, data.DataError, RunError) as err:
+        fail(str(err))
+    except KeyboardInterrupt:
+        fail("interrupted; run the same command again to resume")
+    except OSError as err:  # atomic_write's own message names the file already
+        named = err.filename and str(err.filename) not in (err.strerror or "")
+        fail(f"{err.filename}: {err.strerror}" if named else err.strerror or str(err))
 
 
 @contextlib.contextmanager
