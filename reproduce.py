@@ -26,7 +26,7 @@ import dofmini
 from dofmini import hub
 from dofmini.checkpoint import CheckpointError
 from dofmini.files import sha256_file, unreachable, write_text
-from dofmini.study import data, evaluate, plan, report, runs, stages
+from dofmini.study import data, evaluate, oracle, plan, report, runs, stages
 from dofmini.study.runs import log
 
 VARIANTS = ("performer", "dijiang", "fix", *stages.ALLOCATIONS, "oracle")
@@ -170,10 +170,11 @@ def check(cfg: RunConfig) -> RunConfig:
     for loss, budgets in cfg.losses:
         if loss not in LOSSES:
             _fail(f"unknown loss {loss!r}; choose from {', '.join(LOSSES)}")
+        named = f"{loss}:{'/'.join(map(str, budgets or ()))}"
         if budgets and not cfg.budgets:
-            _fail(f"--loss {loss}:{budgets} names budgets, but --budgets does not: pass them too")
+            _fail(f"--loss {named}: names budgets, but --budgets does not: pass them too")
         if budgets and not set(budgets) <= set(cfg.budgets):
-            _fail(f"--loss {loss}:{budgets} names budgets outside --budgets {cfg.budgets}")
+            _fail(f"--loss {named}: budgets outside --budgets {','.join(map(str, cfg.budgets))}")
     if cfg.lam is not None and not (cfg.lam > 0 and math.isfinite(cfg.lam)):
         _fail(f"--lam {cfg.lam}: expected a positive finite number")
     if cfg.limit is not None and cfg.limit < 0:
@@ -329,12 +330,17 @@ def done_stages(run: stages.Run) -> set:
         found.add("teacher evaluation")
     allocation = runs.saved(out / "allocation.json", stages.allocation_key(run))
     found |= {"DoF estimate"} if allocation else set()
+    found |= (
+        {"DoF sweep"}
+        if cfg.sweep and runs.saved(out / "sweep.json", stages.sweep_key(run))
+        else set()
+    )
     errors, curves = {}, None
     for seed, m in itertools.product(cfg.seeds, cfg.curve_dims if "oracle" in cfg.variants else ()):
         spec = stages.Student("fix", "softmax", m, seed, (m,) * run.teacher.config.n_layer)
         errors.setdefault(str(seed), []).append(runs.saved(*stages.curve_stage(run, spec)[::-1]))
     if errors and all(None not in by_m for by_m in errors.values()):
-        curves = stages.curves_from(run, errors, 0.0)
+        curves = oracle.curves_record(errors, cfg.curve_dims, run.budgets, 0.0)
     for variant, loss, budget, seed in stages.student_keys(run):
         dims = stages.dims_of(run, variant, budget, allocation, curves)
         spec = stages.Student(variant, loss, budget, seed, dims)

@@ -129,6 +129,23 @@ def test_changed_flag_recomputes_what_it_touches(grid_run, tmp_path):
     assert results["dof"]["lam"] == 0.5 == results["config"]["lam"]
 
 
+def test_a_damaged_student_file_is_trained_again(grid_run, tmp_path):
+    args, out, _ = grid_run
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(out), str(copy)], check=True)
+    args = [str(copy) if a == out else a for a in args]
+    student = copy / "students" / "dof-softmax-b16-s1.safetensors"
+    student.write_bytes(student.read_bytes()[:300])
+    again = reproduce(*args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"redo: cannot read {student}" in again.stdout
+    assert "dof/softmax/b16/s1: dims" in again.stdout  # trained again, nothing else
+    assert again.stdout.count(": dims [") == 1, again.stdout
+    before = json.loads((out / "results.json").read_text())["students"]["dof/softmax/b16/s1"]
+    after = json.loads((copy / "results.json").read_text())["students"]["dof/softmax/b16/s1"]
+    assert after["layer_error"] == before["layer_error"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["gpt5"], "unknown model 'gpt5'"),
     (["{empty}"], "has no config.json"),

@@ -171,26 +171,20 @@ def curves_section(results: dict, out) -> str:
     if not curves:
         return ""
     ms, mean, per_head = curves["dims"], curves["mean_kl"], results["dof"]["per_head"]
-    heads = np.mean(list(curves["kl_heads"].values()), axis=0).transpose(1, 2, 0)  # [L, H, M]
     series = {f"layer {i}": (ms, e, None) for i, e in enumerate(mean)}
     args = "held-out KL per layer against its features", "features M", "KL", True, True
     chart = _chart(out, "curves_kl", plots.xy_chart(series, *args))
-    layer_target, needed = needed_at_common_error(ms, mean)
-    head_target, head_needed = needed_at_common_error(ms, heads.reshape(-1, len(ms)))
-    head_needed = np.reshape(head_needed, heads.shape[:2]).tolist()  # [L][H]
-    betas = [-stats.loglog_slope(ms, errs) for errs in mean]
+    found = needs(curves)
     rows = [
         [i, f"{max(h):.1f}", f"{np.mean(h):.1f}", *(f"{x:.4g}" for x in errs), f"{n:.1f}",
          f"{b:.2f}", spaced(h, ".0f"), spaced(hn, ".0f")]
-        for i, (h, errs, n, b, hn) in enumerate(zip(per_head, mean, needed, betas, head_needed))
+        for i, (h, errs, n, b, hn) in enumerate(
+            zip(per_head, mean, found["layer"], found["beta"], found["head"]))
     ]  # fmt: skip
     header = ["layer", "DoF (max)", "DoF (mean)", *(f"M={m}" for m in ms)]
-    header += [f"M to KL {layer_target:.3g}", "β", "head DoF", f"head M to KL {head_target:.3g}"]
-    evidence = evidence_table(ms, [
-        ("heads", np.ravel(per_head), np.ravel(head_needed)),
-        ("layers, DoF max over heads", [max(h) for h in per_head], needed),
-        ("layers, DoF mean over heads", [np.mean(h) for h in per_head], needed),
-    ])  # fmt: skip
+    header += [f"M to KL {found['layer_target']:.3g}", "β", "head DoF"]
+    header.append(f"head M to KL {found['head_target']:.3g}")
+    evidence = evidence_table(ms, dof_views(per_head, found))
     dof_dims = results["dof"]["dims"]
     oracle = [[b, spaced(dof_dims[b]["dof"]), spaced(dims)] for b, dims in curves["oracle"].items()]
     return f"""
@@ -217,6 +211,30 @@ The oracle allocation minimises the summed KL of these curves at each budget, ea
 power of M through its measured points:
 
 {md_table(["budget", "DoF dims", "oracle dims"], oracle)}"""
+
+
+def needs(curves: dict) -> dict:
+    """From the curves' record: the M each layer ("layer") and each head ("head", [L][H]) needs to
+    reach a common KL (the median at the middle M, over layers and over heads), and each layer's
+    power law β (KL ≈ a·M^(−β), fitted through its points)."""
+    ms, mean = curves["dims"], curves["mean_kl"]
+    heads = np.mean(list(curves["kl_heads"].values()), axis=0).transpose(1, 2, 0)  # [L, H, M]
+    layer_target, layer = needed_at_common_error(ms, mean)
+    head_target, head = needed_at_common_error(ms, heads.reshape(-1, len(ms)))
+    head = np.reshape(head, heads.shape[:2]).tolist()  # [L][H]
+    beta = [-stats.loglog_slope(ms, errs) for errs in mean]
+    return dict(
+        layer_target=layer_target, layer=layer, head_target=head_target, head=head, beta=beta
+    )
+
+
+def dof_views(per_head, found: dict, label: str = "") -> list:
+    """The (level, DoF, M needed) of evidence_table: heads, and layers under both aggregations."""
+    return [
+        (f"{label}heads", np.ravel(per_head), np.ravel(found["head"])),
+        (f"{label}layers, DoF max over heads", [max(h) for h in per_head], found["layer"]),
+        (f"{label}layers, DoF mean over heads", [np.mean(h) for h in per_head], found["layer"]),
+    ]
 
 
 def needed_at_common_error(ms, curves) -> tuple:

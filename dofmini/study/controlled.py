@@ -24,9 +24,9 @@ from .. import dof, hub
 from ..distill import TrainSettings, distill
 from ..files import sha256_file, write_text
 from . import data, runs, stats
-from .compare import evidence_table, md_table, needed_at_common_error, spaced
+from .compare import dof_views, evidence_table, md_table, needs, spaced
 from .evaluate import PPL_TEXTS, layer_errors
-from .oracle import oracle_allocate
+from .oracle import curves_record
 from .stages import CALIBRATION
 
 TEMPERATURES = (0.6, 0.8, 1.0, 1.2, 1.4, 1.6)
@@ -96,14 +96,15 @@ def run(teacher, tokens: dict, args, out: Path, log=runs.log) -> dict:
         return runs.stage(path, key, compute)
 
     ms = list(args.curve_dims)
-    curves = {s: [errors((m,) * n, s)["kl"] for m in ms] for s in args.seeds}  # [M][layer]
-    mean = np.mean(list(curves.values()), axis=0).T.tolist()  # [layer][M]
+    curves = curves_record(
+        {s: [errors((m,) * n, s) for m in ms] for s in args.seeds}, ms, [budget], 0.0
+    )
     layer_dof = per_head[f"G/J, λ={LAMS[0]:g}"]
-    dims = {"fix": [budget] * n, "oracle": oracle_allocate(mean, budget, ms=ms)}
+    dims = {"fix": [budget] * n, "oracle": curves["oracle"][str(budget)]}
     dims |= {v: dof.allocate(layer_dof, budget, rule) for v, rule in RULES.items()}
     kl = {v: {s: errors(d, s)["kl"] for s in args.seeds} for v, d in dims.items()}
     results = {"temperatures": TEMPERATURES, "layer": args.layer, "budget": budget}
-    results.update(dof=per_head, curve_dims=ms, curves=curves, mean_curves=mean, dims=dims, kl=kl)
+    results.update(dof=per_head, curve_dims=ms, curves=curves, dims=dims, kl=kl)
     results["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     write_text(out / "results.json", json.dumps(results, indent=1, sort_keys=True))
     write_text(out / "report.md", report(results))
@@ -113,17 +114,25 @@ def run(teacher, tokens: dict, args, out: Path, log=runs.log) -> dict:
 def report(results: dict) -> str:
     """The controlled experiment's report: DoF and the features needed per virtual layer, their
     rank correlation and log-log slope, each layer's β, and the rules against Fix."""
-    temps, ms, mean = results["temperatures"], results["curve_dims"], results["mean_curves"]
-    target, needed = needed_at_common_error(ms, mean)
-    betas = [-stats.loglog_slope(ms, curve) for curve in mean]  # error ∝ M^-β
-    rows = [[s, *(f"{max(results['dof'][k][i]):.1f}" for k in results["dof"]), f"{n:.1f}",
-             f"{b:.2f}"] for i, (s, n, b) in enumerate(zip(temps, needed, betas))]  # fmt: skip
-    lines = [f"# Controlled experiment: layer {results['layer']} at temperatures {spaced(temps)}"]
-    lines.append(md_table(["s", *results["dof"], f"M to reach KL {target:.3g}", "β"], rows))
-    views = [
-        (name, [max(h) for h in per_head], needed) for name, per_head in results["dof"].items()
+    temps, ms = results["temperatures"], results["curve_dims"]
+    found = needs(results["curves"])
+    rows = [
+        [s, *(f"{max(results['dof'][k][i]):.1f}" for k in results["dof"]), f"{n:.1f}", f"{b:.2f}"]
+        for i, (s, n, b) in enumerate(zip(temps, found["layer"], found["beta"]))
     ]
-    lines += ["\nDoF (max over heads) against the M needed:\n", evidence_table(ms, views)]
+    lines = [f"# Controlled experiment: layer {results['layer']} at temperatures {spaced(temps)}"]
+    header = [
+        "s",
+        *(f"DoF {k}" for k in results["dof"]),
+        f"M to KL {found['layer_target']:.3g}",
+        "β",
+    ]
+    lines.append(md_table(header, rows))
+    views = [
+        v for name, heads in results["dof"].items() for v in dof_views(heads, found, f"{name}: ")
+    ]
+    lines += ["\nDoF against the M needed (a head's to reach KL "
+              f"{found['head_target']:.3g}):\n", evidence_table(ms, views)]  # fmt: skip
     seeds = sorted(results["kl"]["fix"])
     rows = []
     for variant, by_seed in results["kl"].items():

@@ -81,3 +81,17 @@ def oracle_allocate(curves, budget, ms=None):
         dims.append(lo + int(pick[extra]))
         extra -= dims[-1] - lo
     return dims[::-1]
+
+
+def curves_record(errors: dict, ms, budgets, curve_only_seconds: float) -> dict:
+    """The error curves' record from each seed's layer errors at each of `ms` features
+    (errors[seed][k]), with the oracle allocation at each budget that the seeds' mean layer KL
+    implies; each head's KL is kept for the per-head evidence."""
+    kl = {seed: [e["kl"] for e in by_m] for seed, by_m in errors.items()}  # [M][layer]
+    heads = {seed: [e["kl_heads"] for e in by_m] for seed, by_m in errors.items()}  # [M][L][H]
+    by_seed = list(kl.values())  # [seed][M][layer]; summed in seed order, as numpy's mean does
+    layers = range(len(by_seed[0][0]))
+    mean = [[sum(s[k][i] for s in by_seed) / len(by_seed) for k in range(len(ms))] for i in layers]
+    oracle = {str(b): oracle_allocate(mean, b, ms=list(ms)) for b in budgets}
+    found = dict(dims=list(ms), kl=kl, kl_heads=heads, mean_kl=mean, oracle=oracle)
+    return dict(found, curve_only_train_seconds=curve_only_seconds)

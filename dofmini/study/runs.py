@@ -49,7 +49,7 @@ def _stored(path: Path) -> dict:
 
 def _why_redo(path: Path, old, key: dict) -> str:
     if old is None:
-        return f"redo: {path}: damaged (no record of its settings)"
+        return f"redo: {path}: damaged or of an older version (no record of its settings)"
     return f"redo: {path}: {changed_settings(old, as_json(key))} changed"
 
 

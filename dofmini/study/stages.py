@@ -12,10 +12,11 @@ from pathlib import Path
 import numpy as np
 
 from .. import dof
+from ..checkpoint import CheckpointError
 from ..distill import TrainSettings, distill, train_direct
 from ..students import load_student, make_student, read_tensors, save_student, save_tensors
 from . import evaluate, plan, runs
-from .oracle import oracle_allocate
+from .oracle import curves_record
 from .runs import log
 
 # DoF's allocations (dof.allocate): (rule, how a layer's heads combine, capped at the head size).
@@ -109,6 +110,11 @@ def allocation_key(run: Run) -> dict:
     return dict(key, calib=inputs[CALIBRATION], device=inputs["device"], rules=ALLOCATIONS)
 
 
+def sweep_key(run: Run) -> dict:
+    key = {k: v for k, v in allocation_key(run).items() if k not in ("lam", "J", "normalize")}
+    return dict(key, lams=run.cfg.sweep_lams, Js=run.cfg.sweep_Js)
+
+
 def teacher_key(run: Run) -> dict:
     return {"teacher": run.inputs["teacher"], **eval_key(run)}
 
@@ -175,8 +181,6 @@ def estimate_allocation(run: Run) -> dict:
 def sweep(run: Run) -> list:
     """How the DoF allocation moves with λ and J, and with the raw Gram instead of G/J."""
     cfg, budget = run.cfg, run.teacher.config.head_dim
-    key = {k: v for k, v in allocation_key(run).items() if k not in ("lam", "J", "normalize")}
-    key.update(lams=cfg.sweep_lams, Js=cfg.sweep_Js)
 
     def compute():
         # rows come in draw order, so x[..., :J, :] is the size-J draw: one pass serves every J
@@ -189,12 +193,17 @@ def sweep(run: Run) -> list:
             rows.append({**row, "dims": dof.allocate(layer, budget)})
         return rows
 
-    return run.stage("DoF sweep", cfg.out / "sweep.json", key, compute)
+    return run.stage("DoF sweep", cfg.out / "sweep.json", sweep_key(run), compute)
 
 
 def trained(path: Path, key: dict) -> bool:
-    """Whether `path` holds a finished student (its record has "info") trained with `key`."""
-    meta = read_tensors(path)[1] if path.is_file() else {}
+    """Whether `path` holds a finished student (its record has "info") trained with `key`; one
+    that cannot be read (cut short, damaged) is not, and is trained again."""
+    try:
+        meta = read_tensors(path)[1] if path.is_file() else {}
+    except CheckpointError as err:
+        log(f"redo: {err}")
+        return False
     return meta.get("key") == runs.as_json(key) and "info" in meta
 
 
@@ -248,19 +257,7 @@ def error_curves(run: Run) -> dict:
         errors.setdefault(str(seed), []).append(run.stage(spec.name, path, key, compute))
         if m not in run.budgets:  # the others are Fix students, timed with the students
             curve_only_seconds += info["train_seconds"]
-    return curves_from(run, errors, curve_only_seconds)
-
-
-def curves_from(run: Run, errors: dict, curve_only_seconds: float) -> dict:
-    """The curves' record from each seed's layer errors [M], with the oracle allocation the mean
-    layer KL implies; each head's KL is kept for the per-head evidence."""
-    ms, seeds = list(run.cfg.curve_dims), [str(s) for s in run.cfg.seeds]
-    kl = {s: [e["kl"] for e in errors[s]] for s in seeds}  # [M][layer]
-    heads = {s: [e["kl_heads"] for e in errors[s]] for s in seeds}  # [M][layer][head]
-    mean = np.mean(list(kl.values()), axis=0).T.tolist()  # [layer][M]
-    oracle = {str(b): oracle_allocate(mean, b, ms=ms) for b in run.budgets}
-    found = dict(dims=ms, kl=kl, kl_heads=heads, mean_kl=mean, oracle=oracle)
-    return dict(found, curve_only_train_seconds=curve_only_seconds)
+    return curves_record(errors, cfg.curve_dims, run.budgets, curve_only_seconds)
 
 
 def specs(run: Run, allocation: dict, curves) -> list:
