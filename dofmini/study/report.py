@@ -37,15 +37,19 @@ def write_allocation(out, result: dict, log):
         log(result["warning"])
 
 
-def write_sweep(out, rows: list, log):
-    """sweep.md: the layer DoF and DoF dims at every λ, J and Gram normalisation swept."""
+def sweep_table(rows: list) -> str:
+    """The layer DoF and DoF's dims (proportional, budget = head size) at every λ, J and Gram."""
     cells = []
     for r in rows:
         gram, lam = ("G", "G/J")[r["normalize"]], f"2^{np.log2(r['lam']):.0f}"
         cells.append([gram, lam, r["J"], spaced(r["layer_dof"], ".0f"), spaced(r["dims"])])
-    table = md_table(["Σ̂", "λ", "J", "layer DoF", "dof dims"], cells)
-    write_text(out / "sweep.md", table + "\n")
-    log(table)
+    return md_table(["Σ̂", "λ", "J", "layer DoF", "dof dims"], cells)
+
+
+def write_sweep(out, rows: list, log):
+    """sweep.md, and the table on the terminal."""
+    write_text(out / "sweep.md", sweep_table(rows) + "\n")
+    log(sweep_table(rows))
 
 
 def tasks_table(students: dict, teacher: dict) -> str:
@@ -90,6 +94,7 @@ seed's mean over layers and its worst layer are its two views.
 
 ![allocation](allocation.svg)
 
+{sweep_section(results)}
 ## Students
 
 {summary}
@@ -120,3 +125,16 @@ scale free, so for students trained with them kl and output_rel are the errors t
 """
     write_text(out / "report.md", text)
     return summary
+
+
+def sweep_section(results: dict) -> str:
+    """How the DoF and its allocation move with λ, J and the Gram, on the calibration text."""
+    if not results.get("sweep"):
+        return ""
+    return f"""## DoF against λ, J and the Gram
+
+{results["dof"]["calibration"]}, the first J of one seeded draw of each head's queries and keys;
+"dof dims" is the paper's proportional rule at {results["teacher"]["head_dim"]} features per layer.
+
+{sweep_table(results["sweep"])}
+"""
