@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import xml.etree.ElementTree as ET
 
 import numpy as np
@@ -178,11 +177,10 @@ def test_bad_values_give_one_line_before_model_work(tmp_path, args, message):
     (tmp_path / "file").write_text("x")
     fill = {"{empty}": tmp_path, "{tiny}": FIXTURES / "gpt2-tiny", "{file}": tmp_path / "file"}
     env = {"PATH": "", "DOFMINI_DATA": str(tmp_path / "store"), "HOME": str(tmp_path)}
-    t0 = time.time()
     result = reproduce(*[fill.get(a, a) for a in args], timeout=120, env=env)
     assert result.returncode != 0
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert "Traceback" not in result.stderr and time.time() - t0 < 30
+    assert "Traceback" not in result.stderr and result.stdout == ""  # stopped before any work
 
 
 @pytest.mark.parametrize("registry, message", [
@@ -257,9 +255,8 @@ def offline_env(tmp_path) -> dict:
 
 def test_offline_first_run_names_weights_and_data_in_one_message(tmp_path):
     env, out = offline_env(tmp_path), tmp_path / "out"
-    t0 = time.time()
     result = reproduce("gpt2", "--out", out, env=env, timeout=60)
-    assert result.returncode != 0 and time.time() - t0 < 10
+    assert result.returncode != 0 and "plan (probe" not in result.stdout  # before any model work
     assert "Traceback" not in result.stderr and result.stderr.count("reproduce.py: error:") == 1
     hub_url = f"{env['HF_ENDPOINT']}/openai-community/gpt2/resolve/main"
     for url, dest in [(f"{hub_url}/model.safetensors", tmp_path / "weights/gpt2/model.safetensors"),
@@ -293,14 +290,13 @@ def test_a_second_run_into_the_same_folder_stops_naming_the_first(tmp_path):
     assert f"--out {out} is in use by another run (PID 4242)" in result.stderr
 
 
-def test_offline_run_stops_within_ten_seconds_naming_every_missing_file(tmp_path):
+def test_offline_run_stops_before_model_work_naming_every_missing_file(tmp_path):
     url = closed_port_url()
     store = tmp_path / "store"
     env = {**os.environ, "DOFMINI_DATA": str(store), "DOFMINI_DATA_MIRROR": url}
-    t0 = time.time()
     out = tmp_path / "out"
     result = reproduce(FIXTURES / "gpt2-tiny", "--profile", "quick", "--out", out, env=env)
-    assert result.returncode != 0 and time.time() - t0 < 10
+    assert result.returncode != 0 and "plan (probe" not in result.stdout
     assert "Traceback" not in result.stderr
     for path in (f"{url}/wikitext-2-raw/wiki.test.raw", str(store / "piqa" / "valid.jsonl")):
         assert path in result.stderr
