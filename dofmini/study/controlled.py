@@ -141,9 +141,10 @@ def report(results: dict) -> str:
             own = [float(view(by_seed[s])) for s in seeds]
             fix = [float(view(results["kl"]["fix"][s])) for s in seeds]
             diff = stats.paired_diff(own, fix) if len(seeds) > 1 else (own[0] - fix[0], math.nan)
-            cells += [f"{np.mean(own):.4g}", f"{diff[0]:+.4g} ± {diff[1]:.2g}"]
+            relative = 100 * (np.mean(own) / np.mean(fix) - 1)
+            cells += [f"{np.mean(own):.4g}", f"{diff[0]:+.4g} ± {diff[1]:.2g} ({relative:+.1f}%)"]
         rows.append([variant, spaced(results["dims"][variant]), *cells])
-    header = ["variant", "dims", "mean KL", "− fix", "worst-layer KL", "− fix"]
+    header = ["variant", "dims", "mean KL", "− fix, paired (95% CI)", "worst-layer KL", "− fix"]
     lines += [f"\nBudget {results['budget']}, seeds {spaced(seeds)}:\n", md_table(header, rows)]
     return "\n".join(lines) + "\n"
 
