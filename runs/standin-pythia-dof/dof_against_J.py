@@ -1,5 +1,5 @@
-"""Layer DoF of the Pythia stand-in against J and λ (G/J), on WikiText-2 valid (the study's calibration
-file, all of it, in windows of 256 tokens; one seeded draw, its first J rows for each J).
+"""Layer DoF of the Pythia stand-in against J and λ (G/J), on WikiText-2 valid (the study's
+calibration file, all of it, in windows of 256 tokens; one seeded draw, its first J rows per J).
 
 python runs/standin-pythia-dof/dof_against_J.py runs/standin-pythia-dof/dof_against_J.json
 """
