@@ -264,39 +264,25 @@ def load_teacher(cfg: RunConfig, hashes: dict) -> stages.Run:
         if J > pool:
             _fail(f"{flag} {J} is more than the {pool} queries and keys per head that "
                   f"{cfg.calib_windows} calibration windows of {ctx} tokens give")  # fmt: skip
-    inputs = {
-        "teacher": teacher.identity,
-        "tokenizer": sha256_file(hub.locate(cfg.model) / "tokenizer.json")[:16],
-        "device": runs.device_name(teacher),
-        **hashes,
-    }
-    log(
-        f"dofmini: {model_cfg.name} ({model_cfg.family}, {model_cfg.n_layer} layers x "
+    tokenizer_hash = sha256_file(hub.locate(cfg.model) / "tokenizer.json")[:16]
+    inputs = dict(teacher=teacher.identity, tokenizer=tokenizer_hash, **hashes)
+    inputs["device"] = runs.device_name(teacher)
+    log(f"dofmini: {model_cfg.name} ({model_cfg.family}, {model_cfg.n_layer} layers x "
         f"{model_cfg.n_head} heads of {model_cfg.head_dim}), profile {cfg.profile}, ctx {ctx}, "
-        f"seeds {list(cfg.seeds)}, budgets {list(budgets)}, out {cfg.out}"
-    )
+        f"seeds {list(cfg.seeds)}, budgets {list(budgets)}, out {cfg.out}")  # fmt: skip
     return stages.Run(cfg, teacher, tokenizer, ctx, lam, tuple(budgets), inputs)
 
 
 def encode_texts(run: stages.Run):
     """calib (WikiText-2 valid, for DoF), wikitext2 (test), heldout and train token ids."""
-    cfg = run.cfg
-    sources = {
-        "calib": [stages.CALIBRATION],
-        "wikitext2": [evaluate.PPL_TEXTS["wikitext2"]],
-        "heldout": [evaluate.PPL_TEXTS["heldout"]],
-        "train": [f.path for f in data.files("corpus")],
-    }
-    for name, relative in sources.items():
+    cfg, corpus = run.cfg, [f.path for f in data.files("corpus")]
+    texts = {name: [path] for name, path in evaluate.PPL_TEXTS.items()}
+    for name, relative in dict(calib=[stages.CALIBRATION], **texts, train=corpus).items():
         max_chars = cfg.train_chars if name == "train" else None
-        key = {
-            "tokenizer": run.inputs["tokenizer"],
-            "max_chars": max_chars,
-            "files": {r: run.inputs[r] for r in relative},
-        }
-        files = [cfg.data / r for r in relative]
-        path = cfg.out / f"tokens-{name}.npy"
-        run.texts[name] = runs.token_ids(path, key, files, run.tokenizer, max_chars)
+        files = {r: run.inputs[r] for r in relative}
+        key = dict(tokenizer=run.inputs["tokenizer"], max_chars=max_chars, files=files)
+        path, paths = cfg.out / f"tokens-{name}.npy", [cfg.data / r for r in relative]
+        run.texts[name] = runs.token_ids(path, key, paths, run.tokenizer, max_chars)
     run.texts["calib"] = run.texts["calib"][: cfg.calib_windows * run.ctx]
 
 
@@ -310,9 +296,8 @@ def plan_run(run: stages.Run):
     estimates = [("teacher evaluation", sizes["evaluation"] * costs["forward"])]
     estimates.append(("DoF estimate", cfg.calib_windows * costs["forward"] + costs["dof"]))
     if cfg.sweep:
-        estimates.append(
-            ("DoF sweep", estimates[-1][1] * 2 * len(cfg.sweep_lams) * len(cfg.sweep_Js))
-        )
+        sweep = 2 * len(cfg.sweep_lams) * len(cfg.sweep_Js)  # the DoF estimate's J, Grams, λs
+        estimates.append(("DoF sweep", estimates[-1][1] * sweep))
     for variant, loss, budget, seed in stages.student_keys(run):
         step = 0 if variant == "performer" else costs["direct" if loss == "direct" else loss]
         seconds = sizes["train_windows"] * step + sizes["error_windows"] * costs["softmax"]
@@ -325,29 +310,24 @@ def plan_run(run: stages.Run):
 def done_stages(run: stages.Run) -> set:
     """The plan names of the stages already saved with this run's keys. A student's key needs its
     dims: DoF's come from a saved allocation, the oracle's from the saved curves."""
-    out, cfg, found = run.cfg.out, run.cfg, set()
-    if runs.saved(out / "teacher.json", stages.teacher_key(run)):
-        found.add("teacher evaluation")
-    allocation = runs.saved(out / "allocation.json", stages.allocation_key(run))
-    found |= {"DoF estimate"} if allocation else set()
-    found |= (
-        {"DoF sweep"}
-        if cfg.sweep and runs.saved(out / "sweep.json", stages.sweep_key(run))
-        else set()
-    )
+    cfg, n_layer = run.cfg, run.teacher.config.n_layer
+    saved = {name: runs.saved(*files) for name, files in stages.stage_files(run).items()}
+    found = {
+        name for name, result in saved.items() if result and (cfg.sweep or "sweep" not in name)
+    }
     errors, curves = {}, None
     for seed, m in itertools.product(cfg.seeds, cfg.curve_dims if "oracle" in cfg.variants else ()):
-        spec = stages.Student("fix", "softmax", m, seed, (m,) * run.teacher.config.n_layer)
-        errors.setdefault(str(seed), []).append(runs.saved(*stages.curve_stage(run, spec)[::-1]))
+        spec = stages.Student("fix", "softmax", m, seed, (m,) * n_layer)
+        found_m = runs.saved(*stages.student_file(run, spec, curve=True))
+        errors.setdefault(str(seed), []).append(found_m)
     if errors and all(None not in by_m for by_m in errors.values()):
         curves = oracle.curves_record(errors, cfg.curve_dims, run.budgets, 0.0)
     for variant, loss, budget, seed in stages.student_keys(run):
-        dims = stages.dims_of(run, variant, budget, allocation, curves)
+        dims = stages.dims_of(run, variant, budget, saved["DoF estimate"], curves)
         spec = stages.Student(variant, loss, budget, seed, dims)
-        key, path = stages.student_eval_key(run, spec), out / "eval" / f"{spec.stem}.json"
-        if variant == "fix" and budget not in run.budgets:  # a student of the curves only
-            key, path = stages.curve_stage(run, spec)
-        found |= {spec.name} if dims and runs.saved(path, key) else set()
+        curve_only = variant == "fix" and budget not in run.budgets  # a student of the curves
+        if dims and runs.saved(*stages.student_file(run, spec, curve_only)):
+            found.add(spec.name)
     return found
 
 

@@ -1,7 +1,6 @@
 """A Hugging Face checkpoint folder read without transformers or network: config.json into a checked
 `Config`, model.safetensors (never unpickled) into checked tensors in our layout. Vendorable with
-model.py (torch, safetensors, the standard library); named models and downloads are dofmini.hub's.
-"""
+model.py (torch, safetensors, the standard library); named models and downloads are hub.py's."""
 
 import json
 import math
@@ -9,6 +8,7 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from .model import Config, Model
 
@@ -71,9 +71,7 @@ def read_field(hf: dict, file: Path, keys: str | None, kind, default=REQUIRED):
 
 
 def read_config(folder) -> Config:
-    """The checked settings in `folder`/config.json, the folder's name as the model's. The width
-    must split into the heads, and NeoX's rotary fraction rotate an even number of dims per head
-    (they turn in pairs)."""
+    """The checked settings in `folder`/config.json, the folder's name as the model's."""
     file = Path(folder) / "config.json"
     try:
         hf = json.loads(file.read_text())
@@ -89,20 +87,15 @@ def read_config(folder) -> Config:
     }
     n_head, d_model = values["n_head"], values["d_model"]
     if d_model % n_head:
-        raise CheckpointError(
-            f"{file}: {keys['d_model']!r} = {d_model} is not divisible by {keys['n_head']!r} = "
-            f"{n_head}; expected a width that splits evenly into the heads"
-        )
-    fraction = values.pop("rotary_fraction")
-    rotary_dim = int(d_model // n_head * fraction)
-    if rotary_dim % 2:
-        raise CheckpointError(
-            f"{file}: rotary fraction {fraction} of {d_model // n_head} dims per head rotates "
-            f"{rotary_dim}; expected an even number of dims"
-        )
+        split = f"{keys['d_model']!r} = {d_model} is not divisible by {keys['n_head']!r} = {n_head}"
+        raise CheckpointError(f"{file}: {split}; expected a width that splits into the heads")
+    fraction, head_dim = values.pop("rotary_fraction"), d_model // n_head
+    rotary_dim = int(head_dim * fraction)
+    if rotary_dim % 2:  # rotated dims turn in pairs
+        turned = f"rotary fraction {fraction} of {head_dim} dims per head rotates {rotary_dim}"
+        raise CheckpointError(f"{file}: {turned}; expected an even number of dims")
     values["d_ff"] = values["d_ff"] or 4 * d_model
-    name = file.resolve().parent.name
-    return Config(family=family, rotary_dim=rotary_dim, name=name, **values)
+    return Config(family=family, rotary_dim=rotary_dim, name=file.resolve().parent.name, **values)
 
 
 # Our parameters -> their checkpoint names in (GPT-2, NeoX). A block's are ours after "blocks.{i}."
@@ -154,7 +147,7 @@ def stored_names(stored, file: Path, cfg: Config) -> dict:
     with torch.device("meta"):  # nothing allocated; GPT-2's tied head is wte, listed once
         params = dict(Model(cfg).named_parameters())
     # NeoX stores Linear weights [out, in]
-    theirs = {o: tuple((p.T if neox and o.endswith("_w") else p).shape) for o, p in params.items()}
+    theirs = {o: list((p.T if neox and o.endswith("_w") else p).shape) for o, p in params.items()}
     ours_of = {hf_name(ours, neox): ours for ours in params}
     # other spellings: transformers saves GPT-2 under "transformer." (the hub's gpt2 has none)
     prefixed = {f"transformer.{name}": ours for name, ours in ours_of.items()}
@@ -167,55 +160,41 @@ def stored_names(stored, file: Path, cfg: Config) -> dict:
         if ours is None:
             raise CheckpointError(f"unexpected tensor {name!r} in {file}")
         if ours in sources:
-            raise CheckpointError(
-                f"{file} holds both {sources[ours]!r} and {name!r}: two names for one tensor; "
-                f"expected one"
-            )
+            both = f"{sources[ours]!r} and {name!r}"
+            raise CheckpointError(f"{file} holds both {both}: two names for one tensor")
         sources[ours] = name
-        shape = stored.get_slice(name).get_shape()
-        if tuple(shape) != theirs[ours]:
-            raise CheckpointError(
-                f"tensor {name!r} in {file} has shape {shape}, expected {list(theirs[ours])}"
-            )
-    missing = [ours for ours in params if ours not in sources]
-    if missing:
+        shape, want = stored.get_slice(name).get_shape(), theirs[ours]
+        if shape != want:
+            raise CheckpointError(f"tensor {name!r} in {file} has shape {shape}, expected {want}")
+    if missing := [ours for ours in params if ours not in sources]:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise CheckpointError(
-            f"missing tensor {hf_name(missing[0], neox)!r} in {file} (expected shape "
-            f"{list(theirs[missing[0]])}){more}"
-        )
+        name, want = hf_name(missing[0], neox), theirs[missing[0]]
+        raise CheckpointError(f"missing tensor {name!r} in {file} (expected shape {want}){more}")
     return sources
 
 
 def converted(stored, name: str, dtype: torch.dtype, file: Path) -> torch.Tensor:
     """Stored float tensor `name` in `dtype`. A NaN or inf would spread through every forward pass:
     refused, saying whether the file holds it or the conversion to `dtype` made it."""
-    tensor = stored.get_tensor(name)
-    what = f"tensor {name!r} in {file}"
+    tensor, what = stored.get_tensor(name), f"tensor {name!r} in {file}"
     if not tensor.is_floating_point():
         raise CheckpointError(f"{what} has dtype {tensor.dtype}, expected a float dtype")
     cast = tensor.to(dtype)
     if torch.isfinite(cast).all():
         return cast
-    bad = tensor.isnan() | tensor.isinf()
+    bad = ~tensor.isfinite()
     if bad.any():
-        raise CheckpointError(
-            f"{what} holds {int(bad.sum())} NaN or inf value(s), first at index "
-            f"{bad.nonzero()[0].tolist()}; expected finite weights"
-        )
+        found = f"{int(bad.sum())} NaN or inf value(s), first at index {bad.nonzero()[0].tolist()}"
+        raise CheckpointError(f"{what} holds {found}; expected finite weights")
     narrow = torch.finfo(dtype).max < torch.finfo(torch.float32).max  # e.g. float16
     wider = ", or load in float32" if narrow else ""
-    raise CheckpointError(
-        f"{what} has values up to {tensor.abs().max().item():.4g}, beyond {dtype}'s range; "
-        f"expected them to fit{wider}"
-    )
+    beyond = f"values up to {tensor.abs().max().item():.4g}, beyond {dtype}'s range"
+    raise CheckpointError(f"{what} has {beyond}; expected them to fit{wider}")
 
 
 def load_folder(folder, dtype: torch.dtype = torch.float32) -> Model:
     """A frozen teacher from a folder holding config.json and model.safetensors. Its `identity` is
     the folder's name; hub.load sets the fingerprint of the content."""
-    from safetensors import SafetensorError, safe_open
-
     cfg, file = read_config(folder), Path(folder) / "model.safetensors"
     if not file.is_file():
         raise CheckpointError(f"missing {file}")

@@ -1,15 +1,7 @@
-"""DiJiang baseline (Chen et al. 2024, "DiJiang: Efficient Large Language Models through Compact
-Kernelization", arXiv 2403.19928), as its public Pythia code defines the attention it trains.
-
-φ(x) = softmax(x P) over d features, P = C·diag(F⁻¹(u)) frozen (C orthonormal DCT-II, F⁻¹ the normal
-inverse CDF: weighted quasi-Monte-Carlo); scores decay as γ_h^(t−s) with no normaliser, computed
-by `decayed_chunks`, linear_attention's chunked form with the decay, plugged into it as its `form`
-(the released code is quadratic); each head's output is GroupNorm-ed, gated by SiLU(x W_G) and sent
-through the teacher's output projection.
-Its new tensors (γ, GroupNorm, W_G) train end to end on the next-token loss (lr 0.02 in the DoF
-paper). It has no per-layer output error: the gate needs the block input, not only q, k, v, so
-there are no PRF `features` here and evaluate.layer_errors reports None.
-"""
+"""DiJiang baseline (Chen et al. 2024, arXiv 2403.19928) as its public Pythia code trains it:
+features φ(x) = softmax(x P), P = C·diag(F⁻¹(u)) frozen (C the orthonormal DCT-II, F⁻¹ the normal
+inverse CDF: weighted quasi-Monte-Carlo), scores decaying as γ_h^(t−s) with no normaliser, each
+head's output GroupNorm-ed and gated by SiLU(x W_G); γ, the norm and W_G train on the LM loss."""
 
 import math
 from functools import partial
@@ -23,11 +15,10 @@ from .linear_attention import CausalMixer, chunk_states
 
 def decayed_chunks(q, k, v, S, c, log_g):
     """linear_attention.chunked_attention with every term weighed by γ^(t−s), γ per head (log_g =
-    log γ [H, 1, 1]), i.e. the state decays by γ per token. Each step changes: a chunk's own sum
-    weighs its keys by γ^(L−1−j) (their age at the chunk's end); the states before the chunks shrink
-    by γ^L per chunk (a scan); a token reads the state before its chunk with γ^(i+1) (i its place in
-    the chunk); the L×L product gets the weights γ^(i−j). Every weight is a power of γ ≤ 1,
-    computed directly, never a ratio."""
+    log γ [H, 1, 1]): the state decays by γ per token (the released code is quadratic). A chunk's
+    keys weigh γ^(L−1−j) (their age at its end), the states before the chunks shrink by γ^L per
+    chunk (a scan), a token reads the state before its chunk with γ^(i+1) (i its place in it), the
+    L×L product takes γ^(i−j): each a power of γ ≤ 1 computed directly, never a ratio."""
     (_, H, N, L, _), log_g = q.shape, log_g.to(q.dtype)
     if log_g.shape != (H, 1, 1):
         raise ValueError(f"decay must be [H={H}]; got shape {tuple(log_g.shape[:1])}")
@@ -42,8 +33,8 @@ def decayed_chunks(q, k, v, S, c, log_g):
 
 
 def decay_form(decay: torch.Tensor):
-    """The chunk form (causal_linear_attention's `form`) for a given decay γ [H] in (0, 1], checked
-    here, once: every value is read back to the host."""
+    """causal_linear_attention's `form` for a given decay γ [H] in (0, 1], checked here, once (every
+    value is read back to the host)."""
     if decay.dim() != 1 or not bool(((decay > 0) & (decay <= 1)).all()):
         got = f"shape {tuple(decay.shape)}, range [{decay.min().item()}, {decay.max().item()}]"
         raise ValueError(f"decay must be [H] with values in (0, 1]; got {got}")
@@ -53,27 +44,26 @@ def decay_form(decay: torch.Tensor):
 def dct_matrix(d: int) -> torch.Tensor:
     """Orthonormal DCT-II [d, d] (fp64): C[k, n] = sqrt((2 − [k=0]) / d) · cos(π (2n+1) k / 2d)."""
     k, n = torch.arange(d, dtype=torch.float64)[:, None], torch.arange(d, dtype=torch.float64)[None]
-    return (
-        torch.cos(math.pi * (2 * n + 1) * k / (2 * d)) * torch.where(k == 0, 1.0, 2.0).div(d).sqrt()
-    )  # [d, d]
+    scale = torch.where(k == 0, 1.0, 2.0).div(d).sqrt()  # [d, 1]
+    return torch.cos(math.pi * (2 * n + 1) * k / (2 * d)) * scale  # [d, d]
 
 
 def dijiang_projection(d: int, gen: torch.Generator) -> torch.Tensor:
-    """P = C·diag(F⁻¹(u)) [d, d] fp64, u ~ U(0,1) per dimension, kept off 0 and 1 so F⁻¹ stays
-    finite."""
+    """P = C·diag(F⁻¹(u)) [d, d] fp64, u ~ U(0,1) per dim, kept off 0 and 1 so F⁻¹ stays finite."""
     eps = torch.finfo(torch.float64).eps
     u = torch.rand(d, generator=gen, dtype=torch.float64).clamp(eps, 1 - eps)  # [d]
     return dct_matrix(d) * torch.special.ndtri(u)  # [d, d]: column j scaled by F⁻¹(u_j)
 
 
 class DiJiangAttention(CausalMixer):
-    """Drop-in for a teacher attention layer (same interface as LinearAttention): teacher q, k, v
-    and output projection frozen; trainable decay_logit [H] (γ = sigmoid, so γ stays in (0, 1)),
-    norm (GroupNorm, one group per head) and gate [D, D] (W_G = gate / √D)."""
+    """Drop-in for a teacher attention layer, as LinearAttention: teacher q, k, v and output
+    projection frozen; trainable decay_logit [H] (γ = sigmoid: in (0, 1)), norm (GroupNorm, one
+    group per head), gate [D, D] (W_G = gate / √D). No PRF `features`, so no per-layer output
+    error: the gate needs the block input, not only q, k, v."""
 
     def __init__(self, base: nn.Module, seed: int, chunk: int = 64):
         super().__init__()
-        self.chunk, self.seed = chunk, seed
+        self.chunk = chunk
         H, d = base.n_head, base.head_dim
         gen = torch.Generator().manual_seed(seed)
         self.register_buffer("proj", dijiang_projection(d, gen).float())  # [d, d]
@@ -82,16 +72,12 @@ class DiJiangAttention(CausalMixer):
         logit = torch.log1p(-log_1mg.exp()) - log_1mg  # [H] logit γ
         self.decay_logit = nn.Parameter(logit.float())  # [H]
         self.norm = nn.GroupNorm(H, H * d)
-        # W_G = gate / √D: an Adam step at lr 0.02 moves each entry by ~lr, which would shift x W_G
-        # by ~lr·D on the raw matrix (held-out loss rose in 60 steps on the stand-in); ~lr·√D here.
-        # Init: the released code's small gate, Xavier-uniform with gain 2^−2.5 on W_G, i.e. bound
-        # 2^−2.5·√(6/2D)·√D on `gate`.
+        # W_G = gate / √D: an Adam step at lr 0.02 moves each entry by ~lr, i.e. x W_G by ~lr·D on
+        # the raw matrix (held-out loss rose in 60 steps on the stand-in), ~lr·√D here. Init: the
+        # released code's Xavier-uniform W_G with gain 2^−2.5, i.e. bound 2^−2.5·√(6/2D)·√D on gate.
         u = torch.rand(H * d, H * d, generator=gen, dtype=torch.float64)  # [D, D]
         self.gate = nn.Parameter(((2 * u - 1) * 2**-2.5 * math.sqrt(3)).float())  # [D, D]
         self._place(base)
-
-    def decay(self) -> torch.Tensor:
-        return torch.sigmoid(self.decay_logit)  # [H] in (0, 1)
 
     def phi(self, x: torch.Tensor) -> torch.Tensor:
         """φ(x) = softmax over the features of x P: [B, H, T, d] -> [B, H, T, d], fp32 or wider."""
@@ -99,8 +85,8 @@ class DiJiangAttention(CausalMixer):
         return torch.softmax(x.to(f) @ self.proj.to(f), -1)  # [B, H, T, d]
 
     def feature_maps(self, q, k):
-        """Softmax features (bounded: no shift needed), decayed by γ, no normaliser. γ is in (0, 1)
-        by construction: nothing to check, nothing read back to the host."""
+        """Softmax features (bounded: no shift), decayed by γ (in (0, 1): nothing to check or read
+        back to the host), no normaliser."""
         form = partial(decayed_chunks, log_g=F.logsigmoid(self.decay_logit)[:, None, None])
         return self.phi(q), self.phi(k), {"normalize": False, "form": form}  # log γ [H, 1, 1]
 
@@ -114,8 +100,7 @@ class DiJiangAttention(CausalMixer):
 
 
 def to_dijiang(model: nn.Module, seed: int) -> nn.Module:
-    """Swap every model.blocks[i].attn for DiJiangAttention (seed + i), in place, on each layer's
-    device; returns model."""
+    """Swap every model.blocks[i].attn for DiJiangAttention (seed + i), in place, on its device."""
     for i, block in enumerate(model.blocks):
         block.attn = DiJiangAttention(block.attn, seed + i)
     return model

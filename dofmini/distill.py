@@ -1,21 +1,9 @@
 """Layerwise distillation of PRF features (paper §4), the direct baseline, and their training loop.
-
-Each layer's features learn from the frozen teacher's own q, k of that layer (one teacher pass feeds
-every layer). With s_ij = q_i·k_j/√d, m_i = max_{j≤i} s_ij, K̂ = Φ(q)·Φ(k), over pairs j ≤ i:
-- "l2": mean over pairs of (exp(s_ij − m_i) − K̂_ij·exp(−m_i))²: both kernels over the teacher's row
-  max, a shared per-query scale, so large-norm heads neither overflow nor dominate (no sums needed).
-- "softmax": mean over queries of −Σ_j p_ij log p̂_ij, p_i = softmax_j(s_ij), p̂_ij = K̂_ij / Σ_j K̂_ij.
-- "direct" (baseline): next-token cross-entropy of the whole student, end to end.
-Numerics, float32 by default: queries and keys over their own largest feature e^r, log K̂ = r_q +
-r_k + log(unit q · unit k): nothing overflows and a key far from every z keeps its share (a fixed
-shift per feature, as PRFFeatures.keys applies, loses in float32 every feature of a key with
-|k/d^¼ − z_m| ≳ 14 for all m). K̂ is 0 only where unit q · unit k underflows (features e^87 apart);
-a non-finite loss stops training. Memory: one layer and one chunk of queries at a time.
-"""
+Each layer's features learn from the frozen teacher's own q, k of that layer: one teacher pass feeds
+every layer, and one layer and one chunk of queries are in memory at a time."""
 
 import dataclasses
 import hashlib
-import json
 import math
 import time
 from pathlib import Path
@@ -24,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from .checkpoint import CheckpointError
-from .dof import capture
-from .files import changed_settings
+from .dof import as_token_ids, capture
+from .files import as_json, changed_settings
 from .students import make_student, read_tensors, save_student, save_tensors, trainable
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -62,19 +50,23 @@ class TrainSettings:
         return {k: v for k, v in dataclasses.asdict(self).items() if not k.endswith("_every")}
 
 
-DEFAULT = TrainSettings()
-
-
 def unit_features(features, x, name: str):
-    """(Φ(x) over its own largest entry [B, H, T, M], log of that entry [B, H, T, 1] detached)."""
+    """(Φ(x) over its own largest entry [B, H, T, M], log of that entry [B, H, T, 1] detached), so
+    that log K̂ = r_q + r_k + log(unit q · unit k): nothing overflows in float32 and a key far from
+    every z keeps its share (a fixed shift per feature, as PRFFeatures.keys applies, loses every
+    feature of a key with |k/d^¼ − z_m| ≳ 14 for all m). K̂ is 0 only where unit q · unit k
+    underflows (features e^87 apart)."""
     log_phi = features.log_features(x, name)  # [B, H, T, M]
     top = log_phi.amax(-1, keepdim=True).detach()  # [B, H, T, 1]
     return torch.exp(log_phi - top), top
 
 
 def chunk_terms(features, q, k, v, unit_k, top_k, lo: int, hi: int, want: set) -> dict:
-    """Sums over queries lo:hi (keys ≤ each query), per [B, H], of the terms in `want`: "l2", "ce",
-    "kl" KL(p‖p̂), "err"/"norm" the squared output error and output norm (needs v)."""
+    """Sums over queries i in lo:hi and keys j ≤ i, per [B, H], of the terms in `want`. With
+    s_ij = q_i·k_j/√d, m_i = max_{j≤i} s_ij, p_i = softmax_j(s_ij), p̂_ij = K̂_ij / Σ_j K̂_ij:
+    "l2" (exp(s_ij − m_i) − K̂_ij·exp(−m_i))², both kernels over the teacher's row max (a shared
+    per-query scale: large-norm heads neither overflow nor dominate); "ce" −Σ_j p_ij log p̂_ij
+    (the softmax loss); "kl" KL(p‖p̂); "err"/"norm" the squared output error and norm (needs v)."""
     causal = torch.ones(hi - lo, hi, dtype=torch.bool, device=q.device).tril(lo)  # [c, hi]
     scores = q[:, :, lo:hi] @ k[:, :, :hi].mT / math.sqrt(q.shape[-1])  # [B, H, c, hi]
     s = torch.where(causal, scores, -math.inf)  # [B, H, c, hi]
@@ -123,17 +115,10 @@ def layer_pass(features, q, k, v, want: set, chunk: int, train: bool = False, dt
     return sums
 
 
-def as_token_ids(token_ids, need: int, what: str) -> torch.Tensor:
-    """token_ids as a 1-D CPU LongTensor of at least `need` tokens, or a named error."""
-    token_ids = torch.as_tensor(token_ids)
-    if token_ids.dim() != 1 or len(token_ids) < need:
-        raise ValueError(f"{what}: token_ids {tuple(token_ids.shape)}; need 1-D, >= {need} tokens")
-    return token_ids.long().cpu().contiguous()
-
-
 def _train(student, step_fn, token_ids, what: str, s: TrainSettings, out_path, log, meta):
     """distill's and train_direct's loop: Adam over the student's trainable tensors (`*.a` at
-    s.lr_a, the rest at s.lr); step_fn(ids) back-propagates and returns per-layer losses."""
+    s.lr_a, the rest at s.lr); step_fn(ids) back-propagates and returns per-layer losses, and a
+    non-finite one stops training."""
     if s.ctx > student.config.n_ctx:
         raise ValueError(f"{what}: need ctx <= {student.config.n_ctx}; got ctx={s.ctx}")
     token_ids = as_token_ids(token_ids, s.ctx, what)
@@ -144,7 +129,7 @@ def _train(student, step_fn, token_ids, what: str, s: TrainSettings, out_path, l
     tokens_hash = hashlib.sha256(token_ids.numpy().tobytes()).hexdigest()[:16]
     student.meta = {**student.meta, **(meta or {}), "loss": what}
     settings = {**student.meta, "teacher": student.identity, **s.record(), "tokens": tokens_hash}
-    settings = json.loads(json.dumps(settings))  # as a progress file gives it back: no tuples
+    settings = as_json(settings)  # as a progress file gives it back: no tuples
     gen = torch.Generator().manual_seed(s.data_seed)
     device = next(student.parameters()).device
     progress = Path(f"{out_path}.progress") if out_path else None
@@ -213,7 +198,7 @@ def _resume(path: Path, settings, params, opt, gen, log):
     return int(meta["step"]), float(meta["seconds"]), meta["loss_curve"]
 
 
-def distill(teacher, dims, token_ids, settings: TrainSettings = DEFAULT, *, loss="softmax",
+def distill(teacher, dims, token_ids, settings: TrainSettings = TrainSettings(), *, loss="softmax",
             feature_seed=0, out_path=None, log=print, meta=None):  # fmt: skip
     """A PRF student (dims[i] features in layer i, seed feature_seed + i), each layer trained with
     `loss` ("l2" or "softmax") on the teacher's q, k for windows of token_ids (1-D). With out_path,
@@ -235,7 +220,7 @@ def distill(teacher, dims, token_ids, settings: TrainSettings = DEFAULT, *, loss
     return _train(student, step, token_ids, loss, settings, out_path, log, meta)
 
 
-def train_direct(student, token_ids, settings: TrainSettings = DEFAULT, *, out_path=None,
+def train_direct(student, token_ids, settings: TrainSettings = TrainSettings(), *, out_path=None,
                  log=print, meta=None):  # fmt: skip
     """The direct baseline, in place: the student's next-token cross-entropy on positions 1..ctx-1
     of each window, training its own tensors only. Arguments as for distill."""

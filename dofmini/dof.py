@@ -1,42 +1,26 @@
 """Degrees of freedom of attention kernels and the per-layer feature budget (Algorithm 1).
-
-Vendorable: torch and the standard library only. Decisions:
-- DoF = tr Σ̂(Σ̂+λI)⁻¹, kernel exp(xᵢᵀxⱼ/√d), on J queries and keys drawn uniformly without
-  replacement from a head's pooled Q ∪ K; Σ̂ = G/J (the paper's theory and numbers) or, with
-  normalize=False, the raw Gram G (its text). A layer's DoF: its heads' max (one M; paper) or mean.
-- Dims: exact shares of L·budget (fractions, each >= 1), then largest remainder, ties to more
-  weight, then the earlier layer: integers >= 1 summing to exactly L·budget; more DoF never gets
-  fewer features, equal DoF equal shares (dims 1 apart if a remainder tie straddles the cut).
-  "DoF + clip": min(M_l, cap), the freed budget dropped (the paper).
-- Rules: "proportional" (the paper), M_l ∝ DoF_l, or "power:γ" (γ >= 0), M_l ∝ DoF_l^γ ("power:1"
-  is "proportional" exactly, "power:0" uniform). If layer l's error is a_l·M^-β, the least summed
-  error at fixed ΣM has M_l ∝ a_l^(1/(1+β)); with DoF as the M for a fixed error, w_l = a_l^(1/β),
-  that is γ = β/(1+β) < 1. For β <= 1 proportional never beats uniform on exact shares (a
-  power-mean inequality; integer rounding can tip a near-tie).
-"""
+Vendorable: torch and the standard library only."""
 
 import math
 from fractions import Fraction
 
 import torch
 
-# float64 Gram entries held at once (128 MiB): heads are processed in chunks of this size
-GRAM_ENTRIES = 2**24
-
 
 def degrees_of_freedom(x, lam, normalize=True):
-    """DoF [...] float64 of the rows of x [..., J, d] at ridge lam (see the module docstring)."""
-    if x.dim() < 2 or 0 in x.shape[-2:] or not (lam > 0 and math.isfinite(lam)):
+    """DoF [...] float64 of the rows of x [..., J, d]: tr Σ̂(Σ̂+λI)⁻¹, λ = lam, for the kernel
+    exp(xᵢᵀxⱼ/√d), with Σ̂ = G/J (the paper's theory and numbers) or, normalize=False, the raw Gram
+    G (its text)."""
+    finite = lam > 0 and math.isfinite(lam) and x.isfinite().all()
+    if x.dim() < 2 or 0 in x.shape[-2:] or not finite:
         raise ValueError(
-            "degrees_of_freedom: need x [..., J, d] with J, d >= 1 and lam positive and finite; "
-            f"got shape {tuple(x.shape)}, lam={lam}"
+            "degrees_of_freedom: need finite x [..., J, d] with J, d >= 1 and lam positive and "
+            f"finite; got shape {tuple(x.shape)}, lam={lam}"
         )
     *batch, J, d = x.shape
     heads = x.detach().reshape(-1, J, d).double()  # [N, J, d]
-    if not torch.isfinite(heads).all():
-        raise ValueError("degrees_of_freedom: x holds non-finite values")
     out = heads.new_empty(len(heads))  # [N]
-    step = max(1, GRAM_ENTRIES // (J * J))
+    step = max(1, 2**24 // (J * J))  # heads at a time: 2^24 float64 Gram entries, 128 MiB
     eps = torch.finfo(torch.float64).eps
     for i in range(0, len(heads), step):
         xs = heads[i : i + step]  # [n, J, d]
@@ -80,17 +64,23 @@ def capture(model, ids):
     return layers
 
 
+def as_token_ids(token_ids, need: int, what: str) -> torch.Tensor:
+    """token_ids as a 1-D CPU LongTensor of at least `need` tokens, or a named error."""
+    token_ids = torch.as_tensor(token_ids)
+    if token_ids.dim() != 1 or len(token_ids) < need:
+        raise ValueError(f"{what}: token_ids {tuple(token_ids.shape)}; need 1-D, >= {need} tokens")
+    return token_ids.long().cpu().contiguous()
+
+
 def sample_queries_keys(model, token_ids, J=1024, seed=0, ctx=None, batch=8):
-    """J of each head's pooled queries and keys [L, H, J, d] float64, from windows of ctx tokens
-    (default n_ctx) of token_ids (1-D). One seeded draw of positions serves every head; windows
-    with none are not run. Rows are in draw order: [..., :j, :] is the draw of j with the same
-    seed, so one pass serves a sweep over J."""
+    """J of each head's pooled queries and keys [L, H, J, d] float64, drawn uniformly without
+    replacement from windows of ctx tokens (default n_ctx) of token_ids (1-D). One seeded draw of
+    positions serves every head; windows with none are not run. Rows are in draw order:
+    [..., :j, :] is the draw of j with the same seed, so one pass serves a sweep over J."""
     cfg, ctx = model.config, model.config.n_ctx if ctx is None else ctx
-    if token_ids.dim() != 1 or not 1 <= ctx <= cfg.n_ctx:
-        raise ValueError(
-            f"sample_queries_keys: need 1-D token_ids and 1 <= ctx <= {cfg.n_ctx} (n_ctx); got "
-            f"shape {tuple(token_ids.shape)}, ctx={ctx}"
-        )
+    if not 1 <= ctx <= cfg.n_ctx:
+        raise ValueError(f"sample_queries_keys: ctx={ctx}; need 1 <= ctx <= n_ctx = {cfg.n_ctx}")
+    token_ids = as_token_ids(token_ids, ctx, "sample_queries_keys")
     n_win, pool = token_ids.numel() // ctx, 2 * ctx
     if n_win * pool < J:
         raise ValueError(
@@ -125,8 +115,16 @@ def saturation_warning(dof, J):
 
 
 def allocate(layer_dof, budget, rule="proportional", cap=None, aggregate="max"):
-    """Per-layer feature dims [L] (steps 5-7) from layer_dof [L] or per-head [L, H] (reduced by
-    `aggregate`, "max" or "mean"), for a mean of `budget` under `rule`, clipped at `cap`."""
+    """Per-layer feature dims [L] (steps 5-7), integers >= 1 summing to exactly L·budget, from
+    layer_dof [L] or per-head [L, H] (a layer's DoF: its heads' "max", one M, the paper; or "mean").
+    rule "proportional" (the paper): M_l ∝ DoF_l; "power:γ" (γ >= 0): M_l ∝ DoF_l^γ ("power:1" is
+    "proportional" exactly, "power:0" uniform). Exact shares (fractions, each >= 1), then largest
+    remainder, ties to more weight, then the earlier layer: more DoF never gets fewer features,
+    equal DoF equal shares (1 apart if a remainder tie straddles the cut). cap: min(M_l, cap), the
+    freed budget dropped ("DoF + clip", the paper). Why γ < 1: if layer l's error is a_l·M^-β, the
+    least summed error at fixed ΣM has M_l ∝ a_l^(1/(1+β)); with DoF as the M for a fixed error,
+    w_l = a_l^(1/β), so γ = β/(1+β); for β <= 1 proportional never beats uniform on exact shares (a
+    power-mean inequality; integer rounding can tip a near-tie)."""
     if aggregate not in ("max", "mean"):
         raise ValueError(f"allocate: aggregate {aggregate!r}; expected 'max' or 'mean'")
     kind, _, arg = rule.partition(":")

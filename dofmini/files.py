@@ -3,6 +3,7 @@ the hosts a download needs take a connection."""
 
 import contextlib
 import hashlib
+import json
 import os
 import socket
 import threading
@@ -20,11 +21,9 @@ def cache_dir() -> Path:
 
 
 def atomic_write(path, write) -> Path:
-    """Create or replace `path` whole or not at all.
-
-    `write(tmp)` fills a temporary file beside `path`, which then replaces it in one rename: a kill
-    at any moment leaves the old file (or none), never a truncated one. An OSError (a full disk, a
-    read-only folder) comes back naming `path`."""
+    """Create or replace `path` whole or not at all: `write(tmp)` fills `.NAME.PID.tmp` beside it,
+    renamed over it once done, so a kill leaves the old file (or none), never a truncated one. An
+    OSError (a full disk, a read-only folder) comes back naming `path`."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -67,16 +66,14 @@ def _endpoint(url: str):
 
 def unreachable(urls) -> list:
     """The "host:port" of each endpoint of `urls` taking no TCP connection within CONNECT_SECONDS;
-    daemon threads try all at once, so a hanging name lookup cannot hold the caller."""
+    daemon threads try all at once, so a hanging name lookup holds neither caller nor exit."""
     endpoints = {_endpoint(url) for url in urls} - {None}
     reached = set()
 
     def connect(endpoint):
-        try:
+        with contextlib.suppress(OSError):
             socket.create_connection(endpoint, timeout=CONNECT_SECONDS).close()
             reached.add(endpoint)
-        except OSError:
-            pass
 
     threads = [threading.Thread(target=connect, args=(e,), daemon=True) for e in endpoints]
     for thread in threads:
@@ -87,10 +84,13 @@ def unreachable(urls) -> list:
     return sorted(f"{host}:{port}" for host, port in endpoints - set(reached))
 
 
+def as_json(value):
+    """`value` as JSON gives it back (tuples become lists): how a saved key or setting compares."""
+    return json.loads(json.dumps(value))
+
+
 def changed_settings(old: dict, new: dict) -> str:
-    """The names of the keys whose values differ between two settings dicts (a key missing from
-    one counts as differing), sorted and comma-joined; "" when they agree."""
-    differ = [
-        k for k in old.keys() | new.keys() if k not in old or k not in new or old[k] != new[k]
-    ]
+    """The keys whose values differ (or that one dict lacks), sorted, comma-joined; "" if none."""
+    absent = object()
+    differ = [k for k in old.keys() | new.keys() if old.get(k, absent) != new.get(k, absent)]
     return ", ".join(sorted(differ))

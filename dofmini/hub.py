@@ -47,17 +47,14 @@ def missing_files(path_or_name) -> list:
 
 
 def resolve(path_or_name) -> Path:
-    """locate's folder, after downloading what a named model lacks; any failure names the files to
-    fetch by hand."""
-    folder, needed = locate(path_or_name), missing_files(path_or_name)
+    """locate's folder, after downloading what a named model lacks; a failure says what to fetch."""
+    folder, needed, name = locate(path_or_name), missing_files(path_or_name), str(path_or_name)
     if not needed:
         return folder
     from huggingface_hub import hf_hub_download
 
-    name = str(path_or_name)
-    advice = "Download each file by hand and put it at its path:" + "".join(
-        f"\n  {url}\n    -> {file}" for url, file in needed
-    )
+    listing = "".join(f"\n  {url}\n    -> {file}" for url, file in needed)
+    advice = f"Download each file by hand and put it at its path:{listing}"
     # the hub client retries for about 30 s when offline; a quick connect tells us first
     if down := unreachable([url for url, _ in needed]):
         raise CheckpointError(
@@ -72,11 +69,9 @@ def resolve(path_or_name) -> Path:
                 fetched = hf_hub_download(HUB_REPOS[name], file.name, local_dir=scratch)
                 folder.mkdir(exist_ok=True)
                 os.replace(fetched, file)
-    # hub down, file renamed upstream, disk full: all end in the same advice
-    except Exception as err:
-        raise CheckpointError(
-            f"could not download {name!r} ({type(err).__name__}: {err}). {advice}"
-        ) from None
+    except Exception as err:  # hub down, file renamed upstream, disk full: the same advice
+        message = f"could not download {name!r} ({type(err).__name__}: {err}). {advice}"
+        raise CheckpointError(message) from None
     return folder
 
 
@@ -110,25 +105,23 @@ def load_tokenizer(path_or_name):
         raise CheckpointError(f"missing {file}: the tokenizer of this checkpoint")
     try:
         tokenizer = Tokenizer.from_file(str(file))
-    # the tokenizers package raises a bare Exception for unreadable, malformed or foreign files
-    except Exception as err:
+    except Exception as err:  # tokenizers raises a bare Exception for any file it cannot read
         raise CheckpointError(
             f"{file} is not a valid tokenizer.json ({err}); expected the file saved by the "
-            f"`tokenizers` package"
+            "`tokenizers` package"
         ) from None
     largest = max(tokenizer.get_vocab(with_added_tokens=True).values())
     if largest >= cfg.vocab_size:
         raise CheckpointError(
             f"{file} has token ids up to {largest}, but {config} has vocab_size {cfg.vocab_size}; "
-            f"expected every id below it (the tokenizer of this checkpoint)"
+            "expected every id below it (the tokenizer of this checkpoint)"
         )
     special = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
     for key in ("bos_token_id", "eos_token_id"):
-        value = getattr(cfg, key)
-        if value is not None and value not in special:
+        if getattr(cfg, key) not in (None, *special):
             listed = ", ".join(f"{t} = {i}" for i, t in special.items()) or "none"
             raise CheckpointError(
-                f"{config} has {key} {value}, but the special tokens of {file} are {listed}; "
-                f"expected the tokenizer of this checkpoint"
+                f"{config} has {key} {getattr(cfg, key)}, but the special tokens of {file} are "
+                f"{listed}; expected the tokenizer of this checkpoint"
             )
     return tokenizer

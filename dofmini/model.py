@@ -66,8 +66,7 @@ class Attention(nn.Module):
         self.out_w, self.out_b = _weight(cfg.d_model, cfg.d_model), _weight(cfg.d_model)
 
     def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """NeoX's rotary embedding of the first rotary_dim dims (halves turn as pairs), angles in
-        fp32."""
+        """Rotate the first rotary_dim dims as NeoX does (halves turn as pairs), angles in fp32."""
         r, f32 = self.rotary_dim, dict(device=x.device, dtype=torch.float32)
         pos = torch.arange(start, start + x.shape[2], **f32)  # [T]
         inv_freq = self.rotary_base ** (-torch.arange(0, r, 2, **f32) / r)  # [r/2]
@@ -84,8 +83,7 @@ class Attention(nn.Module):
         heads = qkv.view(B, T, 3, self.n_head, self.head_dim)  # [B, T, 3, H, d]
         q, k, v = heads.permute(2, 0, 3, 1, 4)  # [B, H, T, d] each
         if self.rotary_dim:
-            q = self.rotate(q, start)  # [B, H, T, d]
-            k = self.rotate(k, start)  # [B, H, T, d]
+            q, k = self.rotate(q, start), self.rotate(k, start)  # [B, H, T, d] each
         return q, k, v
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
@@ -141,24 +139,19 @@ class Model(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model, cfg.eps)
         # GPT-2 ties the output head to the token embedding
         self.head = self.wte if cfg.family == "gpt2" else _weight(cfg.vocab_size, cfg.d_model)
-        for p in self.parameters():
-            p.requires_grad_(False)
+        self.requires_grad_(False)  # a frozen teacher, its LayerNorms included
 
     def forward(self, ids, start=0, caches=None, capture=None, keep=None):
         """Logits [B, T, V] of token ids [B, T] at positions start..start+T-1. caches: one KVCache
         per layer holding positions < start. capture: a list that receives every layer's (q, k, v)
         [B, H, T, d]. keep: a bool mask [B, T]; only kept positions pass the final norm and head
         (most of a small model's cost), giving [N = keep.sum(), V] in row-major order."""
-        T = ids.shape[1]
-        if start + T > self.config.n_ctx:
-            raise ValueError(
-                f"positions up to {start + T} requested; {self.config.name} has {self.config.n_ctx}"
-            )
+        T, cfg = ids.shape[1], self.config
+        if start + T > cfg.n_ctx:
+            raise ValueError(f"positions up to {start + T} requested; {cfg.name} has {cfg.n_ctx}")
         if keep is not None and (keep.dtype != torch.bool or keep.shape != ids.shape):
-            raise ValueError(
-                f"keep is {keep.dtype} {list(keep.shape)}; expected a torch.bool mask shaped like "
-                f"ids {list(ids.shape)}"
-            )
+            got, want = f"{keep.dtype} {list(keep.shape)}", list(ids.shape)
+            raise ValueError(f"keep is {got}; expected a torch.bool mask shaped like ids {want}")
         x = self.wte[ids]  # [B, T, D]
         if self.wpe is not None:
             x = x + self.wpe[start : start + T]  # [B, T, D]

@@ -1,9 +1,7 @@
 """Students: a teacher whose attention layers are swapped for linear attention, and their files.
-
 A student shares its teacher's frozen tensors and owns only its trainable ones (PRF z and a = log α,
-or DiJiang's decay, norm and gate). Its file holds just those, with its record (kind, dims, seeds,
-training settings, the teacher's identity) as sorted JSON: the same student gives the same bytes.
-"""
+or DiJiang's decay, norm and gate); its file holds just those, with its record (kind, dims, seeds,
+training settings, the teacher's identity) as sorted JSON: the same student gives the same bytes."""
 
 import copy
 import json
@@ -13,7 +11,7 @@ from safetensors.torch import save_file
 
 from .checkpoint import CheckpointError
 from .dijiang import to_dijiang
-from .files import atomic_write
+from .files import as_json, atomic_write
 from .linear_attention import replace_attention
 
 KINDS = ("prf", "dijiang")
@@ -76,7 +74,7 @@ def load_student(teacher, path, expect=None):
             f"{path} holds a student of teacher {meta.get('teacher')!r}, kind "
             f"{meta.get('kind')!r}; this teacher is {teacher.identity!r}, the kinds {KINDS}"
         )
-    for field, value in json.loads(json.dumps(expect or {})).items():  # tuples as lists
+    for field, value in as_json(expect or {}).items():  # tuples as lists
         if meta.get(field) != value:
             raise CheckpointError(f"{path}: {field} is {meta.get(field)!r}; expected {value!r}")
     kind, dims, seed = (meta.get(k) for k in ("kind", "dims", "feature_seed"))

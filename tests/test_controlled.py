@@ -1,12 +1,21 @@
 """The controlled experiment's virtual layers: one real layer's queries and keys at known
 temperatures, which distillation, the error measure and DoF read like any teacher's layers."""
 
+import importlib.util
+
 import torch
+from conftest import REPO
 
 from dofmini import dof
 from dofmini.distill import TrainSettings, distill
-from dofmini.study.controlled import VirtualTeacher
 from dofmini.study.evaluate import layer_errors
+
+# The experiment's script lives with its results, outside the package.
+SCRIPT = REPO / "runs" / "standin-gpt2-controlled" / "controlled.py"
+_spec = importlib.util.spec_from_file_location("controlled", SCRIPT)
+controlled = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(controlled)
+VirtualTeacher = controlled.VirtualTeacher
 
 TEMPERATURES = (0.5, 1.0, 2.0)
 

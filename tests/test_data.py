@@ -9,13 +9,14 @@ import socket
 import string
 import time
 
+import check_sources as sources
 import pytest
 from conftest import data_path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dofmini.files import sha256_file
-from dofmini.study import data, sources
+from dofmini.study import data
 from dofmini.study.evaluate import PPL_TEXTS
 from dofmini.study.tasks import TASKS, load_task
 

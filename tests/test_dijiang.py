@@ -75,7 +75,7 @@ def test_features_are_a_softmax_and_decay_starts_at_the_papers_values():
     assert bool((phi >= 0).all()) and torch.allclose(phi.sum(-1), torch.ones(2, 4, 9))
     assert torch.allclose(phi, torch.softmax(q @ attn.proj, -1))
     want = 1 - torch.exp(torch.linspace(math.log(1 / 32), math.log(1 / 512), 4))
-    assert torch.allclose(attn.decay(), want, rtol=0, atol=1e-6)
+    assert torch.allclose(torch.sigmoid(attn.decay_logit), want, rtol=0, atol=1e-6)  # γ
 
 
 def quadratic_reference(attn: DiJiangAttention, x):
@@ -86,7 +86,8 @@ def quadratic_reference(attn: DiJiangAttention, x):
     q, k, v = attn.base.project(x)  # [B, H, T, d] each
     B, H, T, d = q.shape
     lag = torch.arange(T)[:, None] - torch.arange(T)[None]  # [T, T]
-    decay = torch.where(lag >= 0, attn.decay()[:, None, None] ** lag.clamp_min(0), 0)  # [H, T, T]
+    gamma = torch.sigmoid(attn.decay_logit)[:, None, None]  # [H, 1, 1]
+    decay = torch.where(lag >= 0, gamma ** lag.clamp_min(0), 0)  # [H, T, T]
     o = (
         (torch.softmax(q @ attn.proj, -1) @ torch.softmax(k @ attn.proj, -1).mT) * decay
     ) @ v  # [B, H, T, d]

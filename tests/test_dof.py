@@ -10,31 +10,22 @@ from conftest import data_path, shared_path
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from dofmini.dof import (
-    degrees_of_freedom,
-    estimate_dof,
-    sample_queries_keys,
-    saturation_warning,
-)
+from dofmini.dof import degrees_of_freedom, estimate_dof, sample_queries_keys, saturation_warning
 
 FAST = settings(max_examples=60, deadline=None)
 
 
 def points(seed, J, d, scale, dups):
     """J random rows, the last `dups` of them copies of earlier ones (so the Gram can lose rank)."""
-    x = (
-        torch.randn(J, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-        * scale
-    )  # [J, d]
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(J, d, generator=gen, dtype=torch.float64) * scale  # [J, d]
     x[J - dups :] = x[:dups]
     return x
 
 
 def naive(x, lam, normalize):
-    """DoF by the book: the Gram in plain float64, numpy's eigvalsh, Σ σ/(σ+λ).
-
-    inf where the Gram overflows.
-    """
+    """DoF by the book: the Gram in plain float64, numpy's eigvalsh, Σ σ/(σ+λ); inf where the Gram
+    overflows."""
     x = np.asarray(x, dtype=np.float64)
     J, d = x.shape
     with np.errstate(over="ignore"):
@@ -67,9 +58,8 @@ def test_dof_matches_eigenvalue_formula_and_trace_identity(case):
     dof = degrees_of_freedom(x, lam, normalize).item()
     ref, op = naive(x, lam, normalize)
     assert dof == pytest.approx(ref, rel=1e-7, abs=1e-8)
-    trace_form = J - lam * np.trace(
-        np.linalg.inv(op + lam * np.eye(J))
-    )  # tr Σ̂(Σ̂+λI)⁻¹ = J − λ·tr (Σ̂+λI)⁻¹
+    # tr Σ̂(Σ̂+λI)⁻¹ = J − λ·tr (Σ̂+λI)⁻¹
+    trace_form = J - lam * np.trace(np.linalg.inv(op + lam * np.eye(J)))
     assert dof == pytest.approx(trace_form, rel=1e-7, abs=1e-7)
     assert 0 <= dof <= np.linalg.matrix_rank(op) + 1e-7 <= J + 1e-7
 
@@ -79,10 +69,8 @@ def test_dof_matches_eigenvalue_formula_and_trace_identity(case):
 def test_dof_decreases_as_lam_grows(case, factor):
     seed, J, d, scale, dups, log2_lam, normalize = case
     x, lam = points(seed, J, d, scale, min(dups, J // 2)), 2.0**log2_lam
-    assert (
-        degrees_of_freedom(x, lam * factor, normalize)
-        <= degrees_of_freedom(x, lam, normalize) + 1e-9
-    )
+    larger_lam = degrees_of_freedom(x, lam * factor, normalize)
+    assert larger_lam <= degrees_of_freedom(x, lam, normalize) + 1e-9
 
 
 @FAST
@@ -146,9 +134,7 @@ def calibration(folder, n_tokens):
 def test_estimate_dof_on_the_whole_pool_matches_the_captured_queries_and_keys(name, request):
     model = request.getfixturevalue(name)
     ids = calibration(shared_path("weights", name.replace("_", "-")), 3 * 16)
-    dof = estimate_dof(
-        model, ids, 2**-4, J=96, seed=5, ctx=16, batch=2
-    )  # J = the whole pool: 3 windows × 32
+    dof = estimate_dof(model, ids, 2**-4, J=96, seed=5, ctx=16, batch=2)  # J = all 3 windows × 32
     capture = []
     with torch.no_grad():
         model(ids.view(3, 16), capture=capture)
@@ -164,15 +150,15 @@ def test_estimate_dof_is_seeded_and_in_range(standin_gpt2):
     first, again, other = (
         estimate_dof(standin_gpt2, ids, 2**-4, J=48, seed=s, ctx=32) for s in (0, 0, 1)
     )
-    assert (
-        first.shape == (6, 4)
-        and torch.isfinite(first).all()
-        and (first >= 0).all()
-        and (first <= 48).all()
-    )
+    assert first.shape == (6, 4) and torch.isfinite(first).all()
+    assert (first >= 0).all() and (first <= 48).all()
     assert torch.equal(first, again) and not torch.equal(first, other)
     with pytest.raises(ValueError, match="fewer than J"):
         estimate_dof(standin_gpt2, ids[:40], 2**-4, J=65, seed=0, ctx=32)  # one window: 64
+    with pytest.raises(ValueError, match="need 1-D"):
+        estimate_dof(standin_gpt2, ids.view(4, 32), 2**-4, J=48, seed=0, ctx=32)
+    with pytest.raises(ValueError, match="ctx=0"):
+        estimate_dof(standin_gpt2, ids, 2**-4, J=48, seed=0, ctx=0)
 
 
 def test_samples_are_nested_in_draw_order(standin_gpt2):

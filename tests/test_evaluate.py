@@ -148,17 +148,15 @@ def test_batched_scoring_equals_one_at_a_time():
         (requests[0][0], draw(1)),
     ]  # equal inputs share one forward pass
     requests += [(draw(90), draw(5))]  # longer than the 64 positions: truncated from the left
-    ctx = 48
     with torch.no_grad():
-        want = direct_scores(model, requests, ctx)
+        want = direct_scores(model, requests, model.config.n_ctx)
     for batch_tokens in (1, 200, 10**6):
-        got = score_requests(model, requests, ctx=ctx, batch_tokens=batch_tokens)
+        got = score_requests(model, requests, batch_tokens=batch_tokens)
         assert [s for s, _ in got] == pytest.approx([s for s, _ in want], abs=1e-4)
         assert [g for _, g in got] == [g for _, g in want]
 
 
-@pytest.mark.parametrize("stride", [None, 5, 15])
-def test_perplexity_is_exp_mean_nll_of_the_scored_tokens(stride):
+def test_perplexity_is_exp_mean_nll_of_the_scored_tokens():
     model = load(FIXTURES / "gpt2-tiny")
     ids = torch.randint(
         0, model.config.vocab_size, (103,), generator=torch.Generator().manual_seed(1)
@@ -166,25 +164,20 @@ def test_perplexity_is_exp_mean_nll_of_the_scored_tokens(stride):
     ctx = 16
     nll, count = 0.0, 0
     with torch.no_grad():
-        for k, start in enumerate(range(0, len(ids) - ctx + 1, stride or ctx)):
+        for start in range(0, len(ids) - ctx + 1, ctx):
             window = ids[start : start + ctx]
-            first = 1 if stride is None or k == 0 else ctx - stride  # window positions scored
-            for p in range(first, ctx):  # each token on its own, from its in-window prefix
+            for p in range(1, ctx):  # each token on its own, from its in-window prefix
                 nll -= model(window[None, :p])[0, -1].log_softmax(-1)[window[p]].item()
                 count += 1
-    ppl, total, scored = perplexity(model, ids, ctx, stride=stride, batch=3)
+    ppl, total, scored = perplexity(model, ids, ctx, batch=3)
     assert scored == count and total == pytest.approx(nll, rel=1e-5)
     assert ppl == pytest.approx(math.exp(nll / count), rel=1e-5)
-    if stride:  # every token up to the last full window's end is scored exactly once
-        assert scored == (len(ids) - ctx) // stride * stride + ctx - 1
 
 
 def test_perplexity_rejects_bad_windows():
     model = load(FIXTURES / "gpt2-tiny")
     with pytest.raises(ValueError, match="ctx=65"):
         perplexity(model, torch.zeros(200, dtype=torch.long), 65)
-    with pytest.raises(ValueError, match="stride=16"):
-        perplexity(model, torch.zeros(200, dtype=torch.long), 16, stride=16)
     with pytest.raises(ValueError, match="do not fill one window"):
         perplexity(model, torch.zeros(10, dtype=torch.long), 16)
 

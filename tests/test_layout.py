@@ -26,7 +26,6 @@ STUDY = tuple(
     f"study.{name}"
     for name in (
         "data",
-        "sources",
         "tasks",
         "evaluate",
         "runs",
@@ -37,7 +36,6 @@ STUDY = tuple(
         "plots",
         "compare",
         "report",
-        "controlled",
     )
 )
 ORDER = CORE + STUDY

@@ -1,8 +1,7 @@
-"""The report's sections, student against student: students grouped by (variant, loss, budget),
-each metric as the mean over seeds with a 95% t-interval, DoF and the oracle against Fix seed by
-seed (a paired design: a seed draws the same data order for every variant), the per-layer errors,
-the error-against-features curves with the oracle allocation they imply, and whether training had
-flattened. Each returns markdown; its charts are written under `out`."""
+"""The report's sections, student against student: each metric as the mean over seeds with a 95%
+t-interval, DoF and the oracle against Fix seed by seed (a seed draws the same data order for every
+variant), the per-layer errors, whether training flattened, and the error-against-features curves
+with the oracle allocation they imply. Each returns markdown; its charts are written under `out`."""
 
 import math
 
@@ -23,7 +22,6 @@ PERMUTATIONS, PERMUTATION_SEED = 10000, 0  # for the permutation p-value of a ra
 
 
 def md_table(header, rows) -> str:
-    """A markdown table: the header, its rule, then one line per row (cells str()ed)."""
     lines = ["| " + " | ".join(map(str, cells)) + " |" for cells in [header, *rows]]
     return "\n".join([lines[0], "|---" * len(header) + "|", *lines[1:]])
 
@@ -48,9 +46,12 @@ def metric(student: dict, key: str, view):
     return None if None in errors else float(view(errors))
 
 
-def _chart(out, name: str, svg: str) -> str:
-    """Writes out/name.svg and returns its markdown image link."""
-    write_text(out / f"{name}.svg", svg)
+def _chart(out, name: str, series: dict, labels: tuple, **axes) -> str:
+    """Draws xy_chart(series, *labels (title, x, y), **axes) to out/name.svg; returns its markdown
+    image link, or "" where there is no series."""
+    if not series:
+        return ""
+    write_text(out / f"{name}.svg", plots.xy_chart(series, *labels, **axes))
     return f"![{name}]({name}.svg)"
 
 
@@ -60,31 +61,28 @@ def _pm(mean, half, sign="") -> str:
 
 
 def students(grouped: dict, teacher: dict, out) -> tuple:
-    """The summary table (every metric, mean ± CI over seeds) and the chart of mean KL against
-    budget, one line per variant and loss."""
+    """The summary table (every metric, mean ± CI over seeds), and mean KL charted on budget."""
     teacher_row = ["—" if view else f"{teacher[key]:.2f}" for _, key, view in METRICS]
     rows, points = [["teacher", "—", "—", "—", *teacher_row, "—"]], {}
     for (variant, loss, budget), by_seed in grouped.items():
-        runs = list(by_seed.values())
-        cis = [[metric(s, key, view) for s in runs] for _, key, view in METRICS]
-        cis = [stats.mean_ci(c) if None not in c else None for c in cis]
-        train = np.mean([s["train_seconds"] for s in runs])
+        values = [[metric(s, key, view) for s in by_seed.values()] for _, key, view in METRICS]
+        cis = [None if None in v else stats.mean_ci(v) for v in values]
         cells = [_pm(*ci) if ci else "—" for ci in cis]
-        rows.append([variant, loss, budget, len(runs), *cells, f"{train:.0f}"])
+        train = np.mean([s["train_seconds"] for s in by_seed.values()])
+        rows.append([variant, loss, budget, len(by_seed), *cells, f"{train:.0f}"])
         if cis[0] and variant != "performer":
             points.setdefault(f"{variant}/{loss}", []).append((budget, *cis[0]))
     table = md_table(["variant", "loss", "budget", "seeds", *next(zip(*METRICS)), "train s"], rows)
     series = {k: tuple(map(list, zip(*sorted(v)))) for k, v in points.items() if len(v) > 1}
-    args = "mean-layer kl against budget", "features per layer (budget)", "kl", True, True
-    return table, _chart(out, "budget_kl", plots.xy_chart(series, *args)) if series else ""
+    labels = "mean-layer kl against budget", "features per layer (budget)", "kl"
+    return table, _chart(out, "budget_kl", series, labels, log_x=True, log_y=True)
 
 
 def against_fix(fix: dict, other: dict) -> list:
     """(label, Fix's (mean, half width), other's, other − Fix paired seed by seed, relative change
     of the mean) over the seeds both have, for every metric both have. A view is taken per seed:
     the worst-layer KL is the mean over seeds of each seed's largest layer KL."""
-    seeds = sorted(set(fix) & set(other))
-    rows = []
+    seeds, rows = sorted(set(fix) & set(other)), []
     for label, key, view in METRICS:
         f, o = ([metric(runs[s], key, view) for s in seeds] for runs in (fix, other))
         if None not in f + o:
@@ -112,9 +110,8 @@ def comparisons(grouped: dict, teacher: dict) -> str:
         for label, key, view in METRICS:
             if view is None:
                 f, o = ([runs[s][key] for s in seeds] for runs in (fix, by_seed))
-                share, reason = stats.share_removed(teacher[key], f, o)
-                share = share and f"{100 * share[0]:.1f}% ± {100 * share[1]:.1f}%"
-                share = share or f"not defined ({reason})"
+                ci, why = stats.share_removed(teacher[key], f, o)
+                share = f"{100 * ci[0]:.1f}% ± {100 * ci[1]:.1f}%" if ci else f"not defined ({why})"
                 parts.append(f"- {label}: share of Fix's degradation removed: {share}")
     return "\n".join(parts)
 
@@ -126,19 +123,20 @@ def layer_tables(grouped: dict, out) -> tuple:
         series, rows = {}, []
         for (variant, loss, budget), by_seed in grouped.items():
             runs, label = list(by_seed.values()), f"{variant}/{loss}/b{budget}"
-            if None not in runs[0]["layer_error"][name]:
-                series[label] = np.mean([s["layer_error"][name] for s in runs], axis=0).tolist()
-                rows.append([label, *series[label]])
-            if label in series and "layer_error_before" in runs[0]:
+            if None in runs[0]["layer_error"][name]:
+                continue
+            after = np.mean([s["layer_error"][name] for s in runs], axis=0).tolist()
+            series[label] = (range(len(after)), after, None)
+            rows.append([label, *after])
+            if "layer_error_before" in runs[0]:
                 before = np.mean([s["layer_error_before"][name] for s in runs], axis=0)
                 rows.append([f"{label} before training", *before])
         if rows:
             rows = [[label, *(f"{x:.4g}" for x in v), f"{np.mean(v):.4g}"] for label, *v in rows]
             layers = [f"L{i}" for i in range(len(rows[0]) - 2)]
             parts += [f"\n**{name}**\n", md_table(["student", *layers, "mean"], rows)]
-            title = f"per-layer {name} by student"
-            svg = plots.line_chart(series, title, name, log_y=name != "output_rel")
-            charts.append(_chart(out, f"error_{name}", svg))
+            labels, log_y = (f"per-layer {name} by student", "layer", name), name != "output_rel"
+            charts.append(_chart(out, f"error_{name}", series, labels, log_y=log_y, layers=True))
     return "\n".join(parts), charts
 
 
@@ -158,8 +156,8 @@ def training(grouped: dict, out) -> tuple:
             label += f" (steps {'/'.join(str(step) for step, _ in points[0])})"
             share = f"{100 * (half - end) / (start - end):.1f}%"
             rows.append([label, *(f"{v:.4f}" for v in (start, half, end)), share])
-    args = "training loss (mean over layers), first seed", "step", "loss"
-    chart = series and _chart(out, "training_loss", plots.xy_chart(series, *args, log_y=True))
+    labels = "training loss (mean over layers), first seed", "step", "loss"
+    chart = _chart(out, "training_loss", series, labels, log_y=True)
     header = ["student", "first log", "half way", "end", "share of the decrease in the second half"]
     return chart, md_table(header, rows) if rows else ""
 
@@ -172,8 +170,8 @@ def curves_section(results: dict, out) -> str:
         return ""
     ms, mean, per_head = curves["dims"], curves["mean_kl"], results["dof"]["per_head"]
     series = {f"layer {i}": (ms, e, None) for i, e in enumerate(mean)}
-    args = "held-out KL per layer against its features", "features M", "KL", True, True
-    chart = _chart(out, "curves_kl", plots.xy_chart(series, *args))
+    labels = "held-out KL per layer against its features", "features M", "KL"
+    chart = _chart(out, "curves_kl", series, labels, log_x=True, log_y=True)
     found = needs(curves)
     rows = [
         [i, f"{max(h):.1f}", f"{np.mean(h):.1f}", *(f"{x:.4g}" for x in errs), f"{n:.1f}",
@@ -215,17 +213,17 @@ power of M through its measured points:
 
 def needs(curves: dict) -> dict:
     """From the curves' record: the M each layer ("layer") and each head ("head", [L][H]) needs to
-    reach a common KL (the median at the middle M, over layers and over heads), and each layer's
-    power law β (KL ≈ a·M^(−β), fitted through its points)."""
+    reach a common KL ("layer_target", "head_target": the median at the middle M, so about half
+    reach it there), and each layer's power law β (KL ≈ a·M^(−β), fitted through its points)."""
     ms, mean = curves["dims"], curves["mean_kl"]
     heads = np.mean(list(curves["kl_heads"].values()), axis=0).transpose(1, 2, 0)  # [L, H, M]
-    layer_target, layer = needed_at_common_error(ms, mean)
-    head_target, head = needed_at_common_error(ms, heads.reshape(-1, len(ms)))
-    head = np.reshape(head, heads.shape[:2]).tolist()  # [L][H]
-    beta = [-stats.loglog_slope(ms, errs) for errs in mean]
-    return dict(
-        layer_target=layer_target, layer=layer, head_target=head_target, head=head, beta=beta
-    )
+    found = {"beta": [-stats.loglog_slope(ms, errs) for errs in mean]}
+    for level, errors in (("layer", mean), ("head", heads.reshape(-1, len(ms)))):
+        target = float(np.median([curve[len(ms) // 2] for curve in errors]))
+        found[f"{level}_target"] = target
+        found[level] = [stats.features_needed(ms, curve, target) for curve in errors]
+    found["head"] = np.reshape(found["head"], heads.shape[:2]).tolist()  # [L][H]
+    return found
 
 
 def dof_views(per_head, found: dict, label: str = "") -> list:
@@ -235,13 +233,6 @@ def dof_views(per_head, found: dict, label: str = "") -> list:
         (f"{label}layers, DoF max over heads", [max(h) for h in per_head], found["layer"]),
         (f"{label}layers, DoF mean over heads", [np.mean(h) for h in per_head], found["layer"]),
     ]
-
-
-def needed_at_common_error(ms, curves) -> tuple:
-    """(target, M each curve needs to reach it): the target is the median error at the middle M,
-    so about half the curves (layers or heads) reach it there."""
-    target = float(np.median([curve[len(ms) // 2] for curve in curves]))
-    return target, [stats.features_needed(ms, curve, target) for curve in curves]
 
 
 def evidence_table(ms, views) -> str:

@@ -1,15 +1,7 @@
-"""The data store: every file the pipeline reads, pinned, and the download that fills the store.
-
-`data_files.tsv` lists each file: group, path in the store, size, sha256 and public source; a file
-counts only with exactly those bytes. The store is `--data DIR`, else $DOFMINI_DATA, else
-$XDG_CACHE_HOME/dofmini/data (~/.cache/dofmini/data). $DOFMINI_DATA_MIRROR=URL replaces every source
-by URL/<path in the store> (http://, https:// or file://); $DOFMINI_DATA_REGISTRY=FILE replaces the
-registry (same format: your own texts under the same paths, or a test's). Wikipedia sources are
-WikiExtractor output (`<doc>` records); the store keeps the articles `data_articles.txt` names, as
-plain text, by one rule for every such file (`articles_from_wikiextractor`).
-
-`python -m dofmini.study.sources` checks every source against its pin (for maintainers).
-"""
+"""The data store: every file the pipeline reads, pinned by size and sha256 in data_files.tsv, and
+the download that fills it. README "Data" says where it lives and what moves it ($DOFMINI_DATA,
+$DOFMINI_DATA_MIRROR, $DOFMINI_DATA_REGISTRY). Wikipedia sources are WikiExtractor output; the store
+keeps the articles data_articles.txt names, as plain text."""
 
 import functools
 import http.client
@@ -64,17 +56,12 @@ def _lines(file: Path) -> list:
 
 
 def read_registry(file: Path) -> tuple:
-    """The rows of a registry file (data_files.tsv's format: a header, then one tab-separated
-    row per file), each checked, so that a bad row stops here and not in a download."""
+    """The rows of a registry file (data_files.tsv's format), checked: a bad row stops here."""
     rows = []
     for number, line in enumerate(_lines(file)[1:], start=2):
         cells = line.split("\t")
-        if (
-            len(cells) != 5
-            or cells[0] not in GROUPS
-            or not cells[2].isdigit()
-            or not re.fullmatch(r"[0-9a-f]{64}", cells[3])
-        ):
+        valid = len(cells) == 5 and cells[0] in GROUPS and cells[2].isdigit()
+        if not valid or not re.fullmatch(r"[0-9a-f]{64}", cells[3]):
             raise DataError(
                 f"{file} line {number}: {line!r}; expected a group ({', '.join(GROUPS)}), path, "
                 "bytes, sha256 (64 hex) and URL, tab-separated"
@@ -85,8 +72,7 @@ def read_registry(file: Path) -> tuple:
 
 @functools.cache
 def registry() -> tuple:
-    """The rows of $DOFMINI_DATA_REGISTRY, else of data_files.tsv, read on first use (so that a bad
-    registry is reported as a run's error, not at import)."""
+    """The rows of $DOFMINI_DATA_REGISTRY, else of data_files.tsv; read on use, not on import."""
     default = Path(__file__).with_name("data_files.tsv")
     return read_registry(Path(os.environ.get("DOFMINI_DATA_REGISTRY") or default))
 
@@ -107,16 +93,13 @@ ARTICLES = _articles(_lines(Path(__file__).with_name("data_articles.txt")))
 
 def store_dir(arg=None) -> Path:
     """`arg` (the --data flag), else $DOFMINI_DATA, else $XDG_CACHE_HOME/dofmini/data (~/.cache)."""
-    if arg or os.environ.get("DOFMINI_DATA"):
-        return Path(arg or os.environ["DOFMINI_DATA"]).expanduser()
-    return cache_dir() / "data"
+    return Path(arg or os.environ.get("DOFMINI_DATA") or cache_dir() / "data").expanduser()
 
 
 def files(groups) -> list:
     """The registry rows of `groups` (names of GROUPS, or one name)."""
     groups = [groups] if isinstance(groups, str) else list(groups)
-    unknown = [g for g in groups if g not in GROUPS]
-    if unknown:
+    if unknown := [g for g in groups if g not in GROUPS]:
         raise DataError(f"unknown data group(s) {unknown}; known: {', '.join(GROUPS)}")
     return [f for f in registry() if f.group in groups]
 
@@ -132,17 +115,19 @@ def missing(groups, root) -> list:
     return [f for f in files(groups) if not (Path(root) / f.path).exists()]
 
 
+def _mb(rows) -> str:
+    return f"{sum(f.size for f in rows) / 1e6:.1f} MB"
+
+
 def describe(groups, root) -> str:
     """For a run plan: per group its dataset, files, size, licence, source and what is missing."""
-    absent = missing(groups, root)
     lines = [f"data store {Path(root).resolve()}:"]
     for group in dict.fromkeys(f.group for f in files(groups)):
-        rows = [f for f in registry() if f.group == group]
+        (dataset, licence), rows = GROUPS[group], files(group)
         hosts = sorted({urllib.parse.urlsplit(source(f)).netloc or "a local folder" for f in rows})
-        todo = sum(f in absent for f in rows)
         lines.append(
-            f"  {group}: {GROUPS[group][0]}; {len(rows)} file(s), {_mb(rows)}, licence "
-            f"{GROUPS[group][1]}, from {', '.join(hosts)}; {todo or 'none'} to download"
+            f"  {group}: {dataset}; {len(rows)} file(s), {_mb(rows)}, licence {licence}, from "
+            f"{', '.join(hosts)}; {len(missing(group, root)) or 'none'} to download"
         )
     return "\n".join(lines)
 
@@ -152,20 +137,16 @@ def offline_listing(rows, root) -> str:
     return "".join(f"\n  {source(f)}\n    -> {Path(root).resolve() / f.path}" for f in rows)
 
 
-def ensure(groups, root, log=None) -> dict:
+def ensure(groups, root, log=print) -> dict:
     """{path in the store: sha256} of every file of `groups` under `root`, missing ones downloaded.
-
-    Temporaries of killed downloads are removed first. When a missing file's host takes no TCP
-    connection within CONNECT_SECONDS, one DataError lists every missing file, its URL and where
-    to put it. Else every present file is checked (size, then sha256) and every missing one is
-    downloaded and checked; what verified stays, and one DataError names every failure."""
-    log = log or (lambda message: print(message, flush=True))
+    When a missing file's host takes no connection, one DataError lists each missing file, its URL
+    and where to put it. Else each file is checked (size, then sha256) or downloaded and checked;
+    what verified stays, and one DataError names every failure."""
     root = Path(root)
     needed = files(groups)
     _remove_stale_temporaries(root, needed)
     absent = missing(groups, root)
-    hosts = unreachable([source(f) for f in absent])
-    if hosts:
+    if hosts := unreachable([source(f) for f in absent]):
         raise DataError(
             f"{len(absent)} data file(s), {_mb(absent)}, are missing and {', '.join(hosts)} "
             f"took no connection in {CONNECT_SECONDS:.0f} s. Download each to the path shown (a "
@@ -176,7 +157,9 @@ def ensure(groups, root, log=None) -> dict:
     for f in needed:
         try:
             if f in absent:
-                _download(f, root / f.path, log)
+                licence = GROUPS[f.group][1]
+                log(f"downloading {f.path} ({_mb([f])}, licence {licence}) from {source(f)}")
+                atomic_write(root / f.path, functools.partial(fetch_verified, f))
             else:
                 verify(root / f.path, f, "delete it to download it again")
         except DataError as err:
@@ -192,16 +175,15 @@ def ensure(groups, root, log=None) -> dict:
 
 
 def _remove_stale_temporaries(root: Path, rows) -> None:
-    """Delete `.NAME.PID.tmp` files that atomic_write left beside store files when its process was
-    killed; those of a process still running (its downloads in progress) stay."""
-    for tmp in (t for d in {(root / f.path).parent for f in rows} for t in d.glob(".*.tmp")):
-        pid = tmp.name.rsplit(".", 2)[-2]
-        try:
-            os.kill(int(pid), 0) if pid.isdigit() else None
-        except ProcessLookupError:
-            tmp.unlink(missing_ok=True)
-        except PermissionError:  # another user's process: running
-            pass
+    """Delete each `.NAME.PID.tmp` of atomic_write whose process PID is gone (killed mid-write)."""
+    for folder in {(root / f.path).parent for f in rows}:
+        for tmp in folder.glob(".*.tmp"):
+            try:
+                os.kill(int(tmp.name.rsplit(".", 2)[-2]), 0)  # signal 0: is it running?
+            except ProcessLookupError:
+                tmp.unlink(missing_ok=True)
+            except (ValueError, PermissionError):  # not a PID, or another user's process
+                pass
 
 
 def articles_from_wikiextractor(raw: bytes, titles: list, file="the source") -> bytes:
@@ -218,14 +200,9 @@ def articles_from_wikiextractor(raw: bytes, titles: list, file="the source") -> 
         title, _, body = record.partition("\n")
         lines = (line.rstrip() for line in body.split("\n"))
         found.setdefault(title, "\n".join(line for line in lines if line))
-    lost = [t for t in titles if t not in found]
-    if lost:
+    if lost := [t for t in titles if t not in found]:
         raise DataError(f"{len(lost)} article(s) are not in {file}, e.g. {lost[0]!r}")
     return "\n".join(f"= {t} =\n\n{found[t]}\n" for t in titles).encode("utf-8")
-
-
-def _mb(rows) -> str:
-    return f"{sum(f.size for f in rows) / 1e6:.1f} MB"
 
 
 def verify(path: Path, f: DataFile, advice: str) -> None:
@@ -251,11 +228,11 @@ def fetch(url: str, what: str, tmp: Path, bar: bool = True) -> None:
     try:
         with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as out:
             length = int(response.headers.get("Content-Length") or 0) or None
-            with tqdm(
-                total=length, unit="B", unit_scale=True, desc=what, file=sys.stdout, disable=not bar
-            ) as progress:
+            # on stdout, beside the log: stderr holds a failed run's one-line error alone
+            progress = dict(unit="B", unit_scale=True, desc=what, file=sys.stdout, disable=not bar)
+            with tqdm(total=length, **progress) as counter:
                 while block := response.read(1 << 16):
-                    progress.update(out.write(block))
+                    counter.update(out.write(block))
             received = out.tell()
     except urllib.error.HTTPError as err:
         raise DataError(f"{what}: {url} answered HTTP {err.code} ({err.reason})") from None
@@ -267,11 +244,7 @@ def fetch(url: str, what: str, tmp: Path, bar: bool = True) -> None:
         raise DataError(f"{what}: {url} stopped after {received} of {length} bytes; run again")
 
 
-def _download(f: DataFile, dest: Path, log) -> None:
-    """Fetch `f` into a temporary file beside `dest`, check it (converting a Wikipedia source),
-    then rename it to `dest`: a failure leaves neither `dest` nor a temporary."""
-    url = source(f)
-    log(f"downloading {f.path} ({_mb([f])}, licence {GROUPS[f.group][1]}) from {url}")
-    atomic_write(
-        dest, lambda tmp: fetch(url, f.path, tmp) or verify(tmp, f, f"nothing kept from {url}")
-    )
+def fetch_verified(f: DataFile, tmp: Path, bar: bool = True) -> None:
+    """Fetch `f` from its source into `tmp` and verify it (converting a Wikipedia source)."""
+    fetch(source(f), f.path, tmp, bar)
+    verify(tmp, f, f"nothing kept from {source(f)}")

@@ -1,8 +1,6 @@
 """The oracle allocation: per-layer dims with the least summed error on measured error curves.
-
 A study tool, not part of Algorithm 1: it needs every layer's error curve, measured by training
-students at several feature dims, which Algorithm 1 exists to avoid.
-"""
+students at several feature dims, which Algorithm 1 exists to avoid."""
 
 import math
 
@@ -12,38 +10,27 @@ import torch
 def oracle_allocate(curves, budget, ms=None):
     """Per-layer dims in [ms[0], ms[-1]] summing to exactly L·budget with the least summed error.
 
-    curves[l][k] is layer l's error with ms[k] features (ms: K >= 2 strictly increasing integers
-    >= 1; None: 1, 2, ..., K). Between measured points the error is the power of M through them
-    (linear in log M and log error; errors must be positive): measured curves fall by a
-    near-constant factor per doubling of M, and straight lines in M would overstate every error,
-    pinning the optimum to the measured Ms (with M = 8, 16, 32, ... uniform would win unless two
-    layers' errors differ four-fold). The minimum is exact, by dynamic programming over layers (the
-    least summed error of layers 0..l for every total), not a greedy on marginal gains, which needs
-    convex curves; on exact ties the earlier layers get the features. Cost: L·(ms[-1] − ms[0] + 1)
-    vector steps of length L·(budget − ms[0]) + 1.
+    curves[l][k] is layer l's error (> 0) with ms[k] features (ms: K >= 2 strictly increasing
+    integers >= 1; None: 1..K). Between measured points the error is the power of M through them
+    (linear in log M and log error): measured curves fall by a near-constant factor per doubling,
+    and straight lines in M would overstate every error, pinning the optimum to the measured Ms
+    (with M = 8, 16, 32, ... uniform would win unless two layers' errors differ four-fold). The
+    minimum is exact, by dynamic programming over layers (the least summed error of layers 0..l for
+    every total), not a greedy on marginal gains, which needs convex curves; on exact ties the
+    earlier layers get the features. Cost: L·(ms[-1] − ms[0] + 1) vector steps of length
+    L·(budget − ms[0]) + 1.
     """
     try:
         errors = torch.as_tensor(curves, dtype=torch.float64)  # [L, K]
     except (TypeError, ValueError) as err:
-        raise ValueError(
-            f"oracle_allocate: curves must be an [L, K] table of numbers: {err}"
-        ) from err
+        raise ValueError(f"oracle_allocate: curves must be an [L, K] table: {err}") from err
     if errors.dim() != 2 or errors.shape[0] < 1 or errors.shape[1] < 2:
-        raise ValueError(
-            f"oracle_allocate: curves must be [L, K] with L >= 1 and K >= 2 measured points, got "
-            f"shape {tuple(errors.shape)}"
-        )
+        raise ValueError(f"oracle_allocate: curves must be [L >= 1, K >= 2]: {tuple(errors.shape)}")
     if not (torch.isfinite(errors) & (errors > 0)).all():
-        raise ValueError(
-            "oracle_allocate: curves must hold finite positive errors (power-law fits)"
-        )
+        raise ValueError("oracle_allocate: curves must hold finite positive errors")
     ms = list(range(1, errors.shape[1] + 1)) if ms is None else list(ms)
-    if (
-        len(ms) != errors.shape[1]
-        or any(int(m) != m for m in ms)
-        or ms[0] < 1
-        or any(b <= a for a, b in zip(ms, ms[1:]))
-    ):
+    integers = all(int(m) == m and m >= 1 for m in ms)
+    if len(ms) != errors.shape[1] or not integers or any(b <= a for a, b in zip(ms, ms[1:])):
         raise ValueError(
             f"oracle_allocate: ms must be {errors.shape[1]} strictly increasing integers >= 1 (one "
             f"per column of curves), got {ms}"
@@ -58,9 +45,8 @@ def oracle_allocate(curves, budget, ms=None):
     seg = (torch.searchsorted(knots, grid, right=True) - 1).clamp(max=len(ms) - 2)  # [R]
     log_knots, log_errors = knots.log(), errors.log()  # [K], [L, K]
     frac = (grid.log() - log_knots[seg]) / (log_knots[seg + 1] - log_knots[seg])  # [R]
-    dense = torch.exp(
-        log_errors[:, seg] + frac * (log_errors[:, seg + 1] - log_errors[:, seg])
-    )  # [L, R]
+    rise = log_errors[:, seg + 1] - log_errors[:, seg]  # [L, R]
+    dense = torch.exp(log_errors[:, seg] + frac * rise)  # [L, R] error at every M in range
     extra = len(errors) * (int(budget) - lo)  # features handed out above lo in every layer
     best = torch.full((extra + 1,), math.inf, dtype=torch.float64)  # [E+1] by total extra
     best[0] = 0.0

@@ -16,25 +16,24 @@ from .tasks import TASK_SIZES
 
 
 def probe(teacher, ctx: int, J: int) -> dict:
-    """Seconds per window of ctx tokens for the operations a run repeats, on random tokens after a
-    warm-up: a forward pass with logits; a distillation step of each loss and a direct step, each
-    the difference of 3 steps and 1 (so building the student is not counted); and "dof", three
-    J×J Cholesky factorisations per head. On a GPU each timing waits for the device."""
+    """Seconds per window of ctx tokens, on random tokens after a warm-up: "forward" (with logits);
+    a step of each loss and of direct training, each the difference of 3 steps and 1 (building the
+    student is not counted); and "dof", three J×J Cholesky factorisations per head. On a GPU each
+    timing waits for the device."""
     device = next(teacher.parameters()).device
     ids = torch.randint(0, teacher.config.vocab_size, (2, ctx), generator=torch.Generator())
     ids = ids.to(device)
     if not torch.isfinite(teacher(ids)).all():
-        raise RunError(
-            "the teacher's logits on random tokens are not finite: its weights overflow "
-            f"{next(teacher.parameters()).dtype} in the forward pass"
-        )
+        dtype = next(teacher.parameters()).dtype
+        raise RunError(f"the teacher's logits on random tokens are not finite: its weights "
+                       f"overflow {dtype} in the forward pass")  # fmt: skip
     dims, flat = [teacher.config.head_dim] * teacher.config.n_layer, ids.flatten().cpu()
     student = make_student(teacher, "prf", dims, 0)
 
-    def seconds(run) -> float:
+    def seconds(work) -> float:
         _synchronize(device)
         t0 = time.perf_counter()
-        run()
+        work()
         _synchronize(device)
         return time.perf_counter() - t0
 
@@ -51,8 +50,7 @@ def probe(teacher, ctx: int, J: int) -> dict:
         one, three = seconds(train(kind, 1)), seconds(train(kind, 3))
         costs[kind] = ((three - one) / 2 if three > one else three / 3) / len(ids)
     cholesky = lambda: torch.linalg.cholesky(torch.eye(J, dtype=torch.float64))
-    heads = teacher.config.n_layer * teacher.config.n_head
-    costs["dof"] = seconds(cholesky) * heads * 3
+    costs["dof"] = seconds(cholesky) * teacher.config.n_layer * teacher.config.n_head * 3
     return costs
 
 
@@ -68,8 +66,7 @@ def _tokens_in(rows) -> int:
 
 def stage_sizes(cfg, ctx: int, corpus: list) -> dict:
     """The windows a stage puts through the model, from the data files' sizes: "evaluation" (both
-    perplexity texts and the tasks), "train_windows" per student and "error_windows" (its layer
-    errors before and after training)."""
+    perplexity texts and the tasks), "train_windows" per student and "error_windows"."""
     texts = [
         _tokens_in(f for f in data.registry() if f.path == p) // ctx for p in PPL_TEXTS.values()
     ]
@@ -77,13 +74,8 @@ def stage_sizes(cfg, ctx: int, corpus: list) -> dict:
     tasks = [] if cfg.limit == 0 else list(TASK_SIZES)
     task_tokens = sum(min(cfg.limit or n, n) * size for n, size in map(TASK_SIZES.get, tasks))
     steps = cfg.steps or _tokens_in(corpus) // ctx // cfg.batch
-    return {
-        "texts": texts,
-        "tasks": len(tasks),
-        "evaluation": sum(texts) + task_tokens / ctx,
-        "train_windows": steps * cfg.batch,
-        "error_windows": cfg.error_windows,
-    }
+    return dict(texts=texts, tasks=len(tasks), evaluation=sum(texts) + task_tokens / ctx,
+                train_windows=steps * cfg.batch, error_windows=cfg.error_windows)  # fmt: skip
 
 
 def duration(seconds: float) -> str:
@@ -91,7 +83,7 @@ def duration(seconds: float) -> str:
 
 
 def print_plan(plan: list, costs: dict, sizes: dict, cfg, ctx: int, done: set):
-    """The plan's lines: what the probe measured, the sizes, each stage and the total."""
+    """What the probe measured, the sizes, each stage's estimate (or "done") and the total."""
     log(
         f"plan (probe on {cfg.device}: forward {costs['forward']:.3f} s, softmax step "
         f"{costs['softmax']:.3f} s, direct step {costs['direct']:.3f} s per window of {ctx}):"
@@ -99,8 +91,7 @@ def print_plan(plan: list, costs: dict, sizes: dict, cfg, ctx: int, done: set):
     log(
         f"  each student: {sizes['train_windows'] // cfg.batch} steps of {cfg.batch} windows = "
         f"{sizes['train_windows'] * ctx:,} tokens; evaluation on "
-        f"{' and '.join(map(str, sizes['texts']))} windows, "
-        f"{sizes['tasks'] or 'no'} tasks"
+        f"{' and '.join(map(str, sizes['texts']))} windows, {sizes['tasks'] or 'no'} tasks"
     )
     for name, seconds in plan:
         log(f"  {name}: " + ("done" if name in done else f"~{duration(seconds)}"))
@@ -110,16 +101,13 @@ def print_plan(plan: list, costs: dict, sizes: dict, cfg, ctx: int, done: set):
 
 class Clock:
     """The run's plan, [(stage name, estimated seconds)], and a progress line per stage: which stage
-    of how many, and the whole run's estimated time left. The estimates are rescaled by the pace
-    so far, measured only on stages that computed something: a stage reloaded as done takes no
-    time, and counting it would make a resumed run's pace look many times faster than it is."""
+    of how many, and the run's estimated time left. The estimates are rescaled by the pace so far,
+    measured only on stages that computed something: a stage reloaded as done takes no time, and
+    counting it would make a resumed run's pace look many times faster than it is."""
 
     def __init__(self, plan: list):
-        self.plan = plan
-        self.t0 = time.time()
-        self.current = None
-        self.begun = set()
-        self.worked = {}  # stage name -> seconds spent computing its results
+        self.plan, self.t0, self.current = plan, time.time(), None
+        self.begun, self.worked = set(), {}  # worked: stage name -> seconds spent computing
 
     @contextlib.contextmanager
     def timing(self):
@@ -141,15 +129,11 @@ class Clock:
         if name in self.begun:  # a curve student evaluated again later is part of its stage
             return
         self.begun.add(name)
-        self.current = name
-        estimates = dict(self.plan)
-        names = list(estimates)
-        index = names.index(name)
+        self.current, estimates = name, dict(self.plan)
+        index = list(estimates).index(name)
         measured = sum(estimates[n] for n in self.worked if n != name)
         spent = sum(s for n, s in self.worked.items() if n != name)
         pace = spent / measured if measured > 30 else 1.0
         left = pace * sum(s for _, s in self.plan[index:])
-        log(
-            f"[{index + 1}/{len(names)}] {name} (~{duration(estimates[name] * pace)}; "
-            f"run ~{duration(left)} left)"
-        )
+        log(f"[{index + 1}/{len(estimates)}] {name} (~{duration(estimates[name] * pace)}; "
+            f"run ~{duration(left)} left)")  # fmt: skip

@@ -1,5 +1,5 @@
-"""Hand-written SVG charts, standard library only: per-layer allocation with per-head DoF, lines by
-layer, and lines over a numeric x with error bars."""
+"""Hand-written SVG charts, standard library only: the per-layer allocation with every head's DoF,
+and lines with error bars over a numeric or a layer axis."""
 
 import math
 from xml.sax.saxutils import escape
@@ -55,13 +55,16 @@ def _y_axis(ticks, log, x, label, anchor):
     return parts, y
 
 
-def _x_axis(ticks, label, log=False, slots=None):
-    """The bottom axis; its SVG and value -> pixel map. slots=n instead makes n equal slots labelled
-    0..n-1 (layers), value i at slot i's centre, so bars and lines over layers line up."""
-    if slots is None:
-        x = _scale(ticks, log, LEFT, W - RIGHT)
-    else:
+def _x_axis(xs, label, log=False, layers=False):
+    """The bottom axis over the values xs; its SVG and value -> pixel map. layers=True makes one
+    equal slot per layer 0..max(xs), value i at slot i's centre, so bars and lines over layers line
+    up."""
+    if layers:
+        slots = int(max(xs)) + 1
         ticks, x = range(slots), lambda i: LEFT + (W - LEFT - RIGHT) * (i + 0.5) / slots
+    else:
+        ticks = _ticks(min(xs), max(xs), log)
+        x = _scale(ticks, log, LEFT, W - RIGHT)
     parts = [_rule(LEFT, H - BOTTOM, W - RIGHT, H - BOTTOM)]
     parts += [_text(f"{x(t):.1f}", H - BOTTOM + 16, f"{t:g}") for t in ticks]
     return parts + [_text(W / 2, H - 8, escape(label))], x
@@ -84,7 +87,7 @@ def allocation_chart(dims, per_head_dof, title) -> str:
     left, y_dim = _y_axis(_ticks(0, max(dims), False), False, LEFT, "feature dim M (bars)", "end")
     dof_ticks = _ticks(0, max(max(h) for h in per_head_dof), False)
     right, y_dof = _y_axis(dof_ticks, False, W - RIGHT, "DoF per head (dots)", "start")
-    parts, slot = left + right + _x_axis(None, "layer", slots=n)[0], (W - LEFT - RIGHT) / n
+    parts, slot = left + right + _x_axis(range(n), "layer", layers=True)[0], (W - LEFT - RIGHT) / n
     for i, (m, heads) in enumerate(zip(dims, per_head_dof)):
         x0 = LEFT + slot * i
         parts.append(
@@ -99,41 +102,28 @@ def allocation_chart(dims, per_head_dof, title) -> str:
     return _svg(title, parts)
 
 
-def line_chart(series, title, ylabel, log_y=False) -> str:
-    """One line per named series over layers 0..L-1, a marker on every value."""
-    lines = {name: (range(len(vs)), vs, None) for name, vs in series.items()}
-    axis = _x_axis(None, "layer", slots=max(len(vs) for vs in series.values()))
-    return _lines("line_chart", lines, title, ylabel, log_y, axis)
-
-
-def xy_chart(series, title, xlabel, ylabel, log_x=False, log_y=False) -> str:
-    """Lines over a numeric x, series mapping a name to (xs, ys, half_widths or None): a marker on
-    every point and, where its half width is a number (not None or nan), an error bar y ± half
-    width. A log axis needs positive values; a bar's end at or below 0 on a log y axis is cut at the
-    axis bottom."""
-    xs = [float(x) for xs, _, _ in series.values() for x in xs]
-    if not xs or not all(map(math.isfinite, xs)) or (log_x and min(xs) <= 0):
+def xy_chart(series, title, xlabel, ylabel, log_x=False, log_y=False, layers=False) -> str:
+    """Lines, series mapping a name to (xs, ys, half_widths or None): a marker on every point and,
+    where its half width is a number (not None or nan), an error bar y ± half width. A log axis
+    needs positive values; a bar's end at or below 0 on a log y axis is cut at the axis bottom.
+    layers=True: x is a layer index 0..L-1, each layer an equal slot (as in allocation_chart)."""
+    all_xs = [float(x) for xs, _, _ in series.values() for x in xs]
+    if not all_xs or not all(map(math.isfinite, all_xs)) or (log_x and min(all_xs) <= 0):
         raise ValueError(
-            f"xy_chart: x values must be present and finite{' and > 0 (log_x)' * log_x}: {xs}"
+            f"xy_chart: x values must be present and finite{' and > 0 (log_x)' * log_x}: {all_xs}"
         )
-    axis = _x_axis(_ticks(min(xs), max(xs), log_x), xlabel, log_x)
-    return _lines("xy_chart", series, title, ylabel, log_y, axis)
-
-
-def _lines(chart, series, title, ylabel, log_y, x_axis) -> str:
-    """Draw series {name: (xs, ys, half_widths or None)} against x_axis (SVG parts, x map)."""
     checked = []  # (name, xs, ys, half widths with nan for "no bar")
     for name, (xs, ys, hws) in series.items():
         xs, ys = list(xs), [float(v) for v in ys]
         hws = [math.nan] * len(ys) if hws is None else [float(h) for h in hws]
         if not len(xs) == len(ys) == len(hws) or not all(map(math.isfinite, ys)):
             raise ValueError(
-                f"{chart}: series {name!r} needs equal-length xs, ys, half widths and finite ys, "
+                f"xy_chart: series {name!r} needs equal-length xs, ys, half widths and finite ys, "
                 f"got {xs}, {ys}, {hws}"
             )
         if any(h < 0 for h in hws) or (log_y and min(ys) <= 0):
             raise ValueError(
-                f"{chart}: series {name!r} has a negative half width or, with log_y, a y <= 0: "
+                f"xy_chart: series {name!r} has a negative half width or, with log_y, a y <= 0: "
                 f"ys {ys}, half widths {hws}"
             )
         checked.append((str(name), xs, ys, hws))
@@ -142,7 +132,8 @@ def _lines(chart, series, title, ylabel, log_y, x_axis) -> str:
     ends = [e for e in ends if math.isfinite(e) and (e > 0 or not log_y)]
     ticks = _ticks(min(ends), max(ends), log_y)
     parts, y = _y_axis(ticks, log_y, LEFT, ylabel, "end")
-    parts, x = parts + x_axis[0], x_axis[1]
+    axis, x = _x_axis(all_xs, xlabel, log_x, layers)
+    parts += axis
     bars, marks = [], []
     for k, (name, xs, ys, hws) in enumerate(checked):
         color, shape, key_y = COLORS[k % len(COLORS)], SHAPES[k % len(SHAPES)], TOP + 14 * k + 6

@@ -19,7 +19,7 @@ import torch
 
 from .. import __version__
 from ..checkpoint import CheckpointError
-from ..files import atomic_write, changed_settings, sha256_file, write_text
+from ..files import as_json, atomic_write, changed_settings, sha256_file, write_text
 from . import data
 
 
@@ -30,11 +30,6 @@ class RunError(Exception):
 def log(message: str):
     """All progress goes to one stream, stdout."""
     print(message, flush=True)
-
-
-def as_json(value):
-    """`value` as JSON gives it back (tuples become lists): how a saved key compares."""
-    return json.loads(json.dumps(value))
 
 
 def _stored(path: Path) -> dict:
@@ -61,12 +56,12 @@ def saved(path: Path, key: dict):
 
 def stage(path: Path, key: dict, compute):
     """compute() unless `path` holds a result made with the same `key` (settings and inputs)."""
-    result = saved(path, key)
-    if result is not None:
+    stored = _stored(path)
+    if stored.get("key") == as_json(key) and stored.get("result") is not None:
         log(f"skip: {path} done")
-        return result
+        return stored["result"]
     if path.exists():
-        log(_why_redo(path, _stored(path).get("key"), key))
+        log(_why_redo(path, stored.get("key"), key))
     result = compute()
     write_text(path, json.dumps({"key": as_json(key), "result": result}, indent=1, sort_keys=True))
     return result
@@ -171,34 +166,23 @@ def device_name(model) -> str:
 
 def provenance(model) -> dict:
     """What made the results: versions, the git commit of a checkout, threads, the device."""
-    checkout = Path(__file__).resolve().parents[2]
 
-    def git(*args) -> str:
-        done = subprocess.run(
-            ["git", *args], cwd=checkout, capture_output=True, text=True, timeout=10
-        )
+    def git(*args) -> str:  # "" outside a checkout or without git
+        try:
+            done = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parents[2],
+                                  capture_output=True, text=True, timeout=10)  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            return ""
         return done.stdout.strip() if done.returncode == 0 else ""
 
-    try:
-        commit = git("rev-parse", "HEAD") or None
-        dirty = bool(git("status", "--porcelain", "dofmini", "reproduce.py"))
-    except (OSError, subprocess.SubprocessError):
-        commit, dirty = None, False
     device, gpu = next(model.parameters()).device, None
     if device.type == "cuda":
         try:
             gpu = torch.cuda.get_device_name(device)
         except (RuntimeError, AssertionError) as err:  # a simulated device has no name
             gpu = f"unknown ({err})"
-    return {
-        "dofmini": __version__,
-        "git_commit": commit,
-        "git_dirty": dirty,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "threads": torch.get_num_threads(),
-        "device": device_name(model),
-        "gpu": gpu,
-        "cuda": torch.version.cuda if gpu else None,
-    }
+    return dict(dofmini=__version__, git_commit=git("rev-parse", "HEAD") or None,
+                git_dirty=bool(git("status", "--porcelain", "dofmini", "reproduce.py")),
+                python=platform.python_version(), torch=torch.__version__,
+                numpy=np.__version__, threads=torch.get_num_threads(), device=device_name(model),
+                gpu=gpu, cuda=torch.version.cuda if gpu else None)  # fmt: skip

@@ -14,6 +14,7 @@ import numpy as np
 from .. import dof
 from ..checkpoint import CheckpointError
 from ..distill import TrainSettings, distill, train_direct
+from ..files import as_json
 from ..students import load_student, make_student, read_tensors, save_student, save_tensors
 from . import evaluate, plan, runs
 from .oracle import curves_record
@@ -98,25 +99,26 @@ def dims_of(run: Run, variant: str, budget: int, allocation, curves=None):
 def eval_key(run: Run) -> dict:
     """What an evaluation's numbers depend on besides the model."""
     cfg, inputs = run.cfg, run.inputs
-    key = dict(ctx=run.ctx, eval_windows=cfg.eval_windows, limit=cfg.limit)
-    key.update(error_windows=cfg.error_windows, tokenizer=inputs["tokenizer"])
-    return dict(key, device=inputs["device"], data={k: v for k, v in inputs.items() if "/" in k})
+    data = {k: v for k, v in inputs.items() if "/" in k}
+    return dict(ctx=run.ctx, eval_windows=cfg.eval_windows, limit=cfg.limit, data=data,
+                error_windows=cfg.error_windows, tokenizer=inputs["tokenizer"],
+                device=inputs["device"])  # fmt: skip
 
 
-def allocation_key(run: Run) -> dict:
-    cfg, inputs = run.cfg, run.inputs
-    key = dict(teacher=inputs["teacher"], lam=run.lam, J=cfg.J, seed=cfg.seeds[0], ctx=run.ctx)
-    key.update(normalize=not cfg.raw_gram, calib_windows=cfg.calib_windows, budgets=run.budgets)
-    return dict(key, calib=inputs[CALIBRATION], device=inputs["device"], rules=ALLOCATIONS)
-
-
-def sweep_key(run: Run) -> dict:
-    key = {k: v for k, v in allocation_key(run).items() if k not in ("lam", "J", "normalize")}
-    return dict(key, lams=run.cfg.sweep_lams, Js=run.cfg.sweep_Js)
-
-
-def teacher_key(run: Run) -> dict:
-    return {"teacher": run.inputs["teacher"], **eval_key(run)}
+def stage_files(run: Run) -> dict:
+    """{stage name: (its file, its key)} of the teacher's evaluation, DoF and the sweep."""
+    cfg, inputs, out = run.cfg, run.inputs, run.cfg.out
+    allocation = dict(teacher=inputs["teacher"], lam=run.lam, J=cfg.J, seed=cfg.seeds[0],
+                      ctx=run.ctx, normalize=not cfg.raw_gram, calib_windows=cfg.calib_windows,
+                      budgets=run.budgets, calib=inputs[CALIBRATION], device=inputs["device"],
+                      rules=ALLOCATIONS)  # fmt: skip
+    sweep = {k: v for k, v in allocation.items() if k not in ("lam", "J", "normalize")}
+    teacher = {"teacher": inputs["teacher"], **eval_key(run)}
+    return {
+        "teacher evaluation": (out / "teacher.json", teacher),
+        "DoF estimate": (out / "allocation.json", allocation),
+        "DoF sweep": (out / "sweep.json", dict(sweep, lams=cfg.sweep_lams, Js=cfg.sweep_Js)),
+    }
 
 
 def settings(run: Run, seed: int) -> TrainSettings:
@@ -127,21 +129,20 @@ def settings(run: Run, seed: int) -> TrainSettings:
 
 def train_key(run: Run, spec: Student) -> dict:
     """What a student's tensors depend on."""
-    key = dict(teacher=run.inputs["teacher"], variant=spec.variant, loss=spec.loss)
-    key.update(dims=spec.dims, seed=spec.seed, **settings(run, spec.seed).record())
-    key.update(train_chars=run.cfg.train_chars, tokenizer=run.inputs["tokenizer"])
-    corpus = {k: v for k, v in run.inputs.items() if k.startswith("corpus/")}
-    return dict(key, device=run.inputs["device"], train=corpus)
+    inputs, corpus = run.inputs, {k: v for k, v in run.inputs.items() if k.startswith("corpus/")}
+    return dict(teacher=inputs["teacher"], variant=spec.variant, loss=spec.loss, dims=spec.dims,
+                seed=spec.seed, **settings(run, spec.seed).record(), train=corpus,
+                train_chars=run.cfg.train_chars, tokenizer=inputs["tokenizer"],
+                device=inputs["device"])  # fmt: skip
 
 
-def student_eval_key(run: Run, spec: Student) -> dict:
-    return {"student": train_key(run, spec), **eval_key(run)}
-
-
-def curve_stage(run: Run, spec: Student) -> tuple:
-    """The key and path of a curve student's errors, on the windows after the reported ones."""
-    key = {**student_eval_key(run, spec), "windows": run.cfg.curve_windows}
-    return key, run.cfg.out / "eval" / f"{spec.stem}-curve.json"
+def student_file(run: Run, spec: Student, curve: bool = False) -> tuple:
+    """(file, key) of a student's evaluation, or with `curve` of its errors for the error curves,
+    on the windows after the reported ones."""
+    key = {"student": train_key(run, spec), **eval_key(run)}
+    if curve:
+        key["windows"] = run.cfg.curve_windows
+    return run.cfg.out / "eval" / f"{spec.stem}{'-curve' * curve}.json", key
 
 
 def evaluate_model(run: Run, model) -> dict:
@@ -152,8 +153,8 @@ def evaluate_model(run: Run, model) -> dict:
 
 
 def evaluate_teacher(run: Run) -> dict:
-    compute, path = lambda: evaluate_model(run, run.teacher), run.cfg.out / "teacher.json"
-    result = run.stage("teacher evaluation", path, teacher_key(run), compute)
+    name = "teacher evaluation"
+    result = run.stage(name, *stage_files(run)[name], lambda: evaluate_model(run, run.teacher))
     log(f"teacher: WikiText-2 perplexity {result['wikitext2_ppl']:.2f} (ctx {run.ctx})")
     return result
 
@@ -170,12 +171,12 @@ def estimate_allocation(run: Run) -> dict:
         dims = {str(b): {"fix": [b] * n_layer} for b in run.budgets}
         for b, (variant, (rule, aggregate, clip)) in itertools.product(dims, ALLOCATIONS.items()):
             dims[b][variant] = dof.allocate(per_head, int(b), rule, clip and cap or None, aggregate)
-        found = dict(lam=run.lam, J=cfg.J, seed=cfg.seeds[0], normalize=normalize, dims=dims)
+        found = dict(lam=run.lam, J=cfg.J, seed=seed, normalize=normalize, dims=dims)
         found["calibration"] = f"{CALIBRATION}: first {len(calib)} tokens, ctx {run.ctx}"
         found.update(per_head=per_head.tolist(), warning=dof.saturation_warning(per_head, cfg.J))
         return dict(found, seconds=time.time() - t0)
 
-    return run.stage("DoF estimate", cfg.out / "allocation.json", allocation_key(run), compute)
+    return run.stage("DoF estimate", *stage_files(run)["DoF estimate"], compute)
 
 
 def sweep(run: Run) -> list:
@@ -193,7 +194,7 @@ def sweep(run: Run) -> list:
             rows.append({**row, "dims": dof.allocate(layer, budget)})
         return rows
 
-    return run.stage("DoF sweep", cfg.out / "sweep.json", sweep_key(run), compute)
+    return run.stage("DoF sweep", *stage_files(run)["DoF sweep"], compute)
 
 
 def trained(path: Path, key: dict) -> bool:
@@ -204,7 +205,7 @@ def trained(path: Path, key: dict) -> bool:
     except CheckpointError as err:
         log(f"redo: {err}")
         return False
-    return meta.get("key") == runs.as_json(key) and "info" in meta
+    return meta.get("key") == as_json(key) and "info" in meta
 
 
 def train_student(run: Run, spec: Student):
@@ -252,9 +253,9 @@ def error_curves(run: Run) -> dict:
     for seed, m in itertools.product(cfg.seeds, cfg.curve_dims):
         spec = Student("fix", "softmax", m, seed, (m,) * n_layer)
         student, info = train_student(run, spec)
-        key, path = curve_stage(run, spec)
         compute = functools.partial(layer_errors, run, student, *windows)
-        errors.setdefault(str(seed), []).append(run.stage(spec.name, path, key, compute))
+        found = run.stage(spec.name, *student_file(run, spec, curve=True), compute)
+        errors.setdefault(str(seed), []).append(found)
         if m not in run.budgets:  # the others are Fix students, timed with the students
             curve_only_seconds += info["train_seconds"]
     return curves_record(errors, cfg.curve_dims, run.budgets, curve_only_seconds)
@@ -262,25 +263,22 @@ def error_curves(run: Run) -> dict:
 
 def specs(run: Run, allocation: dict, curves) -> list:
     """Every student with its dims, in run order (the curve-only Fix students are done already)."""
-    found = []
-    for variant, loss, budget, seed in student_keys(run):
-        if variant != "fix" or budget in run.budgets:
-            dims = dims_of(run, variant, budget, allocation, curves)
-            found.append(Student(variant, loss, budget, seed, dims))
-    return found
+    return [
+        Student(variant, loss, budget, seed, dims_of(run, variant, budget, allocation, curves))
+        for variant, loss, budget, seed in student_keys(run)
+        if variant != "fix" or budget in run.budgets
+    ]
 
 
 def train_and_evaluate(run: Run, spec: Student) -> dict:
     """One student's training record, layer errors before and after training, perplexity, tasks."""
-    cfg = run.cfg
     student, info = train_student(run, spec)
-    path = cfg.out / "eval" / f"{spec.stem}.json"
     compute = lambda: {"layer_error": layer_errors(run, student), **evaluate_model(run, student)}
-    result = {**run.stage(spec.name, path, student_eval_key(run, spec), compute), **info}
+    result = {**run.stage(spec.name, *student_file(run, spec), compute), **info}
     result.update(dataclasses.asdict(spec), dims=list(spec.dims))
     if spec.variant in TRAINED_PRF:  # the draw training started from (a Performer of these dims)
         key = {"teacher": run.inputs["teacher"], "dims": spec.dims, "seed": spec.seed}
-        path = cfg.out / "eval" / f"untrained-{'-'.join(map(str, spec.dims))}-s{spec.seed}.json"
+        path = run.cfg.out / "eval" / f"untrained-{'-'.join(map(str, spec.dims))}-s{spec.seed}.json"
         compute = lambda: layer_errors(run, performer(run, spec))
         result["layer_error_before"] = runs.stage(path, {**key, **eval_key(run)}, compute)
     kl = result["layer_error"]["kl"]

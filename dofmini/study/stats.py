@@ -1,7 +1,6 @@
-"""Statistics over seeds for the report, standard library only: two-sided Student t-intervals
-(mean ± t·s/√n, s with n − 1 in the denominator, t for n − 1 degrees of freedom), paired
-differences, the share of Fix's degradation that DoF removes, Spearman's rank correlation with a
-permutation p-value, and the features a layer needs to reach a target error."""
+"""Statistics over seeds, standard library only: two-sided Student t-intervals (s with n − 1 in
+the denominator), paired differences, the share of Fix's degradation that DoF removes, Spearman's ρ
+with a permutation p-value, and the features a layer needs to reach a target error."""
 
 import itertools
 import math
@@ -13,9 +12,7 @@ def t_critical(level, df):
     """The t with P(|T| <= t) = level for integer df >= 1 (3.18245 for 0.95, 3): P(|T| <= t) is
     an exact finite sum in θ = atan(t/√df) (Abramowitz & Stegun 26.7.3-4), inverted by bisection."""
     if not 0 < level < 1 or int(df) != df or df < 1:
-        raise ValueError(
-            f"t_critical: need a level in (0, 1) and integer df >= 1, got {level}, {df}"
-        )
+        raise ValueError(f"t_critical: need a level in (0, 1) and integer df >= 1: {level}, {df}")
 
     def central_mass(t):
         theta = math.atan(t / math.sqrt(df))
@@ -38,8 +35,8 @@ def t_critical(level, df):
 
 
 def mean_ci(values, level=0.95):
-    """(mean, half_width) of the t-interval over the values (one per seed); one value has
-    half_width nan, which prints and plots as "no interval" rather than as a spurious zero."""
+    """(mean, half width of the t-interval) over the values, one per seed; one value has half
+    width nan, which prints and plots as "no interval" rather than as a spurious zero."""
     values = _finite("mean_ci: values", values)
     n = len(values)
     mean = math.fsum(values) / n
@@ -50,7 +47,7 @@ def mean_ci(values, level=0.95):
 
 
 def paired_diff(a, b, level=0.95):
-    """(mean, half_width) of a[s] − b[s] over paired seeds s (both from the same seed)."""
+    """mean_ci of a[s] − b[s] over paired seeds s."""
     a, b = _finite("paired_diff: a", a), _finite("paired_diff: b", b)
     if len(a) != len(b):
         raise ValueError(f"paired_diff: a has {len(a)} seeds, b has {len(b)}; they must pair up")
@@ -58,10 +55,10 @@ def paired_diff(a, b, level=0.95):
 
 
 def share_removed(teacher, fix, dof, level=0.95):
-    """((mean, half_width) of (fix_s − dof_s)/(fix_s − teacher) over seeds s, None), or (None,
-    why not): lower-better errors, the teacher's without seed. Only when Fix is worse than the
-    teacher beyond noise: the t-interval of fix_s − teacher, and every seed's own gap (else a
-    ratio divides by ~0 or flips sign), lie above 0. One seed has no interval, so never a ratio."""
+    """(mean_ci of (fix_s − dof_s)/(fix_s − teacher) over seeds s, None), or (None, why not), for
+    lower-better errors. Only where Fix is worse than the teacher beyond noise: the t-interval of
+    fix_s − teacher and every seed's own gap lie above 0 (else a ratio divides by ~0 or flips
+    sign). One seed has no interval, so never a ratio."""
     teacher = _finite("share_removed: teacher", [teacher])[0]
     fix, dof = _finite("share_removed: fix", fix), _finite("share_removed: dof", dof)
     if len(fix) != len(dof):
@@ -86,24 +83,23 @@ def spearman(x, y):
     if len(x) != len(y) or len(x) < 2:
         raise ValueError(f"spearman: x and y need equal lengths >= 2, got {len(x)} and {len(y)}")
     mean = (len(x) + 1) / 2  # the mean of ranks 1..n, ties included
-    rx, ry = ([r - mean for r in _ranks(v)] for v in (x, y))
+
+    def centred_ranks(values):  # 1-based ranks less their mean
+        order = sorted(values)
+        return [(bisect_left(order, v) + bisect_right(order, v) + 1) / 2 - mean for v in values]
+
+    rx, ry = centred_ranks(x), centred_ranks(y)
     spread = math.sqrt(math.fsum(a * a for a in rx) * math.fsum(b * b for b in ry))
     return math.fsum(a * b for a, b in zip(rx, ry)) / spread if spread > 0 else math.nan
 
 
-def _ranks(values):
-    """1-based ranks, each run of equal values getting the average of the ranks it spans."""
-    order = sorted(values)
-    return [(bisect_left(order, v) + bisect_right(order, v) + 1) / 2 for v in values]
-
-
-def permutation_p(x, y, statistic=spearman, seed=0, n=10000):
-    """Two-sided: the share of orders of y with |statistic| >= the observed one (less 1e-12, lest
-    rounding split equal values); nan where the statistic is. Every order when len(y)! <= n (exact),
-    else the observed and n drawn by random.Random(seed), so p = (1 + hits)/(1 + n) is never 0."""
+def permutation_p(x, y, seed=0, n=10000):
+    """Two-sided: the share of orders of y whose |spearman| reaches the observed one (less 1e-12,
+    lest rounding split equal values); nan where ρ is. Every order when len(y)! <= n (exact), else
+    the observed and n drawn by random.Random(seed), so p = (1 + hits)/(1 + n) is never 0."""
     if int(n) != n or n < 1:
         raise ValueError(f"permutation_p: n must be an integer >= 1, got {n}")
-    observed = abs(statistic(x, y))
+    observed = abs(spearman(x, y))
     if math.isnan(observed):
         return math.nan
     y = list(y)
@@ -112,13 +108,12 @@ def permutation_p(x, y, statistic=spearman, seed=0, n=10000):
     else:
         rng = random.Random(seed)
         orders = [y] + [rng.sample(y, len(y)) for _ in range(n)]
-    return sum(abs(statistic(x, order)) >= observed - 1e-12 for order in orders) / len(orders)
+    return sum(abs(spearman(x, order)) >= observed - 1e-12 for order in orders) / len(orders)
 
 
 def features_needed(ms, errors, target):
-    """The feature count M at which the curve errors[k] (measured at ms[k], strictly increasing)
-    first reaches error <= target, the error taken linear in log M between the points around it:
-    ms[k-1]·(ms[k]/ms[k-1])^f, f the share of the drop that reaches target. ms[0] when the first
+    """The M at which the curve errors[k] (measured at ms[k], strictly increasing) first reaches
+    error <= target, the error linear in log M between the points around it; ms[0] when the first
     point already reaches it (read "ms[0] or fewer"); math.inf when no measured point does."""
     ms, errors = _finite("features_needed: ms", ms), _finite("features_needed: errors", errors)
     if len(ms) != len(errors) or ms[0] <= 0 or any(b <= a for a, b in zip(ms, ms[1:])):
@@ -137,8 +132,7 @@ def features_needed(ms, errors, target):
 
 
 def loglog_slope(x, y):
-    """The least-squares slope of log y on log x (positive numbers): 1 where y ∝ x, and −β for
-    errors y = a·x^(−β)."""
+    """The least-squares slope of log y on log x: 1 where y ∝ x, −β for errors y = a·x^(−β)."""
     lx = [math.log(v) for v in _finite("loglog_slope: x", x)]
     ly = [math.log(v) for v in _finite("loglog_slope: y", y)]
     if len(lx) != len(ly) or len(lx) < 2:
@@ -151,8 +145,7 @@ def loglog_slope(x, y):
 def dof_predicts(dof, needed, cap, seed=0, n=10000):
     """How well DoF orders the features needed to reach a common error: (Spearman ρ, its
     permutation p, the log-log slope of needed on DoF, how many points the slope used). A point
-    that never reached the target (inf) ranks above every other at `cap` and is left out of the
-    slope; one that reached it at the smallest measured M counts at that M (it may need fewer)."""
+    that never reached the target (inf) ranks last, at `cap`, and is left out of the slope."""
     ranked = [min(m, cap) for m in needed]
     rho, p = spearman(dof, ranked), permutation_p(dof, ranked, seed=seed, n=n)
     pairs = [(d, m) for d, m in zip(dof, needed) if math.isfinite(m)]

@@ -1,10 +1,7 @@
-"""Zero-shot evaluation tasks read from a data folder, framed as lm-evaluation-harness frames them.
-
-Every task becomes a list of `Example`s: choice i is scored by the log-likelihood of
-`continuations[i]` given `contexts[i]`. Ordinary multiple choice shares one context; partial scoring
-(Winogrande, WSC273) puts the option in the context and scores the shared suffix. LAMBADA is one
-"choice": its continuation.
-"""
+"""Zero-shot tasks read from a data folder, framed as lm-evaluation-harness frames them: choice i
+of an `Example` is scored by the log-likelihood of `continuations[i]` given `contexts[i]`. Partial
+scoring (Winogrande, WSC273) puts the option in the context and scores the shared suffix; LAMBADA
+is one "choice": its continuation."""
 
 import csv
 import json
@@ -27,24 +24,20 @@ def _choices(context: str, options: list, label: int, group: str = "") -> Exampl
 
 
 def _partial(prefix: str, options: list, suffix: str, label: int) -> Example:
-    """Trinh & Le's partial scoring: each option completes the prefix; the common suffix is
-    scored."""
+    """Trinh & Le's partial scoring: each option completes the prefix; the suffix is scored."""
     return Example([prefix + o for o in options], [" " + suffix.strip()] * len(options), label)
 
 
 def _file(data_dir, relative: str) -> Path:
     path = Path(data_dir) / relative
     if not path.is_file():
-        raise FileNotFoundError(
-            f"missing {path}: the task file {relative}, which dofmini.data.ensure downloads"
-        )
+        raise FileNotFoundError(f"missing {path}, a task file that dofmini.data.ensure downloads")
     return path
 
 
 def _jsonl(path: Path) -> list:
-    return [
-        json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
-    ]
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def load_piqa(data_dir) -> list:
@@ -63,59 +56,39 @@ def load_arc(subset: str, data_dir) -> list:
     for d in _jsonl(_file(data_dir, f"arc/ARC-{subset}-Test.jsonl")):
         choices = d["question"]["choices"]
         label = [c["label"] for c in choices].index(d["answerKey"])
-        examples.append(
-            _choices(
-                f"Question: {d['question']['stem']}\nAnswer:", [c["text"] for c in choices], label
-            )
-        )
+        context = f"Question: {d['question']['stem']}\nAnswer:"
+        examples.append(_choices(context, [c["text"] for c in choices], label))
     return examples
 
 
 def load_winogrande(data_dir) -> list:
     examples = []
     for d in _jsonl(_file(data_dir, "winogrande/winogrande_1.1/dev.jsonl")):
-        blank = d["sentence"].index("_")
-        examples.append(
-            _partial(
-                d["sentence"][:blank],
-                [d["option1"], d["option2"]],
-                d["sentence"][blank + 1 :],
-                int(d["answer"]) - 1,
-            )
-        )
+        before, after = d["sentence"].split("_", 1)  # the blank each option fills
+        options = [d["option1"], d["option2"]]
+        examples.append(_partial(before, options, after, int(d["answer"]) - 1))
     return examples
 
 
+# WSC273's normalisation, as the harness's: an option standing for one of these pronouns becomes
+# "X's"; one starting with one of these words mid-sentence starts lowercased
+POSSESSIVES = ("my", "his", "her", "our", "their")
+LOWERCASED_MID_SENTENCE = ("A", "An", "The", "She", "He", "It", "They", "My", "His", "Her", "Their")
+
+
 def load_wsc273(data_dir) -> list:
-    """The first 273 schemas, rebuilt as the Hugging Face `winograd_wsc` set and normalised as the
-    harness does: possessive pronouns turn the option into "X's"; a leading article/pronoun is
-    lowercased mid-sentence."""
+    """The first 273 schemas, rebuilt as the Hugging Face `winograd_wsc` set."""
     clean = lambda s: " ".join((s or "").split())  # noqa: E731
     examples = []
     for schema in list(ET.parse(_file(data_dir, "wsc273/WSCollection.xml")).getroot())[:273]:
-        left, pron, right = (
-            clean(schema.find("text").findtext(t)) for t in ("txt1", "pron", "txt2")
-        )
+        text = schema.find("text")
+        left, pron, right = (clean(text.findtext(t)) for t in ("txt1", "pron", "txt2"))
         mid_sentence = bool(left) and not left.endswith(".")
         options = []
         for answer in schema.find("answers").findall("answer"):
-            option = clean(answer.text) + (
-                "'s" if pron.lower() in ("my", "his", "her", "our", "their") else ""
-            )
+            option = clean(answer.text) + ("'s" if pron.lower() in POSSESSIVES else "")
             first, _, rest = option.partition(" ")
-            if mid_sentence and first in (
-                "A",
-                "An",
-                "The",
-                "She",
-                "He",
-                "It",
-                "They",
-                "My",
-                "His",
-                "Her",
-                "Their",
-            ):
+            if mid_sentence and first in LOWERCASED_MID_SENTENCE:
                 option = " ".join(filter(None, (first.lower(), rest)))
             options.append(option)
         label = int("B" in clean(schema.findtext("correctAnswer")))
@@ -124,9 +97,8 @@ def load_wsc273(data_dir) -> list:
 
 
 def load_mmlu(data_dir, per_subject=None) -> list:
-    """Letter scoring, as the harness's default MMLU: the options are listed in the context and the
-    continuations are " A" .. " D" (so acc_norm equals acc). `per_subject` keeps the first N of each
-    subject."""
+    """Letter scoring, as the harness's default MMLU: the options are listed in the context, the
+    continuations are " A" .. " D" (so acc_norm equals acc); the first `per_subject` of each."""
     folder = _file(data_dir, "mmlu/test/abstract_algebra_test.csv").parent
     examples = []
     for path in sorted(folder.glob("*_test.csv")):
@@ -145,28 +117,22 @@ def load_mmlu(data_dir, per_subject=None) -> list:
 
 def load_logiqa(data_dir) -> list:
     """Test.txt: records of 8 lines (blank, answer letter, passage, question, four "X." options),
-    normalised like the harness (". " after every period, the option's 2-character prefix
-    dropped)."""
+    normalised like the harness: ". " after every period, the option's "X." prefix dropped."""
     lines = _file(data_dir, "logiqa/Test.txt").read_text(encoding="utf-8").split("\n")
     norm = lambda s: s.replace(".", ". ").strip()  # noqa: E731
     examples = []
     for i in range(0, len(lines) - 7, 8):
         answer, passage, question, *options = lines[i + 1 : i + 8]
         options = [norm(o[2:]) for o in options]
-        context = (
-            f"Passage: {norm(passage)}\nQuestion: {norm(question)}\nChoices:\n"
-            + "".join(f"{letter}. {o}\n" for letter, o in zip("ABCD", options))
-            + "Answer:"
-        )
+        listed = "".join(f"{letter}. {o}\n" for letter, o in zip("ABCD", options))
+        context = f"Passage: {norm(passage)}\nQuestion: {norm(question)}\nChoices:\n{listed}Answer:"
         examples.append(_choices(context, options, "abcd".index(answer.strip())))
     return examples
 
 
 def load_lambada(data_dir) -> list:
-    return [
-        _choices(d["context"], [d["continuation"]], 0)
-        for d in _jsonl(_file(data_dir, "lambada/lambada_openai.jsonl"))
-    ]
+    docs = _jsonl(_file(data_dir, "lambada/lambada_openai.jsonl"))
+    return [_choices(d["context"], [d["continuation"]], 0) for d in docs]
 
 
 TASKS = {

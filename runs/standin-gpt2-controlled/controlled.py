@@ -3,7 +3,7 @@ queries and keys with their logits scaled by known temperatures s (q and k each 
 q·k/√d becomes s·q·k/√d): difficulty is ordered by construction while the geometry stays real
 text's. Layerwise distillation needs only q and k, so no new teacher is needed.
 
-    python -m dofmini.study.controlled MODEL --layer 3 --out DIR [--data DIR] [--seeds 0,1,2]
+    python runs/standin-gpt2-controlled/controlled.py MODEL --layer 3 --out DIR [--data DIR]
 
 Measured, each stage saved and resumed as reproduce.py's are: every virtual layer's DoF (G/J and
 the raw Gram, two λ); its held-out KL against M (Fix students at each of the curve dims, the error
@@ -20,14 +20,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import dof, hub
-from ..distill import TrainSettings, distill
-from ..files import sha256_file, write_text
-from . import data, runs, stats
-from .compare import dof_views, evidence_table, md_table, needs, spaced
-from .evaluate import PPL_TEXTS, layer_errors
-from .oracle import curves_record
-from .stages import CALIBRATION
+from dofmini import dof, hub
+from dofmini.distill import TrainSettings, distill
+from dofmini.files import sha256_file, write_text
+from dofmini.study import data, runs, stats
+from dofmini.study.compare import dof_views, evidence_table, md_table, needs, spaced
+from dofmini.study.evaluate import PPL_TEXTS, layer_errors
+from dofmini.study.oracle import curves_record
+from dofmini.study.stages import CALIBRATION
 
 TEMPERATURES = (0.6, 0.8, 1.0, 1.2, 1.4, 1.6)
 LAMS = (2.0**-4, 2.0**-8)
@@ -150,11 +150,11 @@ def report(results: dict) -> str:
 
 
 def _fail(message: str):
-    raise SystemExit(f"python -m dofmini.study.controlled: error: {message}")
+    raise SystemExit(f"controlled.py: error: {message}")
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m dofmini.study.controlled", description=__doc__)
+    p = argparse.ArgumentParser(prog="controlled.py", description=__doc__)
     p.add_argument("model")
     p.add_argument("--layer", type=int, required=True, help="the real layer the virtual ones copy")
     p.add_argument("--out", type=Path, required=True)

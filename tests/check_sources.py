@@ -1,20 +1,19 @@
 """For maintainers: every data source downloaded afresh (not the store), converted as the store
 converts it, and compared with its pin; a table, and a non-zero exit on any mismatch.
 
-    python -m dofmini.study.sources [--groups piqa,heldout]
+    python tests/check_sources.py [--groups piqa,heldout]
 """
 
 import argparse
 import tempfile
 from pathlib import Path
 
-from ..files import sha256_file
-from . import data
+from dofmini.files import sha256_file
+from dofmini.study import data
 
 
 def check_sources(groups, log=print) -> bool:
-    """Download every source of `groups` (not the store) into a temporary folder, convert it as
-    the store does, compare it with its pin, and print a table; True when every file matches."""
+    """Log the table for the sources of `groups`; True when every file matches its pin."""
     log("| file | source | bytes | sha256 | matches its pin |\n|---|---|---|---|---|")
     ok = True
     with tempfile.TemporaryDirectory() as scratch:
@@ -22,8 +21,7 @@ def check_sources(groups, log=print) -> bool:
             tmp = Path(scratch) / f.path
             tmp.parent.mkdir(parents=True, exist_ok=True)
             try:
-                data.fetch(data.source(f), f.path, tmp, bar=False)
-                data.verify(tmp, f, "")
+                data.fetch_verified(f, tmp, bar=False)
                 row = f"{f.size} | {f.sha256[:16]}… | yes"
             except data.DataError as err:
                 ok = False
@@ -34,13 +32,12 @@ def check_sources(groups, log=print) -> bool:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m dofmini.study.sources", description=__doc__)
+    p = argparse.ArgumentParser(prog="python tests/check_sources.py", description=__doc__)
     p.add_argument("--groups", default=",".join(data.GROUPS), help="comma-separated data groups")
-    args = p.parse_args(argv)
     try:
-        ok = check_sources(args.groups.split(","))
+        ok = check_sources(p.parse_args(argv).groups.split(","))
     except data.DataError as err:
-        raise SystemExit(f"python -m dofmini.study.sources: error: {err}") from None
+        raise SystemExit(f"{p.prog}: error: {err}") from None
     raise SystemExit(0 if ok else 1)
 
 
