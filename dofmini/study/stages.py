@@ -197,13 +197,15 @@ def sweep(run: Run) -> list:
     return run.stage("DoF sweep", *stage_files(run)["DoF sweep"], compute)
 
 
-def trained(path: Path, key: dict) -> bool:
+def trained(path: Path, key: dict, own: bool = True) -> bool:
     """Whether `path` holds a finished student (its record has "info") trained with `key`; one
-    that cannot be read (cut short, damaged) is not, and is trained again."""
+    that cannot be read (cut short, damaged) is not, and is named when it is the student's `own`
+    file (it is then trained again), not when it is only a candidate twin."""
     try:
         meta = read_tensors(path)[1] if path.is_file() else {}
     except CheckpointError as err:
-        log(f"redo: {err}")
+        if own:
+            log(f"redo: {err}")
         return False
     return meta.get("key") == as_json(key) and "info" in meta
 
@@ -216,7 +218,7 @@ def train_student(run: Run, spec: Student):
     key, path, out = train_key(run, spec), spec.path(run.cfg.out), run.cfg.out
     others = TRAINED_PRF if spec.variant in TRAINED_PRF else ()
     twins = [dataclasses.replace(spec, variant=v) for v in others if v != spec.variant]
-    twins = [t for t in twins if trained(t.path(out), {**key, "variant": t.variant})]
+    twins = [t for t in twins if trained(t.path(out), {**key, "variant": t.variant}, own=False)]
     if trained(path, key):
         log(f"skip: {path} done")
     elif twins:
