@@ -1,7 +1,7 @@
 """Speed and memory of causal PRF linear attention (issues 3, 13, 14): tables, not pass/fail.
 
     python tests/bench_linear_attention.py [--quick] [--training] [--lengths 1024,4096]
-        [--chunks 64,128,256] [--device cpu|cuda] [--threads N] [--cpu-time]
+        [--chunks 64,128,256] [--device cpu|cuda] [--threads N] [--cpu-time] [--old REV]
 
 B = 1, 12 heads, d = 64, M = 64, fp32, T from 256 to 32768 (to 4096 with --quick; --lengths picks
 others). Compared:
@@ -12,9 +12,10 @@ others). Compared:
            as T/128 per piece);
 - matmul:  one square fp32 matmul doing as many FLOPs as the chunked form: the roofline.
 --training (T = 1K to 32K unless --lengths) instead times the whole-sequence chunked form against
-the old one (a8b0657, loaded from git into a temp file), both in this one process, interleaved, best
-of --rounds, forward and forward+backward (gradients for the inputs against a fixed random
-cotangent), with time per 1K tokens (flat: linear in T) and new/old ratios, for: features Φ
+an old one (a8b0657, or the git revision --old names, loaded into a temp file), both in this one
+process, interleaved, best of --rounds, forward and forward+backward (gradients for the inputs
+against a fixed random cotangent), with time per 1K tokens (flat: linear in T) and new/old ratios,
+for: features Φ
 (plain); log-features N(0, 1) (log: PRF attention as LinearAttention runs it, every row on the fast
 path of `log_chunks`); log-features 30·N(0, 1) (log-wide: keys rise far above their chunk's
 reference, every chunk also takes the exact path, which a GPU computes always); and DiJiang's
@@ -172,10 +173,15 @@ def load_twice(path, name):
     return copies
 
 
-def old_path():
-    """linear_attention.py as of a8b0657, written to a temp file."""
+LEGACY = (
+    "a8b0657"  # the version before the chunked rewrite, with its own keywords and decoding step
+)
+
+
+def old_path(rev=LEGACY):
+    """linear_attention.py as of git revision `rev`, written to a temp file."""
     repo = Path(__file__).resolve().parents[1]
-    show = ["git", "show", "a8b0657:dofmini/linear_attention.py"]
+    show = ["git", "show", f"{rev}:dofmini/linear_attention.py"]
     path = Path(tempfile.mkdtemp()) / "old_linear_attention.py"
     path.write_text(
         subprocess.run(show, cwd=repo, capture_output=True, text=True, check=True).stdout
@@ -192,14 +198,14 @@ KINDS = {  # inputs from N(0, 1) (features or log-features), the new and the old
 }
 
 
-def compare(lengths, chunk, rounds):
-    """Old (a8b0657) against new, each whole and in CPU parts, in this one process, interleaved:
-    each round times every version once per (kind, T, forward or forward+backward), after one
-    untimed call; best of rounds."""
+def compare(lengths, chunk, rounds, old_rev=LEGACY):
+    """Old (--old, a8b0657 by default) against new, each whole and in CPU parts, in this one
+    process, interleaved: each round times every version once per (kind, T, forward or
+    forward+backward), after one untimed call; best of rounds."""
     new_path = Path(__file__).resolve().parents[1] / "dofmini" / "linear_attention.py"
     modules = {
         f"{name} {part}": m
-        for name, path in (("new", new_path), ("old", old_path()))
+        for name, path in (("new", new_path), ("old", old_path(old_rev)))
         for part, m in zip(("parts", "whole"), load_twice(path, name))
     }
     decay = torch.linspace(0.97, 0.998, H)  # [H] DiJiang-like γ
@@ -212,7 +218,8 @@ def compare(lengths, chunk, rounds):
                 q, k = prep(a), prep(b)
                 cot = torch.randn(1, H, T, D, generator=gen)
                 for name, module in modules.items():
-                    kw = (new_kw if name.startswith("new") else old_kw)(decay)
+                    legacy = name.startswith("old") and old_rev == LEGACY
+                    kw = (old_kw if legacy else new_kw)(decay)
                     call = lambda x: module.causal_linear_attention(*x, chunk, **kw)  # noqa: B023
                     if name == "new parts":  # first: after the last kind's largest T it is slow
                         with torch.no_grad():
@@ -245,17 +252,22 @@ def compare(lengths, chunk, rounds):
                 cells += [f"{whole / ms['old whole']:.2f}x", f"{parts:.1f}"]
                 cells += [f"{parts / ms['old parts']:.2f}x", f"{whole / parts:.2f}x"]
             print("| " + " | ".join(cells) + " |", flush=True)
-    decode_table(modules["old whole"], rounds)
+    decode_table(modules["old whole"], rounds, old_rev == LEGACY)
 
 
-def decode_table(old, rounds, tokens=200):
-    """One decoding step (log space, B = 1): old recurrent_step against the new chunked form on one
-    token, interleaved, µs per token."""
+def decode_table(old, rounds, legacy=True, tokens=200):
+    """One decoding step (log space, B = 1): the old version's step (a8b0657's recurrent_step, or
+    a later version's chunked form on one token) against the new one, interleaved, µs per token."""
+    old_step = old.recurrent_step if legacy else None
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, H, tokens, D, generator=gen) for _ in range(3))
     steps = {
         "new": lambda s, t: causal_linear_attention(*t, 1, state=s, log_space=True),
-        "old": lambda s, t: old.recurrent_step(s, *t, log_space=True),
+        "old": lambda s, t: (
+            old_step(s, *t, log_space=True)
+            if legacy
+            else old.causal_linear_attention(*t, 1, state=s, log_space=True)
+        ),
     }
     best = {}
     with torch.no_grad():
@@ -290,6 +302,7 @@ def main():
         "--cpu-time", action="store_true", help="time by process CPU time, not wall time"
     )
     p.add_argument("--rounds", type=int, default=3, help="--training: interleaved rounds")
+    p.add_argument("--old", default=LEGACY, help="--training: the git revision to compare with")
     p.add_argument("--worker", nargs=3, metavar=("WHAT", "METHOD", "T"), help=argparse.SUPPRESS)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -317,7 +330,7 @@ def main():
         f"B=1 H={H} d={D} M={M} fp32, chunk={chunk}"
     )
     if a.training:
-        return compare(lengths, chunk, a.rounds)
+        return compare(lengths, chunk, a.rounds, a.old)
     head = (
         "T",
         "chunked ms",
