@@ -84,6 +84,12 @@ def unreachable(urls) -> list:
     return sorted(f"{host}:{port}" for host, port in endpoints - set(reached))
 
 
+def by_hand(pairs, indent: int = 2) -> str:
+    """What to fetch by hand and where it goes: a line with the URL, then "-> path", per pair."""
+    pad = " " * indent
+    return "".join(f"\n{pad}{url}\n{pad}  -> {path}" for url, path in pairs)
+
+
 def as_json(value):
     """`value` as JSON gives it back (tuples become lists): how a saved key or setting compares."""
     return json.loads(json.dumps(value))

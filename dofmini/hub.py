@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import CheckpointError, load_folder, read_config
-from .files import sha256_file, unreachable
+from .files import by_hand, sha256_file, unreachable
 from .model import Model
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json")
@@ -53,8 +53,7 @@ def resolve(path_or_name) -> Path:
         return folder
     from huggingface_hub import hf_hub_download
 
-    listing = "".join(f"\n  {url}\n    -> {file}" for url, file in needed)
-    advice = f"Download each file by hand and put it at its path:{listing}"
+    advice = f"Download each file by hand and put it at its path:{by_hand(needed)}"
     # the hub client retries for about 30 s when offline; a quick connect tells us first
     if down := unreachable([url for url, _ in needed]):
         raise CheckpointError(

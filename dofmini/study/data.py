@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from tqdm import tqdm
 
-from ..files import CONNECT_SECONDS, atomic_write, cache_dir, sha256_file, unreachable
+from ..files import CONNECT_SECONDS, atomic_write, by_hand, cache_dir, sha256_file, unreachable
 
 # group: (dataset, licence); the task groups are the names of tasks.TASKS
 GROUPS = {
@@ -132,9 +132,9 @@ def describe(groups, root) -> str:
     return "\n".join(lines)
 
 
-def offline_listing(rows, root) -> str:
+def offline_listing(rows, root, indent: int = 2) -> str:
     """Where each of `rows` comes from and goes: one "URL -> path" line pair per file."""
-    return "".join(f"\n  {source(f)}\n    -> {Path(root).resolve() / f.path}" for f in rows)
+    return by_hand(((source(f), Path(root).resolve() / f.path) for f in rows), indent)
 
 
 def ensure(groups, root, log=print) -> dict:

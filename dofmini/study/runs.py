@@ -19,7 +19,7 @@ import torch
 
 from .. import __version__
 from ..checkpoint import CheckpointError
-from ..files import as_json, atomic_write, changed_settings, sha256_file, write_text
+from ..files import as_json, atomic_write, by_hand, changed_settings, sha256_file, write_text
 from . import data
 
 
@@ -150,11 +150,11 @@ def missing_listing(weights: list, absent: list, root, header: str) -> str:
     lines = [header]
     if weights:
         lines.append(f"  weights, {len(weights)} file(s):")
-        lines += [f"    {url}\n      -> {path.resolve()}" for url, path in weights]
+        lines.append(by_hand(((url, path.resolve()) for url, path in weights), 4).lstrip("\n"))
     if absent:
         mb = sum(f.size for f in absent) / 1e6
         lines.append(f"  data, {len(absent)} file(s), {mb:.1f} MB:")
-        lines.append(data.offline_listing(absent, root).replace("\n", "\n  ").lstrip("\n"))
+        lines.append(data.offline_listing(absent, root, 4).lstrip("\n"))
     return "\n".join(lines)
 
 
