@@ -313,7 +313,7 @@ def done_stages(run: stages.Run) -> set:
     cfg, n_layer = run.cfg, run.teacher.config.n_layer
     saved = {name: runs.saved(*files) for name, files in stages.stage_files(run).items()}
     found = {
-        name for name, result in saved.items() if result and (cfg.sweep or "sweep" not in name)
+        name for name, result in saved.items() if result and (cfg.sweep or name != "DoF sweep")
     }
     errors, curves = {}, None
     for seed, m in itertools.product(cfg.seeds, cfg.curve_dims if "oracle" in cfg.variants else ()):

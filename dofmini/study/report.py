@@ -48,8 +48,9 @@ def sweep_table(rows: list) -> str:
 
 def write_sweep(out, rows: list, log):
     """sweep.md, and the table on the terminal."""
-    write_text(out / "sweep.md", sweep_table(rows) + "\n")
-    log(sweep_table(rows))
+    table = sweep_table(rows)
+    write_text(out / "sweep.md", table + "\n")
+    log(table)
 
 
 def tasks_table(students: dict, teacher: dict) -> str:

@@ -48,18 +48,22 @@ def _why_redo(path: Path, old, key: dict) -> str:
     return f"redo: {path}: {changed_settings(old, as_json(key))} changed"
 
 
+def _result(stored: dict, key: dict):
+    """The result in a stage's record, if the record was made with `key`; else None."""
+    return stored.get("result") if stored.get("key") == as_json(key) else None
+
+
 def saved(path: Path, key: dict):
     """The result a stage saved at `path`, if it was made with `key`; else None."""
-    stored = _stored(path)
-    return stored.get("result") if stored.get("key") == as_json(key) else None
+    return _result(_stored(path), key)
 
 
 def stage(path: Path, key: dict, compute):
     """compute() unless `path` holds a result made with the same `key` (settings and inputs)."""
     stored = _stored(path)
-    if stored.get("key") == as_json(key) and stored.get("result") is not None:
+    if (result := _result(stored, key)) is not None:
         log(f"skip: {path} done")
-        return stored["result"]
+        return result
     if path.exists():
         log(_why_redo(path, stored.get("key"), key))
     result = compute()
