@@ -3,9 +3,15 @@ says which; token caches follow the same rule."""
 
 import json
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from dofmini.distill import distill
+from dofmini.students import read_tensors
+from dofmini.study import stages
 from dofmini.study.plan import Clock
 from dofmini.study.runs import stage, token_ids
 
@@ -81,3 +87,30 @@ def test_a_token_cache_replaced_or_cut_is_encoded_again(tmp_path, capsys):
         cache.write_bytes(damage)
         assert token_ids(cache, key, [text], tokenizer, None).tolist() == [1, 2, 3, 4]
         assert f"redo: {cache}: its bytes are not those its record names" in capsys.readouterr().out
+
+
+def test_a_resumed_training_paces_the_clock_on_its_whole_training(tiny, tiny_ids, tmp_path, capsys):
+    """A student's estimate covers its whole training, so a training resumed from its progress file
+    counts the seconds before the interruption too: this invocation's share alone made a resumed
+    study print a quarter of the time it had left."""
+    cfg = SimpleNamespace(out=tmp_path, steps=60, batch=2, lr=0.02, lr_a=0.2, train_chars=None)
+    inputs = {"teacher": tiny.identity, "tokenizer": "t", "device": "cpu/float32"}
+    run = stages.Run(cfg, tiny, None, 16, 0.0625, (8,), inputs, texts={"train": tiny_ids})
+    spec = stages.Student("fix", "softmax", 8, 0, (8, 8))
+    path = spec.path(tmp_path)
+
+    def interrupt_after_the_save_at_step_50(line):
+        if "54/60" in line:
+            raise KeyboardInterrupt
+
+    meta = {"variant": "fix", "key": stages.train_key(run, spec)}
+    settings = stages.settings(run, spec.seed)
+    with pytest.raises(KeyboardInterrupt):
+        distill(tiny, spec.dims, tiny_ids, settings, out_path=path, meta=meta,
+                log=interrupt_after_the_save_at_step_50)  # fmt: skip
+    before = read_tensors(Path(f"{path}.progress"))[1]["seconds"]
+    run.clock = Clock([(spec.name, 100.0), ("next", 1000.0)])
+    _, info = stages.train_student(run, spec)
+    assert "at step 50/60" in capsys.readouterr().out
+    assert info["train_seconds"] > before
+    assert run.clock.worked[spec.name] == info["train_seconds"]

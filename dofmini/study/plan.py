@@ -2,7 +2,6 @@
 seconds on this machine scaled by each stage's size; and the progress clock, which rescales the
 estimates by the pace so far while the run goes on."""
 
-import contextlib
 import time
 
 import torch
@@ -109,19 +108,18 @@ class Clock:
         self.plan, self.t0, self.current = plan, time.time(), None
         self.begun, self.worked = set(), {}  # worked: stage name -> seconds spent computing
 
-    @contextlib.contextmanager
-    def timing(self):
-        """Count the seconds of the `with` block toward the current stage's pace."""
-        t0 = time.time()
-        yield
-        self.worked[self.current] = self.worked.get(self.current, 0.0) + time.time() - t0
+    def count(self, seconds: float):
+        """Count `seconds` of work toward the current stage's pace."""
+        self.worked[self.current] = self.worked.get(self.current, 0.0) + seconds
 
     def timed(self, compute):
         """`compute`, with its seconds counted toward the current stage's pace."""
 
         def run():
-            with self.timing():
-                return compute()
+            t0 = time.time()
+            result = compute()
+            self.count(time.time() - t0)
+            return result
 
         return run
 

@@ -227,23 +227,25 @@ def train_student(run: Run, spec: Student):
         save_tensors(tensors, path, {**meta, "variant": spec.variant, "key": key, "info": info})
         log(f"{spec.name}: the same training as {twins[0].name} (same dims, loss and seed): copied")
     else:
-        with run.clock.timing():  # the training counts toward the progress clock's pace
-            log(f"{spec.name}: dims {list(spec.dims)}")
-            meta, tokens = {"variant": spec.variant, "key": key}, run.texts["train"]
-            train, common = settings(run, spec.seed), dict(out_path=path, log=log, meta=meta)
-            if spec.variant == "dijiang":
-                student = make_student(run.teacher, "dijiang", spec.dims, spec.seed)
-                student = train_direct(student, tokens, train, **common)
-            elif spec.variant == "performer":
-                student = performer(run, spec)
-                student.train_seconds, student.loss_curve = 0.0, []
-            elif spec.loss == "direct":
-                student = train_direct(performer(run, spec), tokens, train, **common)
-            else:
-                options = dict(loss=spec.loss, feature_seed=spec.seed, **common)
-                student = distill(run.teacher, spec.dims, tokens, train, **options)
-            info = {"train_seconds": student.train_seconds, "loss_curve": student.loss_curve}
-            save_student(student, path, {**meta, "info": info})
+        log(f"{spec.name}: dims {list(spec.dims)}")
+        meta, tokens = {"variant": spec.variant, "key": key}, run.texts["train"]
+        train, common = settings(run, spec.seed), dict(out_path=path, log=log, meta=meta)
+        if spec.variant == "dijiang":
+            student = make_student(run.teacher, "dijiang", spec.dims, spec.seed)
+            student = train_direct(student, tokens, train, **common)
+        elif spec.variant == "performer":
+            student = performer(run, spec)
+            student.train_seconds, student.loss_curve = 0.0, []
+        elif spec.loss == "direct":
+            student = train_direct(performer(run, spec), tokens, train, **common)
+        else:
+            options = dict(loss=spec.loss, feature_seed=spec.seed, **common)
+            student = distill(run.teacher, spec.dims, tokens, train, **options)
+        info = {"train_seconds": student.train_seconds, "loss_curve": student.loss_curve}
+        save_student(student, path, {**meta, "info": info})
+        # a resumed training's seconds include those before the interruption, as the stage's
+        # estimate does: this invocation's seconds alone would make the pace look fast
+        run.clock.count(student.train_seconds)
     return load_student(run.teacher, path, {"key": key}), read_tensors(path)[1]["info"]
 
 
