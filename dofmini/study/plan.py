@@ -24,8 +24,8 @@ def probe(teacher, ctx: int, J: int) -> dict:
     ids = ids.to(device)
     if not torch.isfinite(teacher(ids)).all():
         dtype = next(teacher.parameters()).dtype
-        raise RunError(f"the teacher's logits on random tokens are not finite: its weights "
-                       f"overflow {dtype} in the forward pass")  # fmt: skip
+        why = f"its weights overflow {dtype} in the forward pass"
+        raise RunError(f"the teacher's logits on random tokens are not finite: {why}")
     dims, flat = [teacher.config.head_dim] * teacher.config.n_layer, ids.flatten().cpu()
     student = make_student(teacher, "prf", dims, 0)
 
@@ -73,8 +73,15 @@ def stage_sizes(cfg, ctx: int, corpus: list) -> dict:
     tasks = [] if cfg.limit == 0 else list(TASK_SIZES)
     task_tokens = sum(min(cfg.limit or n, n) * size for n, size in map(TASK_SIZES.get, tasks))
     steps = cfg.steps or _tokens_in(corpus) // ctx // cfg.batch
-    return dict(texts=texts, tasks=len(tasks), evaluation=sum(texts) + task_tokens / ctx,
-                train_windows=steps * cfg.batch, error_windows=cfg.error_windows)  # fmt: skip
+    evaluation = sum(texts) + task_tokens / ctx
+    train_windows = steps * cfg.batch
+    return dict(
+        texts=texts,
+        tasks=len(tasks),
+        evaluation=evaluation,
+        train_windows=train_windows,
+        error_windows=cfg.error_windows,
+    )
 
 
 def duration(seconds: float) -> str:
@@ -133,5 +140,5 @@ class Clock:
         spent = sum(s for n, s in self.worked.items() if n != name)
         pace = spent / measured if measured > 30 else 1.0
         left = pace * sum(s for _, s in self.plan[index:])
-        log(f"[{index + 1}/{len(estimates)}] {name} (~{duration(estimates[name] * pace)}; "
-            f"run ~{duration(left)} left)")  # fmt: skip
+        this = duration(estimates[name] * pace)
+        log(f"[{index + 1}/{len(estimates)}] {name} (~{this}; run ~{duration(left)} left)")
