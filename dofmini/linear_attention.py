@@ -116,17 +116,16 @@ def log_chunks(q, k, v, S, c):
     rescale = torch.exp(ref_before - start).mT  # [.., M, 1]
     inter = a @ (before * rescale)  # [B, H, N, L, E]
     # 4. keys against `start`, clamped only where unused
-    rise = k - start  # [B, H, N, L, M]
-    keys = rise.clamp_max(RISE).exp_()
+    keys = (k - start).clamp_max_(RISE).exp_()  # [.., L, M]
     y = ((a @ keys.mT).tril_() @ v).add_(inter)
     # the keys past RISE: their chunks' rows, exactly
     risen = (top - start).amax(-1) > RISE  # [B, H, N, 1]
     if q.shape[3] > 1 and (not _reads_back(q) or risen.any()):
-        y = _exact_rows(q, k, v, inter, t, y, rise, risen)
+        y = _exact_rows(q, k, v, inter, t, y, start, risen)
     return y, S, refs[:, :, -1].mT
 
 
-def _exact_rows(q, k, v, inter, t, y, rise, risen):
+def _exact_rows(q, k, v, inter, t, y, start, risen):
     """y with each row from a risen key on replaced by `_log_intra`'s exact product merged with
     `inter`: on the host only in the chunks that have one; on a device in every chunk."""
     B, H, N = q.shape[:3]
@@ -135,9 +134,9 @@ def _exact_rows(q, k, v, inter, t, y, rise, risen):
         i = need.nonzero()[:, 0]
     else:
         i = torch.arange(len(need), device=need.device)
-    flat = [x.flatten(0, 2)[i] for x in (q, k, v, inter, t, y, rise)]
-    q, k, v, inter, t, fast, rise = flat  # [n, L, ·]
-    rows = rise.detach().amax(-1, keepdim=True)  # [n, L, 1]
+    flat = [x.flatten(0, 2)[i] for x in (q, k, v, inter, t, y, start)]
+    q, k, v, inter, t, fast, start = flat  # [n, L, ·]
+    rows = (k.detach() - start).amax(-1, keepdim=True)  # [n, L, 1]
     rows = rows.cummax(1).values > RISE  # from a risen key on
     exact, _ = _merge(*_log_intra(q, k, v), inter, t)
     y = y.flatten(0, 2).index_copy(0, i, torch.where(rows, exact, fast))
@@ -218,11 +217,11 @@ def causal_linear_attention(
     token is a `recurrent_step`; more run `chunked_attention` (`log_chunks` with `log_space`,
     on log-features; or `form`, alike) on the whole chunks (in parts on the host, each copied
     contiguous once), then the rest as one chunk, the state carried."""
-    shapes = f"phi_q {tuple(phi_q.shape)}, phi_k {tuple(phi_k.shape)}, v {tuple(v.shape)}"
     fits = phi_q.dim() == 4 == v.dim() and phi_q.shape == phi_k.shape
     if not fits or v.shape[:3] != phi_q.shape[:3] or phi_q.shape[2] == 0 or chunk < 1:
-        raise ValueError(f"{shapes}, chunk {chunk}: expected [B, H, T, M] x2, [B, H, T, dv] with "
-                         "T >= 1, chunk >= 1")  # fmt: skip
+        shapes = [tuple(x.shape) for x in (phi_q, phi_k, v)]
+        raise ValueError("phi_q {}, phi_k {}, v {}".format(*shapes) + f", chunk {chunk}: expected "
+                         "[B, H, T, M] x2, [B, H, T, dv] with T >= 1, chunk >= 1")  # fmt: skip
     if log_space and not normalize:
         raise ValueError("log_space=True needs normalize=True: its shifts cancel only there")
     f = torch.promote_types(torch.promote_types(phi_q.dtype, v.dtype), torch.float32)
@@ -239,7 +238,7 @@ def causal_linear_attention(
     if state is not None:
         state.S, state.c, state.n = S, c, state.n + T
     if normalize:  # only the denominator is clamped, only against 0/0; one split, one backward
-        num, den = y.split([v.shape[-1], 1], -1)  # [B, H, T, dv], [B, H, T, 1]
+        num, den = y.split_with_sizes([v.shape[-1], 1], -1)  # [B, H, T, dv | 1]
         y = num * (1 / den.clamp_min(torch.finfo(f).tiny))
     return y.to(v.dtype)
 
