@@ -72,9 +72,9 @@ RISE = 40.0
 def log_chunks(q, k, v, S, c):
     """The same four steps relative to running maxima, on log-features (PRF features leave
     fp32 once ‖k‖ ≳ 5√d), S relative to c [B, H, M, 1]. Guarantee: no feature underflows at
-    any norm; every row's largest term is exactly 1; shifts only look back and cancel in the
-    normalised output. Steps 1-2 run relative to the keys' running maximum (`refs`), 3-4 to
-    `start`, that raised to the chunk's first key; rows from a key RISE above it are exact."""
+    any norm; each row's largest term is 1 (≤ e^RISE, else the row is exact); shifts only look
+    back and cancel in the normalised output. Steps 1-2 run relative to the keys' running
+    maximum (`refs`), 3-4 to `start`, that raised to the chunk's first key."""
     key = k.detach()
     top = key.amax(3, keepdim=True)  # [B, H, N, 1, M] each chunk's largest
     refs = torch.cat([c.mT[:, :, None], top], 2).cummax(2).values

@@ -350,6 +350,29 @@ def test_prefill_then_recurrent_decoding_equals_one_chunked_pass(p, data):
     assert rel(torch.cat(parts, 2), whole) <= BOUND[torch.float32]
 
 
+@pytest.mark.parametrize("log_space", [False, True])
+def test_a_decoding_step_updates_the_state_in_place_without_autograd(log_space):
+    """A one-token step without autograd writes the new sums into the state's own tensor (no
+    state allocated per token); with autograd it leaves the old tensor as it was, since earlier
+    outputs' gradients read it. Both give the same state."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 9, 4, generator=gen) for _ in range(3))  # [1, 2, 9, 4]
+    states = []
+    for grad in (False, True):
+        state = LinearState()
+        with torch.no_grad():
+            causal_linear_attention(q[:, :, :8], k[:, :, :8], v[:, :, :8], 4, state=state,
+                                    log_space=log_space)  # fmt: skip
+        S = state.S
+        kept = S.clone()
+        with torch.set_grad_enabled(grad):
+            last = [x[:, :, 8:].clone().requires_grad_(grad) for x in (q, k, v)]
+            causal_linear_attention(*last, 4, state=state, log_space=log_space)
+        assert (state.S is S) != grad and torch.equal(S, kept) == grad and state.n == 9
+        states.append(state.S.detach())
+    assert torch.equal(*states)
+
+
 @pytest.mark.parametrize("kind", ["plain", "decay", "log"])
 def test_long_sequences_run_in_parts_and_agree(kind):
     """T past SEGMENT tokens: on CPU the chunked pass goes part by part, carrying the state, then
