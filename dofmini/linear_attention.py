@@ -64,8 +64,7 @@ def scan_chunks(X, A):
     return torch.stack([even, odd], -3).flatten(-4, -3)
 
 
-# How far keys may rise above `start`: L×L products ≤ L·M·e^40 < 3e38, and a term ≥ e^−47
-# of its row's largest keeps a query factor ≥ e^−87.
+# Keys rise ≤ e^40 over `start`: L×L sums ≤ L·M·e^40 < 3e38; a row's terms ≥ e^−47 keep e^−87
 RISE = 40.0
 
 
