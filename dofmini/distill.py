@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from .checkpoint import CheckpointError
 from .dof import as_token_ids, capture
 from .files import as_json, changed_settings
+from .linear_attention import unit_features
 from .students import make_student, read_tensors, save_student, save_tensors, trainable
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -50,17 +51,6 @@ class TrainSettings:
         return {k: v for k, v in dataclasses.asdict(self).items() if not k.endswith("_every")}
 
 
-def unit_features(features, x, name: str):
-    """(Φ(x) over its own largest entry [B, H, T, M], log of that entry [B, H, T, 1] detached), so
-    that log K̂ = r_q + r_k + log(unit q · unit k): nothing overflows in float32 and a key far from
-    every z keeps its share (a fixed shift per feature, as PRFFeatures.keys applies, loses every
-    feature of a key with |k/d^¼ − z_m| ≳ 14 for all m). K̂ is 0 only where unit q · unit k
-    underflows (features e^87 apart)."""
-    log_phi = features.log_features(x, name)  # [B, H, T, M]
-    top = log_phi.amax(-1, keepdim=True).detach()  # [B, H, T, 1]
-    return torch.exp(log_phi - top), top
-
-
 def chunk_terms(features, q, k, v, unit_k, top_k, lo: int, hi: int, want: set) -> dict:
     """Sums over queries i in lo:hi and keys j ≤ i, per [B, H], of the terms in `want`. With
     s_ij = q_i·k_j/√d, m_i = max_{j≤i} s_ij, p_i = softmax_j(s_ij), p̂_ij = K̂_ij / Σ_j K̂_ij:
@@ -72,7 +62,7 @@ def chunk_terms(features, q, k, v, unit_k, top_k, lo: int, hi: int, want: set) -
     s = torch.where(causal, scores, -math.inf)  # [B, H, c, hi]
     m = s.amax(-1, keepdim=True)  # [B, H, c, 1]
     kern = torch.exp(s - m)  # [B, H, c, hi] teacher kernel over its row max, 0 above the diagonal
-    unit_q, top_q = unit_features(features, q[:, :, lo:hi], "q")  # [B, H, c, M], [B, H, c, 1]
+    unit_q, top_q = unit_features(features.log_features(q[:, :, lo:hi], "q"))  # [B, H, c, M | 1]
     dot = unit_q @ unit_k[:, :, :hi].mT  # [B, H, c, hi]
     seen = causal & (dot > 0)  # [B, H, c, hi]
     # log K̂ − top_q, −inf above the diagonal and where dot underflowed (log 1 keeps grads finite)
@@ -100,7 +90,7 @@ def layer_pass(features, q, k, v, want: set, chunk: int, train: bool = False, dt
     one term in `want`, the keys' features a detached leaf whose gradient is passed on last."""
     q, k, v = (None if t is None else t.to(dtype) for t in (q, k, v))  # [B, H, T, d or dv]
     B, H, T, _ = q.shape
-    unit_k, top_k = unit_features(features, k, "k")  # [B, H, T, M], [B, H, T, 1]
+    unit_k, top_k = unit_features(features.log_features(k, "k"))  # [B, H, T, M], [B, H, T, 1]
     keys = unit_k.detach().requires_grad_() if train else unit_k
     sums = {}
     for lo in range(0, T, chunk):

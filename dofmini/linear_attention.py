@@ -1,11 +1,9 @@
-"""Positive-random-feature (PRF) linear attention: the chunked causal algorithm, features, a module.
+"""Positive-random-feature (PRF) linear attention, torch and the standard library only.
 
-Vendorable: torch and the standard library only. Causal linear attention computes
-    y_t = Σ_{s≤t} (φ_q,t·φ_k,s) v_s / Σ_{s≤t} (φ_q,t·φ_k,s) = φ_q,t·S_t / φ_q,t·s_t,
-    S_t = Σ_{s≤t} φ_k,s v_sᵀ [M, dv],   s_t = Σ_{s≤t} φ_k,s [M]
-(normalize=False: no denominator). `chunked_attention` is the algorithm; causal_linear_attention
-runs it on any T (one token from a state: a decoding step), in log space (`log_chunks`, as PRF
-features need) or another `form` (dijiang.py's decay), in fp32 (fp64 for fp64 inputs)."""
+The paper's Eq. 2: y_t = φ_q,t·S_t / φ_q,t·s_t, S_t = Σ_{s≤t} φ_k,s v_sᵀ, s_t = Σ_{s≤t} φ_k,s
+(normalize=False: no denominator; ones in v make S carry s_t). In order: `recurrent_step`,
+`chunked_attention` (four steps), `log_chunks` (the same relative to running maxima),
+`causal_linear_attention` (any T), the features, the module."""
 
 import math
 from dataclasses import dataclass
@@ -14,126 +12,150 @@ import torch
 from torch import nn
 
 
+def recurrent_step(q, k, v, S, c=None):
+    """Eq. 2 for one token, q, k [B, H, 1, M], v [B, H, 1, E], from S [B, H, M, E], in
+    O(M·E), in place without autograd; in log space S is relative to c [B, H, M, 1]."""
+    in_place = not torch.is_grad_enabled()
+    key = k.mT  # [B, H, M, 1]
+    if c is not None:
+        old, c = c, torch.maximum(c, key.detach())  # [B, H, M, 1]
+        shrink = torch.exp(old - c)  # [B, H, M, 1] ≤ 1
+        S = S.mul_(shrink) if in_place else S * shrink
+        key = torch.exp(key - c)  # [B, H, M, 1] ≤ 1
+        q = unit_features(q + c.mT)[0]  # [B, H, 1, M]
+    S = S.addcmul_(key, v) if in_place else S.addcmul(key, v)
+    return q @ S, S, c  # y [B, H, 1, E]
+
+
 def chunked_attention(q, k, v, S, c=None):
-    """The algorithm on N chunks of L tokens, q, k [B, H, N, L, M], v [B, H, N, L, E], from the
-    state S [B, H, M, E] before them (with a column of ones in v, S carries s_t and y_t ends in its
-    denominator). Returns y [B, H, N, L, E], the state after, and c (a form's; unused here)."""
-    kv = k.mT @ v  # [B, H, N, M, E] 1. each chunk's own sum Σ_s φ_k,s v_sᵀ, one matmul
-    before, S = chunk_states(S, kv)  # [B, H, N, M, E] 2. the state before each chunk, O(N·M·E)
-    inter = q @ before  # [B, H, N, L, E] 3. each token reads the state before its chunk
-    intra = (q @ k.mT).tril_() @ v  # [B, H, N, L, E] 4. and its chunk's tokens up to itself, L×L
-    return inter + intra, S, c
+    """Eq. 2 on N chunks of L tokens, q, k [B, H, N, L, M], v [B, H, N, L, E], from S [B, H, M,
+    E]. Returns y [B, H, N, L, E], the state after, c (a form's)."""
+    kv = k.mT @ v  # 1. each chunk's Σ_s φ_k,s v_sᵀ [B, H, N, M, E]
+    before, S = chunk_states(S, kv)  # 2. the state before each chunk
+    inter = q @ before  # 3. each token reads it [B, H, N, L, E]
+    intra = (q @ k.mT).tril_() @ v  # 4. and its chunk up to itself
+    return intra.add_(inter), S, c
 
 
 def chunk_states(S, kv, A=None):
-    """Step 2: the states before each chunk [B, H, N, M, E], after the last [B, H, M, E]; A: scan"""
-    if kv.shape[2] == 1:  # one chunk (a decoding step): its state before is S, no scan
-        shrink = 1 if A is None else torch.exp(A.narrow(-3, 1, 1) - A.narrow(-3, 0, 1)).squeeze(-3)
-        return S[:, :, None], shrink * S + kv[:, :, 0]
+    """Step 2: states before each chunk [B, H, N, M, E], after the last; A: decays (a scan)."""
     X = torch.cat([S[:, :, None], kv], 2)  # [B, H, N+1, M, E]
-    before, after = (X.cumsum(2) if A is None else scan_chunks(X, A)).split([kv.shape[2], 1], 2)
+    P = X.cumsum(2) if A is None else scan_chunks(X, A)
+    before, after = P.split([kv.shape[2], 1], 2)
     return before, after[:, :, 0]
 
 
 def scan_chunks(X, A):
-    """P_n = Σ_{n'≤n} exp(A_n − A_n') X_n' along dim −3, A non-increasing there, each factor ≤ 1
-    formed directly (exp(A_n)·exp(−A_n') would overflow). Pairs merge (x1 + exp(a1 − a0) x0, A at
-    the second), the half-length scan gives every second P, one step the rest: O(N) work."""
+    """P_n = Σ_{n'≤n} exp(A_n − A_n') X_n' along dim −3, A non-increasing, each factor ≤ 1
+    formed directly. Pairs merge, the half-length scan gives every second P: O(N) work."""
     N = X.shape[-3]
     if N == 1:
         return X
-    if N % 2:  # the first chunk on its own: it reaches each later one through exp(A − A_0)
-        (x, X), (a, A) = X.split([1, N - 1], -3), A.split([1, N - 1], -3)  # [..., 1 | N − 1, ·]
+    if N % 2:  # the first chunk reaches each later one through exp(A − A_0)
+        x, X = X.split([1, N - 1], -3)  # [..., 1 | N − 1, M, E]
+        a, A = A.split([1, N - 1], -3)
         return torch.cat([x, scan_chunks(X, A) + torch.exp(A - a) * x], -3)
-    (x0, x1), (a0, a1) = (t.unflatten(-3, (N // 2, 2)).unbind(-3) for t in (X, A))  # [..., N/2, ·]
-    odd = scan_chunks(x1 + torch.exp(a1 - a0) * x0, a1)  # [..., N/2, M, E] P at chunks 1, 3, ...
-    lead, prev = odd.split([N // 2 - 1, 1], -3)[0], a1.split([N // 2 - 1, 1], -3)[0]
-    first, rest = x0.split([1, N // 2 - 1], -3)  # chunk 0, then chunks 2, 4, ...
-    later = torch.exp(a0.split([1, N // 2 - 1], -3)[1] - prev) * lead  # [..., N/2 − 1, M, E]
-    even = torch.cat([first, rest + later], -3)  # [..., N/2, M, E]
-    return torch.stack([even, odd], -3).flatten(-4, -3)  # [..., N, M, E]
+    x0, x1 = X.unflatten(-3, (N // 2, 2)).unbind(-3)  # [..., N/2, M, E]
+    a0, a1 = A.unflatten(-3, (N // 2, 2)).unbind(-3)
+    odd = scan_chunks(x1 + torch.exp(a1 - a0) * x0, a1)  # P at chunks 1, 3, ...
+    decay = torch.exp(a0[..., 1:, :, :] - a1[..., :-1, :, :])
+    later = x0[..., 1:, :, :] + decay * odd[..., :-1, :, :]  # P at 2, 4, ...
+    even = torch.cat([x0[..., :1, :, :], later], -3)
+    return torch.stack([even, odd], -3).flatten(-4, -3)
 
 
-# Tokens per part on CPU: cache-sized temporaries, 1.7-2.7x faster than one part at T = 16K-32K.
-SEGMENT = 1024
-# How far a key's log-feature may rise above `start` in `log_chunks`: its factor stays ≤ e^40 (an
-# L×L product ≤ L·M·e^40 < 3e38); a term ≥ e^−47 of its row's largest keeps a query factor ≥ e^−87.
+# Keys rise ≤ e^40 over `start`: L×L sums ≤ L·M·e^40 < 3e38; a row's terms ≥ e^−47 keep e^−87
 RISE = 40.0
 
 
 def log_chunks(q, k, v, S, c):
-    """`chunked_attention` from log-features q, k, the state S held relative to c [B, H, M, 1]. PRF
-    log-features exceed fp32's range (e^±87) once ‖k‖ ≳ 5√d, and no one shift per key rescues
-    them (a query's and a key's largest features can sit at different m). So the same four steps
-    run relative to per-feature maxima that only look back: 1-2 to the keys' running maximum
-    (`refs`: the scan rescales by exp(c_old − c_new), as online softmax does); 3-4 to `start`, that
-    raised to the chunk's first key, each query taking out its largest exponent t. Exact while no
-    key rises over RISE above `start`; rows from such a key on take `_log_intra`'s exact product.
-    Shifts cancel in the normalised output: detached. -> y [B, H, N, L, E] (rows scaled), S, c."""
-    B, H, N, L, _ = q.shape
-    top = k.detach().amax(3, keepdim=True)  # [B, H, N, 1, M] each chunk's largest key features
-    refs = torch.cat([c.mT[:, :, None], top], 2).cummax(2).values  # [B, H, N+1, 1, M]
-    kv = torch.exp(k - refs[:, :, 1:]).mT @ v  # [B, H, N, M, E] relative to the max after it
-    before, S = chunk_states(S, kv, -refs.mT)  # each relative to its refs
-    start = torch.maximum(refs[:, :, :-1], k.detach()[:, :, :, :1])  # [B, H, N, 1, M]
-    a, t = _shifted(q, start)  # [B, H, N, L, M], [B, H, N, L, 1]
-    inter = a @ (before * torch.exp(refs[:, :, :-1] - start).mT)  # [B, H, N, L, E]
-    keys = torch.exp((k - start).clamp_max(RISE))  # [B, H, N, L, M] clamped only where unused
-    y = inter + (a @ keys.mT).tril_() @ v  # [B, H, N, L, E]
-    risen = (k.detach() - start).amax(-1, keepdim=True).cummax(3).values > RISE  # [B, H, N, L, 1]
-    if L > 1 and (not q.is_cpu or risen.any()):  # a chunk's first key never rises
-        # the chunks that need it, read back on CPU, where it is free; on a device, all of them
-        need = risen.any(3).flatten()  # [B·H·N]
-        i = need.nonzero()[:, 0] if q.is_cpu else torch.arange(len(need), device=need.device)
-        q, k, v, inter, t, y, risen = (x.flatten(0, 2) for x in (q, k, v, inter, t, y, risen))
-        exact, _ = _merge(*_log_intra(q[i], k[i], v[i]), inter[i], t[i])  # [n, L, E]
-        y = y.index_copy(0, i, torch.where(risen[i], exact, y[i])).unflatten(0, (B, H, N))
+    """The same four steps relative to running maxima, on log-features (PRF features leave
+    fp32 once ‖k‖ ≳ 5√d), S relative to c [B, H, M, 1]. Guarantee: no feature underflows at
+    any norm; each row's largest term is 1 (≤ e^RISE, else the row is exact); shifts only look
+    back and cancel in the normalised output. Steps 1-2 run relative to the keys' running
+    maximum (`refs`), 3-4 to `start`, that raised to the chunk's first key."""
+    key = k.detach()
+    top = key.amax(3, keepdim=True)  # [B, H, N, 1, M] each chunk's largest
+    refs = torch.cat([c.mT[:, :, None], top], 2).cummax(2).values
+    before_ref = refs[:, :, :-1]  # [B, H, N, 1, M]
+    kv = torch.exp(k - refs[:, :, 1:]).mT @ v  # 1. to the max after
+    before, S = chunk_states(S, kv, -refs.mT)  # 2. each to its own
+    start = torch.maximum(before_ref, key[:, :, :, :1])
+    a, t = unit_features(q + start)  # 3. [B, H, N, L, M], against start
+    inter = a @ (before * torch.exp(before_ref - start).mT)
+    keys = (k - start).clamp_max_(RISE).exp_()  # 4. clamped where unused
+    y = ((a @ keys.mT).tril_() @ v).add_(inter)  # [B, H, N, L, E]
+    risen = (top - start).amax(-1) > RISE  # [B, H, N, 1]
+    if q.shape[3] > 1 and (not _reads_back(q) or risen.any()):
+        y = _exact_rows(q, k, v, inter, t, y, start, risen)
     return y, S, refs[:, :, -1].mT
 
 
-def _shifted(log_q, r):
-    """exp(log_q + r − u), u = max_m (log_q + r) [..., 1] detached: factors ≤ 1 for keys minus r."""
-    x = log_q + r  # [..., M]
-    u = x.detach().amax(-1, keepdim=True)  # [..., 1]
-    return torch.exp(x - u), u
+def _exact_rows(q, k, v, inter, t, y, start, risen):
+    """y, rows from a risen key on exact, in the chunks that `_reads_back` picks."""
+    B, H, N = q.shape[:3]
+    need = risen.flatten()  # [B·H·N]
+    every = torch.arange(len(need), device=need.device)
+    i = need.nonzero()[:, 0] if _reads_back(q) else every
+    x = [x.flatten(0, 2)[i] for x in (q, k, v, inter, t, y, start)]
+    q, k, v, inter, t, fast, start = x  # [n, L, ·]
+    rows = (k.detach() - start).amax(-1, keepdim=True)  # [n, L, 1]
+    rows = rows.cummax(1).values > RISE  # from a risen key on
+    exact, _ = _merge(*_log_intra(q, k, v), inter, t)
+    y = y.flatten(0, 2).index_copy(0, i, torch.where(rows, exact, fast))
+    return y.unflatten(0, (B, H, N))
+
+
+def unit_features(log_phi):
+    """The one shift, for queries and the distillation losses: (exp(log_phi − u), u = max_m
+    log_phi [..., 1] detached). Φ·Φ' = exp(u + u')·(unit·unit') never overflows and no row
+    loses all its features (a fixed |z_m|²/2 would lose keys with |k/d^¼ − z_m| ≳ 14)."""
+    u = log_phi.detach().amax(-1, keepdim=True)  # [..., 1]
+    return (log_phi - u).exp_(), u
 
 
 def _merge(y1, t1, y2, t2):
-    """y1·exp(t1) + y2·exp(t2) as (y, t), t = max(t1, t2): online softmax's merge of two parts."""
+    """y1·exp(t1) + y2·exp(t2) as (y, t), t = max(t1, t2): online softmax's merge."""
     t = torch.maximum(t1, t2)  # [..., 1]
     return y1 * torch.exp(t1 - t) + y2 * torch.exp(t2 - t), t
 
 
 def _log_intra(log_q, log_k, v):
-    """The exact causal product in chunks: log_q, log_k [..., L, M], v [..., L, E] -> y [..., L, E],
-    t [..., L, 1], y_i = Σ_{j≤i} Σ_m exp(log_q,im + log_k,jm − t_i) v_j. Each half (an odd chunk
-    gets a zero row last) on its own, recursively, plus the second half's queries against the
-    first half's keys, shifted by those keys' per-feature maximum r: all factors ≤ 1, the largest
-    exactly 1; parts merge as online softmax does."""
+    """y_i = Σ_{j≤i} Σ_m exp(log_q,im + log_k,jm − t_i) v_j exactly: halves recursively, then
+    the second's queries on the first's keys over their maximum, merged (factors ≤ 1)."""
     L = log_q.shape[-2]
     if L == 1:
-        a, t = _shifted(log_q, log_k)  # [..., 1, M], [..., 1, 1]
+        a, t = unit_features(log_q + log_k)  # [..., 1, M], [..., 1, 1]
         return a.sum(-1, keepdim=True) * v, t
     if L % 2:
-        pad = (torch.cat([x, torch.zeros_like(x[..., :1, :])], -2) for x in (log_q, log_k, v))
-        return tuple(x.split([L, 1], -2)[0] for x in _log_intra(*pad))
+        pad = [torch.cat([x, torch.zeros_like(x[..., :1, :])], -2) for x in (log_q, log_k, v)]
+        return tuple(x[..., :L, :] for x in _log_intra(*pad))
     halves = [x.unflatten(-2, (2, L // 2)) for x in (log_q, log_k, v)]  # [..., 2, L/2, ·]
     y, t = _log_intra(*halves)  # [..., 2, L/2, E], [..., 2, L/2, 1]
-    # unbind, not indexing: its backward is one stack, an index's a zero-filled copy of the whole
-    (_, second_q), (first_k, _), (first_v, _) = (x.unbind(-3) for x in halves)  # [..., L/2, ·]
+    # unbind, not indexing: its backward is one stack, an index's a zero-filled copy
+    (_, second_q), (first_k, _), (first_v, _) = (x.unbind(-3) for x in halves)
     r = first_k.detach().amax(-2, keepdim=True)  # [..., 1, M]
-    a, u = _shifted(second_q, r)  # [..., L/2, M], [..., L/2, 1]
+    a, u = unit_features(second_q + r)  # [..., L/2, M], [..., L/2, 1]
     cross = a @ torch.exp(first_k - r).mT @ first_v  # [..., L/2, E]
-    (y1, y2), (t1, t2) = y.unbind(-3), t.unbind(-3)  # [..., L/2, E], [..., L/2, 1]
+    y1, y2 = y.unbind(-3)  # [..., L/2, E]
+    t1, t2 = t.unbind(-3)  # [..., L/2, 1]
     y2, t2 = _merge(y2, t2, cross, u)
     return torch.cat([y1, y2], -2), torch.cat([t1, t2], -2)
 
 
+SEGMENT = 1024  # tokens per part on the host: cache-sized temporaries
+
+
+def _reads_back(x) -> bool:
+    """The one device choice. CPU: reading back is free, so parts of SEGMENT tokens, exact rows
+    where needed. A device: it stalls the queue, so one part, both paths (torch.where)."""
+    return x.is_cpu
+
+
 @dataclass
 class LinearState:
-    """Running sums after n tokens (fp32, or fp64), S None before the first; never grows.
-    S = Σ_s φ_k,s [v_s, 1]ᵀ [B, H, M, dv+1] (no 1 when normalize=False); in log space relative to
-    c [B, H, M, 1], each feature's largest log φ_k so far: S = Σ_s exp(log φ_k,s − c) [v_s, 1]ᵀ."""
+    """Sums after n tokens (S None before the first): S = Σ_s φ_k,s [v_s, 1]ᵀ [B, H, M, dv+1];
+    in log space relative to c [B, H, M, 1], each feature's largest log φ_k so far."""
 
     S: torch.Tensor | None = None
     n: int = 0
@@ -143,55 +165,58 @@ class LinearState:
 def causal_linear_attention(
     phi_q, phi_k, v, chunk=64, normalize=True, state=None, log_space=False, form=None
 ) -> torch.Tensor:
-    """Chunked causal linear attention: [B, H, T, M] x2, [B, H, T, dv] -> [B, H, T, dv], v's dtype.
-    `chunked_attention` (`log_chunks` with `log_space`, on log-features; or `form`, alike) on the
-    whole chunks (on CPU in parts of SEGMENT tokens, each copied contiguous once, not per matmul),
-    then the rest as one chunk, the state carried, the denominator in v as a column of ones."""
-    shapes = f"phi_q {tuple(phi_q.shape)}, phi_k {tuple(phi_k.shape)}, v {tuple(v.shape)}"
-    fits = phi_q.dim() == 4 == v.dim() and phi_q.shape == phi_k.shape and chunk >= 1
-    if not fits or v.shape[:3] != phi_q.shape[:3] or phi_q.shape[2] == 0:
-        raise ValueError(f"{shapes}, chunk {chunk}: expected [B, H, T, M] x2, [B, H, T, dv] with "
-                         "T >= 1, chunk >= 1")  # fmt: skip
+    """[B, H, T, M] x2, [B, H, T, dv] -> [B, H, T, dv] in v's dtype: one token a
+    `recurrent_step`, more `chunked_attention` (`log_chunks` with log_space; or `form`) on the
+    whole chunks, part by part (`_reads_back`), then on the rest as one chunk."""
+    fits = phi_q.dim() == 4 == v.dim() and phi_q.shape == phi_k.shape
+    if not fits or v.shape[:3] != phi_q.shape[:3] or phi_q.shape[2] == 0 or chunk < 1:
+        shapes = [tuple(x.shape) for x in (phi_q, phi_k, v)]
+        raise ValueError("phi_q {}, phi_k {}, v {}".format(*shapes) + f", chunk {chunk}: expected "
+                         "[B, H, T, M] x2, [B, H, T, dv] with T >= 1, chunk >= 1")  # fmt: skip
     if log_space and not normalize:
         raise ValueError("log_space=True needs normalize=True: its shifts cancel only there")
     f = torch.promote_types(torch.promote_types(phi_q.dtype, v.dtype), torch.float32)
-    (B, H, T, M), (dv, dtype) = phi_q.shape, (v.shape[-1], v.dtype)
-    E, (S, c) = dv + normalize, (None, None) if state is None else (state.S, state.c)
+    B, H, T, M = phi_q.shape
+    E = v.shape[-1] + normalize
+    S = None if state is None else state.S
+    c = None if state is None else state.c
     if S is None:
-        S = v.new_zeros(B, H, M, E, dtype=f)  # [B, H, M, E]
-        # the lowest finite value, not −inf: an empty state then weighs exp(−huge) = 0, never NaN
+        S = v.new_zeros(B, H, M, E, dtype=f)
+        # the lowest finite value, not −inf: an empty state weighs exp(−huge) = 0, never NaN
         c = v.new_full((B, H, M, 1), torch.finfo(f).min, dtype=f) if log_space else None
     got = (tuple(S.shape), None if c is None else tuple(c.shape))
     if got != ((B, H, M, E), (B, H, M, 1) if log_space else None):
         space = "log space: c [B, H, M, 1]" if log_space else "linear space: c None"
         raise ValueError(f"state S {got[0]}, c {got[1]} does not fit S [B, H, M, E] = "
                          f"{(B, H, M, E)} (E = dv + 1 when normalize=True; {space})")  # fmt: skip
-    q, k, v = phi_q.to(f), phi_k.to(f), v.to(f)
-    form = form or (log_chunks if log_space else chunked_attention)
-    v = torch.cat([v, v.new_ones(*v.shape[:3], 1)], -1) if normalize else v  # [B, H, T, E]
-    ys = []
-    step = max(SEGMENT // chunk, 1) * chunk if q.is_cpu else T  # whole chunks per part
-    sizes = [min(step, T - T % chunk - lo) for lo in range(0, T - T % chunk, step)]
-    sizes += [T % chunk] if T % chunk else []  # the rest, one shorter chunk
-    for n, *x in zip(sizes, *(t.split(sizes, 2) for t in (q, k, v))):
-        y, S, c = form(*(t.contiguous().unflatten(2, (-1, min(chunk, n))) for t in x), S, c)
-        ys.append(y.flatten(2, 3))  # [B, H, n, E]
+    q, k, x = phi_q.to(f), phi_k.to(f), v.to(f)
+    if normalize:
+        x = torch.cat([x, x.new_ones(B, H, T, 1)], -1)  # [B, H, T, E]
+    if T == 1 and form is None:
+        y, S, c = recurrent_step(q, k, x, S, c)
+    else:
+        form = form or (log_chunks if log_space else chunked_attention)
+        whole = T - T % chunk
+        step = max(SEGMENT // chunk, 1) * chunk if _reads_back(q) else max(whole, 1)
+        sizes = [min(step, whole - lo) for lo in range(0, whole, step)]
+        sizes += [T % chunk] if T % chunk else []  # the rest, one shorter chunk
+        ys = []
+        for n, *part in zip(sizes, *(t.split(sizes, 2) for t in (q, k, x))):
+            part = [t.contiguous().unflatten(2, (-1, min(chunk, n))) for t in part]
+            y, S, c = form(*part, S, c)
+            ys.append(y.flatten(2, 3))  # [B, H, n, E]
+        y = torch.cat(ys, 2)  # [B, H, T, E]
     if state is not None:
         state.S, state.c, state.n = S, c, state.n + T
-    y = torch.cat(ys, 2)  # [B, H, T, E]
-    if normalize:  # only the denominator is clamped, and only against 0/0; one split, one backward
-        num, den = y.split([dv, 1], -1)  # [B, H, T, dv], [B, H, T, 1]
-        y = num * (1 / den.clamp_min(torch.finfo(y.dtype).tiny))
-    return y.to(dtype)
+    if normalize:  # only the denominator is clamped, only against 0/0; one split, one backward
+        num, den = y.split_with_sizes([v.shape[-1], 1], -1)  # [B, H, T, dv | 1]
+        y = num * (1 / den.clamp_min(torch.finfo(f).tiny))
+    return y.to(v.dtype)
 
 
 class PRFFeatures(nn.Module):
-    """Φ(x)_m = sqrt(α_m/M) exp(z_mᵀx / d^¼ − |x|²/(2√d)) per head, trainable z [H, M, d], a = log α
-    [H, M]. `log_features`: log Φ. `queries`/`keys`: Φ, to form Φ(q)·Φ(k) directly (distillation):
-    as z·k' − |k'|²/2 = |z|²/2 − |k'−z|²/2 (k' = k/d^¼), keys drop c_m = |z_m|²/2 (≤ sqrt(α_m/M))
-    and queries add it, then drop their largest log-feature, `log_scale`: Φ(q)·Φ(k) =
-    exp(log_scale)·(queries(q)[0]·keys(k)). Keys far from every z_m (|k' − z_m| ≳ 13) still
-    underflow in fp32 there, never in log space. No epsilon: it would bias the estimate."""
+    """Φ(x)_m = sqrt(α_m/M) exp(z_mᵀx / d^¼ − |x|²/(2√d)) per head, trainable z [H, M, d] and
+    a = log α [H, M]; no epsilon (it would bias the estimate)."""
 
     def __init__(self, n_head: int, head_dim: int, n_features: int, seed: int, orthogonal=True):
         super().__init__()
@@ -205,8 +230,9 @@ class PRFFeatures(nn.Module):
         self.a = nn.Parameter(torch.zeros(n_head, n_features))  # [H, M]
 
     def extra_repr(self) -> str:
-        (H, M, d), o = self.z.shape, self.orthogonal
-        return f"n_head={H}, n_features={M}, head_dim={d}, seed={self.seed}, orthogonal={o}"
+        H, M, d = self.z.shape
+        o = f"seed={self.seed}, orthogonal={self.orthogonal}"
+        return f"n_head={H}, n_features={M}, head_dim={d}, {o}"
 
     def log_features(self, x: torch.Tensor, name: str = "x") -> torch.Tensor:
         """log Φ(x) [B, H, T, M] in fp32 or wider, for x [B, H, T, d]."""
@@ -215,22 +241,9 @@ class PRFFeatures(nn.Module):
             shape = tuple(x.shape)
             raise ValueError(f"PRFFeatures: {name} has shape {shape}; expected [B, {H}, T, {d}]")
         f = torch.promote_types(torch.promote_types(x.dtype, self.z.dtype), torch.float32)
-        x, z = x.to(f) / d**0.25, self.z.to(f)  # [B, H, T, d], [H, M, d]
+        x = x.to(f) / d**0.25  # [B, H, T, d]
         scale = 0.5 * (self.a.to(f)[:, None] - math.log(M))  # [H, 1, M] log sqrt(α/M)
-        return scale + x @ z.mT - 0.5 * (x * x).sum(-1, keepdim=True)  # [B, H, T, M]
-
-    def _c(self, dtype) -> torch.Tensor:
-        return 0.5 * (self.z.to(dtype) ** 2).sum(-1)[:, None]  # [H, 1, M] c_m = |z_m|²/2
-
-    def keys(self, k: torch.Tensor) -> torch.Tensor:
-        """Φ(k)·exp(−c) [B, H, T, M]: each key's own features, never above sqrt(α/M)."""
-        log_phi = self.log_features(k, "k")  # [B, H, T, M]
-        return torch.exp(log_phi - self._c(log_phi.dtype))
-
-    def queries(self, q: torch.Tensor):
-        """(Φ(q)·exp(c − log_scale) [B, H, T, M] with max feature 1, log_scale [B, H, T, 1])."""
-        log_phi = self.log_features(q, "q")  # [B, H, T, M]
-        return _shifted(log_phi, self._c(log_phi.dtype))
+        return scale + x @ self.z.to(f).mT - 0.5 * (x * x).sum(-1, keepdim=True)
 
 
 def draw_gaussian(n_head: int, n_rows: int, dim: int, gen, orthogonal: bool) -> torch.Tensor:
@@ -247,9 +260,8 @@ def draw_gaussian(n_head: int, n_rows: int, dim: int, gen, orthogonal: bool) -> 
 
 
 class CausalMixer(nn.Module):
-    """A stand-in for a teacher layer: the frozen teacher's q, k, v (`base.project`, to `capture`),
-    mixed from and into the cache's state, out through `base.output`. Subclasses set `chunk`, new
-    tensors, `_place(base)`, and `feature_maps(q, k)` -> (phi_q, phi_k, keyword options)."""
+    """A teacher layer's stand-in: its frozen q, k, v mixed with the cache's state. Subclasses set
+    `chunk`, new tensors, `_place(base)` and `feature_maps(q, k)` -> (phi_q, phi_k, options)."""
 
     def forward(self, x, start: int = 0, cache: LinearState | None = None, capture=None):
         if cache is not None and cache.n != start:
@@ -262,10 +274,10 @@ class CausalMixer(nn.Module):
         o = causal_linear_attention(phi_q, phi_k, v, self.chunk, state=cache, **options)
         return self.base.output(self.finish(x, o))  # o [B, H, T, d]
 
-    def finish(self, x, o):  # the mixed values o [B, H, T, d] as the output projection takes them
+    def finish(self, x, o):  # o [B, H, T, d] as the output projection takes it
         return o
 
-    def new_cache(self, batch: int, capacity: int) -> LinearState:  # capacity unused: never grows
+    def new_cache(self, batch: int, capacity: int) -> LinearState:  # never grows
         return LinearState()
 
     def _place(self, base: nn.Module):
@@ -276,8 +288,7 @@ class CausalMixer(nn.Module):
 
 
 class LinearAttention(CausalMixer):
-    """Drop-in for a teacher attention layer: PRF linear attention in place of the softmax, in log
-    space (no feature underflows at any norm). Trainable: features.z, features.a."""
+    """Drop-in for a teacher's attention: PRF linear attention in log space; trains z and a."""
 
     def __init__(self, base: nn.Module, n_features: int, seed: int, orthogonal=True, chunk=64):
         super().__init__()
@@ -291,8 +302,7 @@ class LinearAttention(CausalMixer):
 
 
 def replace_attention(model: nn.Module, dims, seed: int, orthogonal: bool = True) -> nn.Module:
-    """Swap model.blocks[i].attn for LinearAttention with dims[i] features (seed + i), in place, on
-    each layer's device."""
+    """Swap block i's attn for LinearAttention, dims[i] features, seed + i, in place."""
     if len(dims) != len(model.blocks):
         raise ValueError(f"replace_attention: {len(dims)} dims for {len(model.blocks)} blocks")
     for i, (block, M) in enumerate(zip(model.blocks, dims)):

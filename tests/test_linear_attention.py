@@ -24,6 +24,7 @@ from dofmini.linear_attention import (
     causal_linear_attention,
     replace_attention,
     scan_chunks,
+    unit_features,
 )
 
 # Relative-RMS bounds, relative to the size of what is summed (`magnitudes`). All forms compute in
@@ -137,13 +138,18 @@ def forms(p):
     }
 
 
+def units(f, x):
+    """(Φ(x) over its own largest entry, that entry's log): unit_features of f's log-features."""
+    return unit_features(f.log_features(x))
+
+
 def feature_maps(p, q, k):
-    """What the forms are fed for q, k: Φ(q), Φ(k) as queries/keys shift them, or log Φ (fp32 or
+    """What the forms are fed for q, k: Φ(q), Φ(k) each over its largest entry, or log Φ (fp32 or
     wider)."""
     f = p["features"]
     if p["log_space"]:
         return f.log_features(q), f.log_features(k)
-    return f.queries(q)[0], f.keys(k)
+    return units(f, q)[0], units(f, k)[0]
 
 
 def fed(p, dtype, exact=False):
@@ -245,20 +251,19 @@ HALF_AND_FULL = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
 @settings(max_examples=20, deadline=None)
 @given(problems(max_norm=30.0, log_space=False), HALF_AND_FULL)
 def test_large_norms_stay_finite_and_forms_agree_on_features(p, dtype):
-    """‖q‖, ‖k‖ up to 30√d, inputs in fp32/bf16/fp16, on Φ as queries/keys shift it: finite features
-    and outputs, and each form agrees with the exact (fp64) quadratic form on the same Φ, element by
-    element, to within its dtype's rounding plus what fp32 underflow can drop: a key far from every
-    z_m (|k/d^¼ − z_m| ≳ 13) has features below fp32's range, which a fixed shift cannot rescue (log
-    space can: next test). Rows whose exact denominator is 0 allow any finite value."""
+    """‖q‖, ‖k‖ up to 30√d, inputs in fp32/bf16/fp16, on Φ as unit_features shifts it: finite
+    features (each query's and key's largest exactly 1) and outputs, and each form agrees with the
+    exact (fp64) quadratic form on the same Φ, element by element, to within its dtype's rounding
+    plus what fp32 underflow can drop: a feature e^87 below its row's largest is 0 (log space keeps
+    it: next test). Rows whose exact denominator is 0 allow any finite value."""
     f = p["features"]
     q, k, v = p["q"].to(dtype), p["k"].to(dtype), p["v"].to(dtype)
     B, H, T, M = *q.shape[:3], f.z.shape[1]
     with torch.no_grad():
-        (phi_q, log_scale), phi_k = f.queries(q), f.keys(k)
-        assert (
-            all(x.isfinite().all() and (x >= 0).all() for x in (phi_q, phi_k))
-            and log_scale.isfinite().all()
-        )
+        (phi_q, log_scale), (phi_k, key_scale) = units(f, q), units(f, k)
+        assert all(x.isfinite().all() and (x >= 0).all() for x in (phi_q, phi_k))
+        assert all(x.amax(-1).eq(1).all() for x in (phi_q, phi_k))
+        assert log_scale.isfinite().all() and key_scale.isfinite().all()
         outs = {
             name: form(phi_q, phi_k, v, p["decay"], p["normalize"])
             for name, form in forms(p).items()
@@ -345,6 +350,29 @@ def test_prefill_then_recurrent_decoding_equals_one_chunked_pass(p, data):
     assert rel(torch.cat(parts, 2), whole) <= BOUND[torch.float32]
 
 
+@pytest.mark.parametrize("log_space", [False, True])
+def test_a_decoding_step_updates_the_state_in_place_without_autograd(log_space):
+    """A one-token step without autograd writes the new sums into the state's own tensor (no
+    state allocated per token); with autograd it leaves the old tensor as it was, since earlier
+    outputs' gradients read it. Both give the same state."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 9, 4, generator=gen) for _ in range(3))  # [1, 2, 9, 4]
+    states = []
+    for grad in (False, True):
+        state = LinearState()
+        with torch.no_grad():
+            causal_linear_attention(q[:, :, :8], k[:, :, :8], v[:, :, :8], 4, state=state,
+                                    log_space=log_space)  # fmt: skip
+        S = state.S
+        kept = S.clone()
+        with torch.set_grad_enabled(grad):
+            last = [x[:, :, 8:].clone().requires_grad_(grad) for x in (q, k, v)]
+            causal_linear_attention(*last, 4, state=state, log_space=log_space)
+        assert (state.S is S) != grad and torch.equal(S, kept) == grad and state.n == 9
+        states.append(state.S.detach())
+    assert torch.equal(*states)
+
+
 @pytest.mark.parametrize("kind", ["plain", "decay", "log"])
 def test_long_sequences_run_in_parts_and_agree(kind):
     """T past SEGMENT tokens: on CPU the chunked pass goes part by part, carrying the state, then
@@ -411,7 +439,8 @@ def test_student_tensors_go_to_the_teachers_device_and_its_forward_reads_nothing
 
 
 def test_log_scale_recovers_the_exact_kernel_estimate():
-    """exp(log_scale)·Φ̃(q)·Φ̃(k) is SPEC §2's Φ(q)ᵀΦ(k), written out directly, in fp64."""
+    """exp(u_q + u_k)·Φ̃(q)·Φ̃(k) (unit_features: Φ̃ over its largest entry exp(u)) is SPEC §2's
+    Φ(q)ᵀΦ(k), written out directly, in fp64."""
     H, d, M = 2, 16, 24
     f = PRFFeatures(H, d, M, seed=3).double()
     with torch.no_grad():
@@ -428,21 +457,17 @@ def test_log_scale_recovers_the_exact_kernel_estimate():
         )
 
     direct = log_phi(q).exp() @ log_phi(k).exp().mT  # [1, H, 7, 7]
-    phi_q, log_scale = f.queries(q)
-    assert phi_q.amax(-1).eq(1).all()
-    assert rel(log_scale.exp() * (phi_q @ f.keys(k).mT), direct) < 1e-12
+    (phi_q, u_q), (phi_k, u_k) = units(f, q), units(f, k)
+    assert phi_q.amax(-1).eq(1).all() and phi_k.amax(-1).eq(1).all()
+    assert rel(torch.exp(u_q + u_k.mT) * (phi_q @ phi_k.mT), direct) < 1e-12
 
 
 def kernel_draws(n, d, M, x, y, seed, orthogonal):
     """n independent estimates Φ(x)ᵀΦ(y), each from its own M features (one 'head' per draw)."""
     f = PRFFeatures(n, d, M, seed, orthogonal)
     with torch.no_grad():
-        phi_q, log_scale = f.queries(x.expand(1, n, 1, d))
-        return (
-            (log_scale.exp() * (phi_q * f.keys(y.expand(1, n, 1, d))).sum(-1, keepdim=True))
-            .flatten()
-            .double()
-        )
+        (phi_q, u_q), (phi_k, u_k) = (units(f, t.expand(1, n, 1, d)) for t in (x, y))
+        return (torch.exp(u_q + u_k) * (phi_q * phi_k).sum(-1, keepdim=True)).flatten().double()
 
 
 @st.composite
@@ -496,7 +521,7 @@ def test_orthogonal_draw_has_orthogonal_blocks_and_is_seeded():
 def test_bad_shapes_are_named():
     f = PRFFeatures(2, 8, 4, seed=0)
     with pytest.raises(ValueError, match=r"q has shape \(1, 3, 5, 8\); expected \[B, 2, T, 8\]"):
-        f.queries(torch.zeros(1, 3, 5, 8))
+        f.log_features(torch.zeros(1, 3, 5, 8), "q")
     phi = torch.ones(1, 2, 5, 4)
     with pytest.raises(ValueError, match="v"):
         causal_linear_attention(phi, phi, torch.zeros(1, 2, 6, 3))
