@@ -55,7 +55,10 @@ def load(path, name, way):
 
 
 def old_path(rev):
-    """linear_attention.py as of git revision rev, written to a temp file."""
+    """linear_attention.py as of git revision rev, written to a temp file (or rev itself, when it
+    names a file: a copy without git, e.g. on a remote machine)."""
+    if Path(rev).is_file():
+        return Path(rev)
     show = ["git", "show", f"{rev}:dofmini/linear_attention.py"]
     text = subprocess.run(show, cwd=REPO, capture_output=True, text=True, check=True).stdout
     path = Path(tempfile.mkdtemp()) / "old_linear_attention.py"
