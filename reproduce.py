@@ -125,8 +125,10 @@ def parse_args(argv) -> RunConfig:
     p.add_argument("--plan-only", action="store_true",
                    help="print the plan (downloads, stages, estimated times) and stop")  # fmt: skip
     args = p.parse_args(argv)
-    if args.out == "":
-        _fail("--out '': expected a folder")
+    wanted = dict(out="a folder", variants="variants or none", loss="losses", seeds="seeds")
+    for flag, expected in (wanted | dict(budgets="budgets")).items():  # '' is not the default
+        if getattr(args, flag) == "":
+            _fail(f"--{flag} '': expected {expected} (or leave the flag out for the default)")
     out = Path(args.out) if args.out else None
     fields = dict(PROFILES[args.profile], model=args.model, profile=args.profile, out=out)
     fields.update(data=args.data, device=args.device, raw_gram=args.raw_gram)
@@ -136,14 +138,17 @@ def parse_args(argv) -> RunConfig:
         fields["variants"] = () if args.variants == "none" else tuple(args.variants.split(","))
     if args.loss:
         fields["losses"] = tuple(_loss_spec(part) for part in args.loss.split(","))
-    if args.seeds and args.seed is not None:
+    if args.seeds is not None and args.seed is not None:
         _fail(f"--seed {args.seed} and --seeds {args.seeds}: give one of them")
     if args.seeds or args.seed is not None:
         fields["seeds"] = _ints("--seeds", args.seeds) if args.seeds else (args.seed,)
     if args.budgets:
         fields["budgets"] = _ints("--budgets", args.budgets)
     fields.update({k: v for k in ("limit", "lam", "J") if (v := getattr(args, k)) is not None})
-    return check(RunConfig(**fields))
+    try:
+        return check(RunConfig(**fields))
+    except OSError as err:  # a path the system refuses (too long, a loop), named before any work
+        _fail(f"{err.filename}: {err.strerror}")
 
 
 def _fail(message: str):
@@ -259,6 +264,10 @@ def load_teacher(cfg: RunConfig, hashes: dict) -> stages.Run:
     ctx = min(cfg.ctx or model_cfg.n_ctx, model_cfg.n_ctx, cfg.max_ctx)
     lam = cfg.lam if cfg.lam is not None else (2.0**-4 if model_cfg.family == "gpt2" else 2.0**-8)
     budgets = cfg.budgets or (model_cfg.head_dim,)
+    lo, hi = min(cfg.curve_dims), max(cfg.curve_dims)
+    if "oracle" in cfg.variants and not all(lo <= b <= hi for b in budgets):
+        _fail(f"budgets {list(budgets)}: the oracle allocates between its curves' dims; "
+              f"expected budgets in {lo}..{hi}")  # fmt: skip
     pool = 2 * cfg.calib_windows * ctx  # queries and keys per head on the calibration text
     for flag, J in [("--J", cfg.J)] + [("the sweep's J", J) for J in cfg.sweep_Js if cfg.sweep]:
         if J > pool:
@@ -359,10 +368,11 @@ def show_generation(run: stages.Run, students: dict):
     best = min(candidates, key=lambda k: candidates[k]["wikitext2_ppl"])
     fields = {f.name: candidates[best][f.name] for f in dataclasses.fields(stages.Student)}
     student = stages.load_student(run.teacher, stages.Student(**fields).path(run.cfg.out))
-    prompt = run.tokenizer.encode(PROMPT).ids
-    log(f"\ngreedy continuations of {PROMPT!r}:")
+    n_ctx = run.teacher.config.n_ctx  # a short context still gets a (shorter) continuation
+    prompt = run.tokenizer.encode(PROMPT).ids[: n_ctx // 2]
+    log(f"\ngreedy continuations of {run.tokenizer.decode(prompt)!r}:")
     for name, model in (("teacher", run.teacher), (best, student)):
-        continuation = dofmini.generate(model, prompt, 24)[len(prompt) :]
+        continuation = dofmini.generate(model, prompt, min(24, n_ctx - len(prompt)))[len(prompt) :]
         log(f"  {name}: {run.tokenizer.decode(continuation)!r}")
 
 

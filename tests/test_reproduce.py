@@ -163,6 +163,13 @@ def test_a_damaged_student_file_is_trained_again(grid_run, tmp_path):
     (["{tiny}", "--budgets", "8,x"], "--budgets '8,x': expected comma-separated integers"),
     (["{tiny}", "--out", "{file}"], "exists and is not a directory"),
     (["{tiny}", "--out", ""], "--out '': expected a folder"),
+    (["{tiny}", "--variants", ""], "--variants '': expected variants or none (or leave the flag"),
+    (["{tiny}", "--budgets", ""], "--budgets '': expected budgets"),
+    (["{tiny}", "--seeds", ""], "--seeds '': expected seeds"),
+    (["{tiny}", "--loss", ""], "--loss '': expected losses"),
+    (["{tiny}", "--out", "{long}"], "/" + "a" * 300 + ": File name too long"),
+    (["{tiny}", "--data", "{long}"], "/" + "a" * 300 + ": File name too long"),
+    (["{long}"], "/" + "a" * 300 + ": File name too long"),
     (["gtp2"], "unknown model 'gtp2'"),
     (["gtp2"], "did you mean 'gpt2'?"),
     (["{tiny}", "--seed", "3", "--seeds", "1"], "--seed 3 and --seeds 1: give one of them"),
@@ -176,6 +183,7 @@ def test_a_damaged_student_file_is_trained_again(grid_run, tmp_path):
 def test_bad_values_give_one_line_before_model_work(tmp_path, args, message):
     (tmp_path / "file").write_text("x")
     fill = {"{empty}": tmp_path, "{tiny}": FIXTURES / "gpt2-tiny", "{file}": tmp_path / "file"}
+    fill["{long}"] = tmp_path / ("a" * 300)  # one name longer than the system allows
     env = {"PATH": "", "DOFMINI_DATA": str(tmp_path / "store"), "HOME": str(tmp_path)}
     result = reproduce(*[fill.get(a, a) for a in args], timeout=600, env=env)
     assert result.returncode != 0
