@@ -147,8 +147,9 @@ class Model(nn.Module):
         [B, H, T, d]. keep: a bool mask [B, T]; only kept positions pass the final norm and head
         (most of a small model's cost), giving [N = keep.sum(), V] in row-major order."""
         T, cfg = ids.shape[1], self.config
-        if start + T > cfg.n_ctx:
-            raise ValueError(f"positions up to {start + T} requested; {cfg.name} has {cfg.n_ctx}")
+        if start < 0 or start + T > cfg.n_ctx:
+            asked = f"positions {start}..{start + T - 1} requested"
+            raise ValueError(f"{asked}; {cfg.name} has 0..{cfg.n_ctx - 1}")
         if keep is not None and (keep.dtype != torch.bool or keep.shape != ids.shape):
             got, want = f"{keep.dtype} {list(keep.shape)}", list(ids.shape)
             raise ValueError(f"keep is {got}; expected a torch.bool mask shaped like ids {want}")

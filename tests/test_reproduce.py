@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import FIXTURES, REPO, data_path, shared_path, tiny_store
+from safetensors.torch import load_file, save_file
 
 TASKS = {"piqa", "arc_easy", "arc_challenge", "winogrande", "wsc273", "mmlu", "logiqa", "lambada"}
 TRAINING_LINE = re.compile(r"^(softmax|l2|direct) \d+/\d+: loss", re.M)  # distill's progress lines
@@ -364,3 +365,31 @@ def test_a_profile_setting_is_not_undone_by_an_absent_flag(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("True 400 ('fix', 'dof', 'dof_sqrt'")
+
+
+def test_oracle_budgets_outside_its_curves_are_refused_before_training(tmp_path):
+    model, env = tiny_store(tmp_path)
+    args = ["--profile", "quick", "--limit", "0", "--variants", "fix,oracle", "--budgets", "4"]
+    result = reproduce(model, *args, "--out", tmp_path / "o", env=env)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    refused = "budgets [4]: the oracle allocates between its curves' dims; expected budgets in 8"
+    assert refused in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "plan (" not in result.stdout and not TRAINING_LINE.search(result.stdout)
+    assert not list((tmp_path / "o").glob("students/*"))
+
+
+def test_a_context_shorter_than_the_profile_runs_to_its_continuation(tmp_path):
+    """n_positions 16 under the quick profile's ctx 64: windows of 16, and a continuation that
+    fits the 16 positions instead of a failure after results.json."""
+    model, env = tiny_store(tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "n_positions": 16}))
+    tensors = load_file(model / "model.safetensors")
+    tensors["transformer.wpe.weight"] = tensors["transformer.wpe.weight"][:16].clone()
+    save_file(tensors, model / "model.safetensors")
+    args = ["--profile", "quick", "--limit", "0", "--variants", "fix", "--out", tmp_path / "o"]
+    result = reproduce(model, *args, env=env)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert json.loads((tmp_path / "o" / "results.json").read_text())["config"]["ctx"] == 16
+    continuations = result.stdout.split("greedy continuations of ")[1].splitlines()
+    assert continuations[1].startswith("  teacher: ") and continuations[2].startswith("  fix/softmax/")
