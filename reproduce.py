@@ -125,10 +125,9 @@ def parse_args(argv) -> RunConfig:
     p.add_argument("--plan-only", action="store_true",
                    help="print the plan (downloads, stages, estimated times) and stop")  # fmt: skip
     args = p.parse_args(argv)
-    wanted = dict(out="a folder", variants="variants or none", loss="losses", seeds="seeds")
-    for flag, expected in (wanted | dict(budgets="budgets")).items():  # '' is not the default
+    for flag in ("out", "variants", "loss", "seeds", "budgets"):  # '' is not the default
         if getattr(args, flag) == "":
-            _fail(f"--{flag} '': expected {expected} (or leave the flag out for the default)")
+            _fail(f"--{flag} '': expected {'a folder' if flag == 'out' else 'a value'}, or no flag")
     out = Path(args.out) if args.out else None
     fields = dict(PROFILES[args.profile], model=args.model, profile=args.profile, out=out)
     fields.update(data=args.data, device=args.device, raw_gram=args.raw_gram)
@@ -222,6 +221,9 @@ def main(argv=None):
 
 def _main(cfg: RunConfig):
     groups = data_groups(cfg)
+    needed = {stages.CALIBRATION, *evaluate.PPL_TEXTS.values()}
+    if unlisted := needed - {f.path for f in data.files(groups)}:
+        _fail(f"the data registry has no row for {', '.join(sorted(unlisted))}; the run reads it")
     log(data.describe(groups, cfg.data))
     weights, absent = hub.missing_files(cfg.model), data.missing(groups, cfg.data)
     if cfg.plan_only and (weights or absent):
@@ -284,7 +286,7 @@ def load_teacher(cfg: RunConfig, hashes: dict) -> stages.Run:
 
 def encode_texts(run: stages.Run):
     """calib (WikiText-2 valid, for DoF), wikitext2 (test), heldout and train token ids."""
-    cfg, corpus = run.cfg, [f.path for f in data.files("corpus")]
+    cfg, corpus = run.cfg, sorted(f.path for f in data.files("corpus"))  # not the rows' order
     texts = {name: [path] for name, path in evaluate.PPL_TEXTS.items()}
     for name, relative in dict(calib=[stages.CALIBRATION], **texts, train=corpus).items():
         max_chars = cfg.train_chars if name == "train" else None

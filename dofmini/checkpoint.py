@@ -211,8 +211,7 @@ def converted(stored, name: str, dtype: torch.dtype, file: Path) -> torch.Tensor
     if bad.any():
         found = f"{int(bad.sum())} NaN or inf value(s), first at index {bad.nonzero()[0].tolist()}"
         raise CheckpointError(f"{what} holds {found}; expected finite weights")
-    narrow = torch.finfo(dtype).max < torch.finfo(torch.float32).max  # e.g. float16
-    wider = ", or load in float32" if narrow else ""
+    wider = ", or load in float32" if torch.finfo(dtype).max < 3.4e38 else ""  # e.g. float16
     beyond = f"values up to {tensor.abs().max().item():.4g}, beyond {dtype}'s range"
     raise CheckpointError(f"{what} has {beyond}; expected them to fit{wider}")
 

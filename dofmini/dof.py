@@ -79,7 +79,6 @@ def as_token_ids(token_ids, need: int, what: str, vocab: int) -> torch.Tensor:
     return token_ids.long().cpu().contiguous()
 
 
-# What a public function's size or rate must be: one check serves every argument.
 REAL = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 ARGUMENT_KINDS = {
     "an integer >= 1": lambda v: isinstance(v, numbers.Integral) and REAL(v) and v >= 1,
@@ -92,7 +91,7 @@ ARGUMENT_KINDS = {
 
 def check_args(what: str, expected: str, **values) -> None:
     """A ValueError naming function `what`, the argument and its value, unless every one of
-    `values` is `expected` (a key of ARGUMENT_KINDS)."""
+    `values` is `expected` (a key of ARGUMENT_KINDS): one check for every public size and rate."""
     for name, value in values.items():
         if not ARGUMENT_KINDS[expected](value):
             raise ValueError(f"{what}: {name}={value!r}; expected {expected}")

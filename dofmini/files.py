@@ -31,8 +31,7 @@ def atomic_write(path, write) -> Path:
         write(tmp)
         os.replace(tmp, path)
     except OSError as err:
-        reason = err.strerror or str(err)
-        raise OSError(err.errno, f"cannot write {path}: {reason}", str(path)) from None
+        raise OSError(err.errno, f"cannot write {path}: {err.strerror or err}", str(path)) from None
     finally:
         with contextlib.suppress(OSError):  # in a read-only folder even this fails
             tmp.unlink(missing_ok=True)

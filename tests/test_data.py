@@ -263,9 +263,24 @@ def test_a_bad_registry_row_is_named(tmp_path):
     registry.write_text("group\tpath\tbytes\tsha256\turl\npiqa\tx.txt\t12\tabc\thttps://h/x\n")
     with pytest.raises(data.DataError, match=r"files.tsv line 2: .*expected a group \(wikitext2"):
         data.read_registry(registry)
-    registry.write_text(f"h\nhellaswag\tx.txt\t12\t{'0' * 64}\thttps://h/x\n")
+    registry.write_text(
+        f"group\tpath\tbytes\tsha256\turl\nhellaswag\tx.txt\t12\t{'0' * 64}\thttps://h/x\n"
+    )
     with pytest.raises(data.DataError, match="line 2: 'hellaswag.*expected a group \\(wikitext2"):
         data.read_registry(registry)
+
+
+def test_a_registry_without_its_header_or_with_a_path_twice_is_refused(tmp_path):
+    registry, header = tmp_path / "files.tsv", "group\tpath\tbytes\tsha256\turl\n"
+    row = f"corpus\tcorpus/x.txt\t12\t{'0' * 64}\thttps://h/x\n"
+    registry.write_text(row)  # its first row would otherwise be dropped as the header
+    with pytest.raises(data.DataError, match=r"files.tsv line 1: \['corpus.*expected the header"):
+        data.read_registry(registry)
+    registry.write_text(header + row + row)  # the same text would be trained on twice
+    with pytest.raises(data.DataError, match=r"files.tsv line 3: .*path \(not listed before\)"):
+        data.read_registry(registry)
+    registry.write_text(header + row)
+    assert [f.path for f in data.read_registry(registry)] == ["corpus/x.txt"]
 
 
 def test_source_check_prints_a_table_and_fails_on_a_mismatch(data_mirror, monkeypatch, tmp_path):

@@ -164,10 +164,10 @@ def test_a_damaged_student_file_is_trained_again(grid_run, tmp_path):
     (["{tiny}", "--budgets", "8,x"], "--budgets '8,x': expected comma-separated integers"),
     (["{tiny}", "--out", "{file}"], "exists and is not a directory"),
     (["{tiny}", "--out", ""], "--out '': expected a folder"),
-    (["{tiny}", "--variants", ""], "--variants '': expected variants or none (or leave the flag"),
-    (["{tiny}", "--budgets", ""], "--budgets '': expected budgets"),
-    (["{tiny}", "--seeds", ""], "--seeds '': expected seeds"),
-    (["{tiny}", "--loss", ""], "--loss '': expected losses"),
+    (["{tiny}", "--variants", ""], "--variants '': expected a value, or no flag"),
+    (["{tiny}", "--budgets", ""], "--budgets '': expected a value"),
+    (["{tiny}", "--seeds", ""], "--seeds '': expected a value"),
+    (["{tiny}", "--loss", ""], "--loss '': expected a value"),
     (["{tiny}", "--out", "{long}"], "/" + "a" * 300 + ": File name too long"),
     (["{tiny}", "--data", "{long}"], "/" + "a" * 300 + ": File name too long"),
     (["{long}"], "/" + "a" * 300 + ": File name too long"),
@@ -195,7 +195,9 @@ def test_bad_values_give_one_line_before_model_work(tmp_path, args, message):
 @pytest.mark.parametrize("registry, message", [
     (None, "absent.tsv: No such file"),
     ("group\tpath\tbytes\tsha256\turl\nwikitext2\tx\t3\n", "line 2: 'wikitext2\\tx\\t3'"),
-    ("header\ncorpus\tx\tten\t" + "0" * 64 + "\thttps://h/x\n", "expected a group"),
+    ("group\tpath\tbytes\tsha256\turl\ncorpus\tx\tten\t" + "0" * 64 + "\thttps://h/x\n",
+     "expected a group"),
+    ("corpus\tx\t3\t" + "0" * 64 + "\thttps://h/x\n", "line 1: ['corpus\\tx\\t3"),
 ])  # fmt: skip
 def test_a_bad_data_registry_is_one_line_naming_it(tmp_path, registry, message):
     path = tmp_path / "absent.tsv"
@@ -392,4 +394,6 @@ def test_a_context_shorter_than_the_profile_runs_to_its_continuation(tmp_path):
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert json.loads((tmp_path / "o" / "results.json").read_text())["config"]["ctx"] == 16
     continuations = result.stdout.split("greedy continuations of ")[1].splitlines()
-    assert continuations[1].startswith("  teacher: ") and continuations[2].startswith("  fix/softmax/")
+    assert continuations[1].startswith("  teacher: ") and continuations[2].startswith(
+        "  fix/softmax/"
+    )

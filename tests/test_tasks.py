@@ -1,5 +1,7 @@
+import shutil
+
 import pytest
-from conftest import data_path
+from conftest import FIXTURES, data_path
 
 from dofmini.study.tasks import TASK_SIZES, TASKS, load_task
 
@@ -94,3 +96,13 @@ def test_missing_file_is_named(tmp_path):
         load_task("piqa", tmp_path)
     with pytest.raises(ValueError, match="unknown task 'hellaswag'"):
         load_task("hellaswag", tmp_path)
+
+
+def test_mmlu_scores_only_the_subjects_the_registry_pins(tmp_path):
+    """A file the registry does not pin is neither scored nor hashed into results.json's inputs,
+    so it stays out of the examples."""
+    folder = shutil.copytree(FIXTURES / "tasks" / "mmlu", tmp_path / "mmlu")
+    before = load_task("mmlu", tmp_path)
+    shutil.copy(folder / "test" / "astronomy_test.csv", folder / "test" / "zz_extra_test.csv")
+    assert load_task("mmlu", tmp_path) == before
+    assert {e.group for e in before} == {"abstract_algebra", "astronomy"}

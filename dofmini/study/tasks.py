@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from .data import files
+
 
 @dataclass
 class Example:
@@ -100,8 +102,8 @@ def load_mmlu(data_dir, per_subject=None) -> list:
     """Letter scoring, as the harness's default MMLU: the options are listed in the context, the
     continuations are " A" .. " D" (so acc_norm equals acc); the first `per_subject` of each."""
     folder = _file(data_dir, "mmlu/test/abstract_algebra_test.csv").parent
-    examples = []
-    for path in sorted(folder.glob("*_test.csv")):
+    examples, pinned = [], {Path(f.path).name for f in files("mmlu")}  # not another file there
+    for path in sorted(p for p in folder.glob("*_test.csv") if p.name in pinned):
         subject = path.name[: -len("_test.csv")]
         with open(path, newline="", encoding="utf-8") as f:
             rows = list(csv.reader(f))[:per_subject]
