@@ -144,10 +144,7 @@ def parse_args(argv) -> RunConfig:
     if args.budgets:
         fields["budgets"] = _ints("--budgets", args.budgets)
     fields.update({k: v for k in ("limit", "lam", "J") if (v := getattr(args, k)) is not None})
-    try:
-        return check(RunConfig(**fields))
-    except OSError as err:  # a path the system refuses (too long, a loop), named before any work
-        _fail(f"{err.filename}: {err.strerror}")
+    return check(RunConfig(**fields))
 
 
 def _fail(message: str):
@@ -214,9 +211,10 @@ def check(cfg: RunConfig) -> RunConfig:
 
 
 def main(argv=None):
-    cfg = parse_args(argv)
-    with runs.one_line_errors(_fail), runs.locked(cfg.out, _fail):
-        return _main(cfg)
+    with runs.one_line_errors(_fail):  # also a path the system refuses (too long) in parse_args
+        cfg = parse_args(argv)
+        with runs.locked(cfg.out, _fail):
+            return _main(cfg)
 
 
 def _main(cfg: RunConfig):

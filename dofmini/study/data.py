@@ -240,7 +240,7 @@ def fetch(url: str, what: str, tmp: Path, bar: bool = True) -> None:
             received = out.tell()
     except urllib.error.HTTPError as err:
         raise DataError(f"{what}: {url} answered HTTP {err.code} ({err.reason})") from None
-    except (OSError, http.client.HTTPException) as err:
+    except (OSError, http.client.HTTPException, ValueError) as err:  # ValueError: not a URL
         gone = isinstance(getattr(err, "reason", None), FileNotFoundError)  # file:// with no file
         retry = "" if gone else "; run again to retry"
         raise DataError(f"{what}: fetching {url} failed ({err}){retry}") from None

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from .data import files
+from .data import DataError, files
 
 
 @dataclass
@@ -155,9 +155,11 @@ def load_task(name: str, data_dir, limit=None) -> list:
     subjects it macro-averages."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
-    if name == "mmlu":
-        return load_mmlu(data_dir, limit and -(-limit // 57))[:limit]
-    return TASKS[name](data_dir)[:limit]
+    per_subject = [limit and -(-limit // 57)] if name == "mmlu" else []
+    try:
+        return TASKS[name](data_dir, *per_subject)[:limit]
+    except (ValueError, LookupError, TypeError, ET.ParseError) as err:  # a malformed row
+        raise DataError(f"a {name} file under {data_dir} is malformed: {err!r}") from None
 
 
 # Examples per task and tokens one example puts through the model (its choices summed; MMLU's four
