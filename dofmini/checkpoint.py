@@ -133,7 +133,6 @@ BUFFERS = {
     "gpt2": (".attn.bias", ".masked_bias"),
     "neox": (".attention.bias", ".masked_bias", ".rotary_emb.inv_freq"),
 }
-TIED_HEAD = ("lm_head.weight", "embed_out.weight")
 LAYER = re.compile(r"(?:transformer\.)?(?:h|gpt_neox\.layers)\.(\d+)\.")
 
 
@@ -177,7 +176,7 @@ def stored_names(stored, file: Path, cfg: Config) -> dict:
     prefixed = {f"transformer.{name}": ours for name, ours in ours_of.items()}
     ours_of |= {"lm_head.weight": "head"} if neox else prefixed
     sources = {}
-    ignored = BUFFERS[cfg.family] + (TIED_HEAD if cfg.tied_head else ())
+    ignored = BUFFERS[cfg.family] + (("lm_head.weight", "embed_out.weight") * cfg.tied_head)
     for name in stored.keys():
         if name.endswith(ignored):
             continue

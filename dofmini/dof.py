@@ -83,7 +83,6 @@ REAL = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and mat
 ARGUMENT_KINDS = {
     "an integer >= 1": lambda v: isinstance(v, numbers.Integral) and REAL(v) and v >= 1,
     "an integer >= 0": lambda v: isinstance(v, numbers.Integral) and REAL(v) and v >= 0,
-    "a whole number >= 1": lambda v: REAL(v) and v == int(v) and v >= 1,
     "a finite number >= 0": lambda v: REAL(v) and v >= 0,
     "a positive finite number": lambda v: REAL(v) and v > 0,
 }
@@ -165,7 +164,7 @@ def allocate(layer_dof, budget, rule="proportional", cap=None, aggregate="max"):
         dof = dof.amax(-1) if aggregate == "max" else dof.mean(-1)  # [L]
     if dof.dim() != 1 or len(dof) == 0 or not (torch.isfinite(dof) & (dof > 0)).all():
         raise ValueError(f"allocate: need positive finite layer_dof [L] or [L, H], got {layer_dof}")
-    check_args("allocate", "a whole number >= 1", budget=budget, cap=1 if cap is None else cap)
+    check_args("allocate", "an integer >= 1", budget=budget, cap=1 if cap is None else cap)
     weights = dof.pow(gamma)  # [L] x^1.0 is x exactly, so "power:1" is "proportional"
     if not (torch.isfinite(weights) & (weights > 0)).all():
         raise ValueError(f"allocate: rule {rule!r} takes DoF^{gamma:g} out of float64's range")

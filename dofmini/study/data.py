@@ -58,20 +58,19 @@ def _lines(file: Path) -> list:
 def read_registry(file: Path) -> tuple:
     """The rows of a registry file (data_files.tsv's format), checked: a bad row stops here, and
     a path listed twice (its text would count twice) is a bad row."""
-    rows, lines, header = [], _lines(file), "group\tpath\tbytes\tsha256\turl"
+    rows, lines, header = {}, _lines(file), "group\tpath\tbytes\tsha256\turl"
     if lines[:1] != [header]:  # without it, the first row would be taken for the header
         raise DataError(f"{file} line 1: {lines[:1]}; expected the header {header!r}")
     for number, line in enumerate(lines[1:], start=2):
         cells = line.split("\t")
         valid = len(cells) == 5 and cells[0] in GROUPS and cells[2].isdigit()
-        valid = valid and cells[1] not in {row.path for row in rows}
-        if not valid or not re.fullmatch(r"[0-9a-f]{64}", cells[3]):
+        if not valid or cells[1] in rows or not re.fullmatch(r"[0-9a-f]{64}", cells[3]):
             raise DataError(
                 f"{file} line {number}: {line!r}; expected a group ({', '.join(GROUPS)}), path "
                 "(not listed before), bytes, sha256 (64 hex) and URL, tab-separated"
             )
-        rows.append(DataFile(cells[0], cells[1], int(cells[2]), cells[3], cells[4]))
-    return tuple(rows)
+        rows[cells[1]] = DataFile(cells[0], cells[1], int(cells[2]), cells[3], cells[4])
+    return tuple(rows.values())
 
 
 @functools.cache
