@@ -353,6 +353,12 @@ def probe_all(root: Path, only: str = "") -> list:
         case_env["DOFMINI_DATA_MIRROR"] = "http://127.0.0.1:9"
 
     probe("data", "a missing file and a mirror on a closed port", mirror_closed)
+
+    def mirror_folder(folder, case, case_env):
+        (store_copy(case_env, case) / valid).unlink()
+        case_env["DOFMINI_DATA_MIRROR"] = str(case / "mirror")  # a plain path, not a URL
+
+    probe("data", "a missing file and DOFMINI_DATA_MIRROR a plain folder path", mirror_folder)
     probe("data", "--data a folder that does not exist (every file missing)",
           args=["--data", root / "nowhere"])  # fmt: skip
 
