@@ -125,8 +125,9 @@ def parse_args(argv) -> RunConfig:
     p.add_argument("--plan-only", action="store_true",
                    help="print the plan (downloads, stages, estimated times) and stop")  # fmt: skip
     args = p.parse_args(argv)
-    if args.out == "":
-        _fail("--out '': expected a folder")
+    for flag in ("out", "variants", "loss", "seeds", "budgets"):  # '' is not the default
+        if getattr(args, flag) == "":
+            _fail(f"--{flag} '': expected {'a folder' if flag == 'out' else 'a value'}, or no flag")
     out = Path(args.out) if args.out else None
     fields = dict(PROFILES[args.profile], model=args.model, profile=args.profile, out=out)
     fields.update(data=args.data, device=args.device, raw_gram=args.raw_gram)
@@ -136,7 +137,7 @@ def parse_args(argv) -> RunConfig:
         fields["variants"] = () if args.variants == "none" else tuple(args.variants.split(","))
     if args.loss:
         fields["losses"] = tuple(_loss_spec(part) for part in args.loss.split(","))
-    if args.seeds and args.seed is not None:
+    if args.seeds is not None and args.seed is not None:
         _fail(f"--seed {args.seed} and --seeds {args.seeds}: give one of them")
     if args.seeds or args.seed is not None:
         fields["seeds"] = _ints("--seeds", args.seeds) if args.seeds else (args.seed,)
@@ -210,13 +211,17 @@ def check(cfg: RunConfig) -> RunConfig:
 
 
 def main(argv=None):
-    cfg = parse_args(argv)
-    with runs.one_line_errors(_fail), runs.locked(cfg.out, _fail):
-        return _main(cfg)
+    with runs.one_line_errors(_fail):  # also a path the system refuses (too long) in parse_args
+        cfg = parse_args(argv)
+        with runs.locked(cfg.out, _fail):
+            return _main(cfg)
 
 
 def _main(cfg: RunConfig):
     groups = data_groups(cfg)
+    needed = {stages.CALIBRATION, *evaluate.PPL_TEXTS.values()}
+    if unlisted := needed - {f.path for f in data.files(groups)}:
+        _fail(f"the data registry has no row for {', '.join(sorted(unlisted))}; the run reads it")
     log(data.describe(groups, cfg.data))
     weights, absent = hub.missing_files(cfg.model), data.missing(groups, cfg.data)
     if cfg.plan_only and (weights or absent):
@@ -259,6 +264,10 @@ def load_teacher(cfg: RunConfig, hashes: dict) -> stages.Run:
     ctx = min(cfg.ctx or model_cfg.n_ctx, model_cfg.n_ctx, cfg.max_ctx)
     lam = cfg.lam if cfg.lam is not None else (2.0**-4 if model_cfg.family == "gpt2" else 2.0**-8)
     budgets = cfg.budgets or (model_cfg.head_dim,)
+    lo, hi = min(cfg.curve_dims), max(cfg.curve_dims)
+    if "oracle" in cfg.variants and not all(lo <= b <= hi for b in budgets):
+        _fail(f"budgets {list(budgets)}: the oracle allocates between its curves' dims; "
+              f"expected budgets in {lo}..{hi}")  # fmt: skip
     pool = 2 * cfg.calib_windows * ctx  # queries and keys per head on the calibration text
     for flag, J in [("--J", cfg.J)] + [("the sweep's J", J) for J in cfg.sweep_Js if cfg.sweep]:
         if J > pool:
@@ -275,7 +284,7 @@ def load_teacher(cfg: RunConfig, hashes: dict) -> stages.Run:
 
 def encode_texts(run: stages.Run):
     """calib (WikiText-2 valid, for DoF), wikitext2 (test), heldout and train token ids."""
-    cfg, corpus = run.cfg, [f.path for f in data.files("corpus")]
+    cfg, corpus = run.cfg, sorted(f.path for f in data.files("corpus"))  # not the rows' order
     texts = {name: [path] for name, path in evaluate.PPL_TEXTS.items()}
     for name, relative in dict(calib=[stages.CALIBRATION], **texts, train=corpus).items():
         max_chars = cfg.train_chars if name == "train" else None
@@ -359,10 +368,11 @@ def show_generation(run: stages.Run, students: dict):
     best = min(candidates, key=lambda k: candidates[k]["wikitext2_ppl"])
     fields = {f.name: candidates[best][f.name] for f in dataclasses.fields(stages.Student)}
     student = stages.load_student(run.teacher, stages.Student(**fields).path(run.cfg.out))
-    prompt = run.tokenizer.encode(PROMPT).ids
-    log(f"\ngreedy continuations of {PROMPT!r}:")
+    n_ctx = run.teacher.config.n_ctx  # a short context still gets a (shorter) continuation
+    prompt = run.tokenizer.encode(PROMPT).ids[: n_ctx // 2]
+    log(f"\ngreedy continuations of {run.tokenizer.decode(prompt)!r}:")
     for name, model in (("teacher", run.teacher), (best, student)):
-        continuation = dofmini.generate(model, prompt, 24)[len(prompt) :]
+        continuation = dofmini.generate(model, prompt, min(24, n_ctx - len(prompt)))[len(prompt) :]
         log(f"  {name}: {run.tokenizer.decode(continuation)!r}")
 
 

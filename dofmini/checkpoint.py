@@ -48,22 +48,34 @@ FIELDS = {
     "rotary_fraction": (FRACTION, None, 0.0, ROTARY_FRACTION, 1.0),
     "rotary_base": (POSITIVE_NUMBER, None, 1e4, ROTARY_BASE, 1e4),
     "parallel_residual": (BOOLEAN, None, False, "use_parallel_residual", True),
+    "tied_head": (BOOLEAN, "tie_word_embeddings", True, "tie_word_embeddings", False),
     "bos_token_id": (TOKEN_ID, "bos_token_id", None, "bos_token_id", None),
     "eos_token_id": (TOKEN_ID, "eos_token_id", None, "eos_token_id", None),
+}
+# Settings that would change the computation in ways not implemented here: key -> the one value
+# accepted (absent or null means that value); any other is refused rather than silently ignored.
+ONLY = {
+    "gpt2": {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False},
+    "neox": {"rope_scaling": None, "rope_parameters.rope_type": "default", "attention_bias": True},
 }
 
 
 def read_field(hf: dict, file: Path, keys: str | None, kind, default=REQUIRED):
     """The value in config.json `hf` (read from `file`) of the first of `keys` present and not
-    null, checked against `kind` and converted; else `default`."""
+    null, checked against `kind` and converted; else `default`. Two spellings present must agree."""
     expected, valid, convert = kind
+    found = {}
     for key in keys.split("|") if keys else []:
         parent, _, leaf = key.rpartition(".")
         value = (read_field(hf, file, parent, OBJECT, {}) if parent else hf).get(leaf)
-        if value is not None:
-            if not valid(value):
-                raise CheckpointError(f"{file}: {key!r} is {value!r}; expected {expected}")
-            return convert(value)
+        if value is not None and not valid(value):
+            raise CheckpointError(f"{file}: {key!r} is {value!r}; expected {expected}")
+        found |= {} if value is None else {key: convert(value)}
+    if len({repr(value) for value in found.values()}) > 1:
+        both = " but ".join(f"{key!r} is {value!r}" for key, value in found.items())
+        raise CheckpointError(f"{file}: {both}; expected one value")
+    if found:
+        return next(iter(found.values()))
     if default is REQUIRED:
         spellings = " or ".join(repr(key) for key in keys.split("|"))
         raise CheckpointError(f"{file}: missing {spellings}; expected {expected}")
@@ -80,6 +92,9 @@ def read_config(folder) -> Config:
     if not isinstance(hf, dict):
         raise CheckpointError(f"{file} holds a JSON {type(hf).__name__}; expected an object")
     family = read_field(hf, file, "model_type", FAMILY)
+    for key, only in ONLY[family].items():
+        implemented = f"{json.dumps(only)}, the only setting implemented"
+        read_field(hf, file, key, (implemented, lambda v, only=only: v == only, repr), None)
     column = 1 if family == "gpt2" else 3  # of FIELDS' rows: this family's key; next, its default
     keys = {field: row[column] for field, row in FIELDS.items()}
     values = {
@@ -100,11 +115,11 @@ def read_config(folder) -> Config:
 
 # Our parameters -> their checkpoint names in (GPT-2, NeoX). A block's are ours after "blocks.{i}."
 # and theirs after "h.{i}." or "gpt_neox.layers.{i}."; our "_w"/"_b" ending (or none) and
-# ".weight"/".bias" are theirs ".weight"/".bias". GPT-2 ties the head to wte; NeoX has no wpe.
+# ".weight"/".bias" are theirs ".weight"/".bias". A tied head is wte; NeoX has no wpe.
 HF_NAMES = {
     "wte": ("wte", "gpt_neox.embed_in"),
     "wpe": ("wpe", None),
-    "head": (None, "embed_out"),
+    "head": ("lm_head", "embed_out"),
     "ln_f": ("ln_f", "gpt_neox.final_layer_norm"),
     "ln1": ("ln_1", "input_layernorm"),
     "ln2": ("ln_2", "post_attention_layernorm"),
@@ -113,11 +128,12 @@ HF_NAMES = {
     "fc": ("mlp.c_fc", "mlp.dense_h_to_4h"),
     "proj": ("mlp.c_proj", "mlp.dense_4h_to_h"),
 }
-# The endings of stored names that are not weights (masks, rotary tables, GPT-2's tied head).
+# The endings of stored names that are not weights (masks, rotary tables), and of a tied head's.
 BUFFERS = {
-    "gpt2": (".attn.bias", ".masked_bias", "lm_head.weight"),
+    "gpt2": (".attn.bias", ".masked_bias"),
     "neox": (".attention.bias", ".masked_bias", ".rotary_emb.inv_freq"),
 }
+LAYER = re.compile(r"(?:transformer\.)?(?:h|gpt_neox\.layers)\.(\d+)\.")
 
 
 def hf_name(ours: str, neox: bool) -> str:
@@ -142,9 +158,16 @@ def from_neox(ours: str, t: torch.Tensor, cfg: Config) -> torch.Tensor:
 def stored_names(stored, file: Path, cfg: Config) -> dict:
     """{our parameter: its name in safetensors `stored`}, checked from the header alone: every
     stored tensor (but buffers) one of ours, in the checkpoint's layout, and each of ours stored
-    once (two names for one tensor: neither may silently win)."""
+    once (two names for one tensor: neither may silently win). The layer count is checked first,
+    so a config claiming a million layers fails before a million modules are built."""
     neox = cfg.family == "neox"
-    with torch.device("meta"):  # nothing allocated; GPT-2's tied head is wte, listed once
+    layers = 1 + max((int(m[1]) for n in stored.keys() if (m := LAYER.match(n))), default=-1)
+    if layers != cfg.n_layer:
+        key = FIELDS["n_layer"][3 if neox else 1]
+        raise CheckpointError(
+            f"{file} holds {layers} layers; config.json's {key!r} says {cfg.n_layer}"
+        )
+    with torch.device("meta"):  # nothing allocated; a tied head is wte, listed once
         params = dict(Model(cfg).named_parameters())
     # NeoX stores Linear weights [out, in]
     theirs = {o: list((p.T if neox and o.endswith("_w") else p).shape) for o, p in params.items()}
@@ -153,8 +176,9 @@ def stored_names(stored, file: Path, cfg: Config) -> dict:
     prefixed = {f"transformer.{name}": ours for name, ours in ours_of.items()}
     ours_of |= {"lm_head.weight": "head"} if neox else prefixed
     sources = {}
+    ignored = BUFFERS[cfg.family] + (("lm_head.weight", "embed_out.weight") * cfg.tied_head)
     for name in stored.keys():
-        if name.endswith(BUFFERS[cfg.family]):
+        if name.endswith(ignored):
             continue
         ours = ours_of.get(name)
         if ours is None:
@@ -186,8 +210,7 @@ def converted(stored, name: str, dtype: torch.dtype, file: Path) -> torch.Tensor
     if bad.any():
         found = f"{int(bad.sum())} NaN or inf value(s), first at index {bad.nonzero()[0].tolist()}"
         raise CheckpointError(f"{what} holds {found}; expected finite weights")
-    narrow = torch.finfo(dtype).max < torch.finfo(torch.float32).max  # e.g. float16
-    wider = ", or load in float32" if narrow else ""
+    wider = ", or load in float32" if torch.finfo(dtype).max < 3.4e38 else ""  # e.g. float16
     beyond = f"values up to {tensor.abs().max().item():.4g}, beyond {dtype}'s range"
     raise CheckpointError(f"{what} has {beyond}; expected them to fit{wider}")
 

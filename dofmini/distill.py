@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .checkpoint import CheckpointError
-from .dof import as_token_ids, capture
+from .dof import as_token_ids, capture, check_args
 from .files import as_json, changed_settings
 from .linear_attention import unit_features
 from .students import make_student, read_tensors, save_student, save_tensors, trainable
@@ -46,6 +46,7 @@ class TrainSettings:
                 f"TrainSettings: need ctx >= 2, the other counts >= 1, dtype in {list(DTYPES)}; "
                 f"got {', '.join(bad)} dtype={self.dtype!r}"
             )
+        check_args("TrainSettings", "a positive finite number", lr=self.lr, lr_a=self.lr_a)
 
     def record(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if not k.endswith("_every")}
@@ -111,7 +112,7 @@ def _train(student, step_fn, token_ids, what: str, s: TrainSettings, out_path, l
     non-finite one stops training."""
     if s.ctx > student.config.n_ctx:
         raise ValueError(f"{what}: need ctx <= {student.config.n_ctx}; got ctx={s.ctx}")
-    token_ids = as_token_ids(token_ids, s.ctx, what)
+    token_ids = as_token_ids(token_ids, s.ctx, what, student.config.vocab_size)
     params = trainable(student)
     groups = [{"params": [p for n, p in params.items() if n.endswith(".a") == a], "lr": lr}
               for a, lr in ((False, s.lr), (True, s.lr_a))]  # fmt: skip

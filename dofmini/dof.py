@@ -2,6 +2,7 @@
 Vendorable: torch and the standard library only."""
 
 import math
+import numbers
 from fractions import Fraction
 
 import torch
@@ -64,12 +65,35 @@ def capture(model, ids):
     return layers
 
 
-def as_token_ids(token_ids, need: int, what: str) -> torch.Tensor:
-    """token_ids as a 1-D CPU LongTensor of at least `need` tokens, or a named error."""
+def as_token_ids(token_ids, need: int, what: str, vocab: int) -> torch.Tensor:
+    """token_ids as a 1-D CPU LongTensor of at least `need` ids in [0, vocab), or a named error
+    (a float or negative id would index the embedding silently wrong)."""
     token_ids = torch.as_tensor(token_ids)
-    if token_ids.dim() != 1 or len(token_ids) < need:
-        raise ValueError(f"{what}: token_ids {tuple(token_ids.shape)}; need 1-D, >= {need} tokens")
+    whole = token_ids.dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+    if token_ids.dim() != 1 or len(token_ids) < need or not whole:
+        got = f"{token_ids.dtype} {tuple(token_ids.shape)}"
+        raise ValueError(f"{what}: token_ids {got}; need 1-D integers, >= {need} tokens")
+    if len(token_ids) and not 0 <= token_ids.min() <= token_ids.max() < vocab:
+        span = f"{token_ids.min()}..{token_ids.max()}"
+        raise ValueError(f"{what}: token ids span {span}; expected ids in [0, {vocab})")
     return token_ids.long().cpu().contiguous()
+
+
+REAL = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+ARGUMENT_KINDS = {
+    "an integer >= 1": lambda v: isinstance(v, numbers.Integral) and REAL(v) and v >= 1,
+    "an integer >= 0": lambda v: isinstance(v, numbers.Integral) and REAL(v) and v >= 0,
+    "a finite number >= 0": lambda v: REAL(v) and v >= 0,
+    "a positive finite number": lambda v: REAL(v) and v > 0,
+}
+
+
+def check_args(what: str, expected: str, **values) -> None:
+    """A ValueError naming function `what`, the argument and its value, unless every one of
+    `values` is `expected` (a key of ARGUMENT_KINDS): one check for every public size and rate."""
+    for name, value in values.items():
+        if not ARGUMENT_KINDS[expected](value):
+            raise ValueError(f"{what}: {name}={value!r}; expected {expected}")
 
 
 def sample_queries_keys(model, token_ids, J=1024, seed=0, ctx=None, batch=8):
@@ -80,7 +104,8 @@ def sample_queries_keys(model, token_ids, J=1024, seed=0, ctx=None, batch=8):
     cfg, ctx = model.config, model.config.n_ctx if ctx is None else ctx
     if not 1 <= ctx <= cfg.n_ctx:
         raise ValueError(f"sample_queries_keys: ctx={ctx}; need 1 <= ctx <= n_ctx = {cfg.n_ctx}")
-    token_ids = as_token_ids(token_ids, ctx, "sample_queries_keys")
+    check_args("sample_queries_keys", "an integer >= 1", J=J, batch=batch)
+    token_ids = as_token_ids(token_ids, ctx, "sample_queries_keys", cfg.vocab_size)
     n_win, pool = token_ids.numel() // ctx, 2 * ctx
     if n_win * pool < J:
         raise ValueError(
@@ -135,13 +160,11 @@ def allocate(layer_dof, budget, rule="proportional", cap=None, aggregate="max"):
     if not (math.isfinite(gamma) and gamma >= 0):
         raise ValueError(f"allocate: rule {rule!r}; expected 'proportional' or 'power:γ', γ >= 0")
     dof = torch.as_tensor(layer_dof, dtype=torch.float64)  # [L] or [L, H]
-    if dof.dim() == 2:
+    if dof.dim() == 2 and dof.numel():
         dof = dof.amax(-1) if aggregate == "max" else dof.mean(-1)  # [L]
     if dof.dim() != 1 or len(dof) == 0 or not (torch.isfinite(dof) & (dof > 0)).all():
         raise ValueError(f"allocate: need positive finite layer_dof [L] or [L, H], got {layer_dof}")
-    for name, n in (("budget", budget), ("cap", 1 if cap is None else cap)):
-        if int(n) != n or n < 1:
-            raise ValueError(f"allocate: {name} must be an integer >= 1, got {n}")
+    check_args("allocate", "an integer >= 1", budget=budget, cap=1 if cap is None else cap)
     weights = dof.pow(gamma)  # [L] x^1.0 is x exactly, so "power:1" is "proportional"
     if not (torch.isfinite(weights) & (weights > 0)).all():
         raise ValueError(f"allocate: rule {rule!r} takes DoF^{gamma:g} out of float64's range")

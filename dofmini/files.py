@@ -12,6 +12,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 CONNECT_SECONDS = 4.0  # all hosts are tried at once, so an offline machine hears back within this
 
 
@@ -30,9 +32,9 @@ def atomic_write(path, write) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         write(tmp)
         os.replace(tmp, path)
-    except OSError as err:
-        reason = err.strerror or str(err)
-        raise OSError(err.errno, f"cannot write {path}: {reason}", str(path)) from None
+    except (OSError, SafetensorError) as err:  # safetensors wraps a full disk's error in its own
+        why, number = getattr(err, "strerror", None) or err, getattr(err, "errno", None)
+        raise OSError(number, f"cannot write {path}: {why}", str(path)) from None
     finally:
         with contextlib.suppress(OSError):  # in a read-only folder even this fails
             tmp.unlink(missing_ok=True)

@@ -4,6 +4,8 @@ linear layers), then each new token costs one call: O(M·d) per linear layer at 
 
 import torch
 
+from .dof import as_token_ids, check_args
+
 
 @torch.no_grad()
 def generate(model, prompt_ids, n: int, temperature=0.0, top_k=None, seed=None):
@@ -12,18 +14,22 @@ def generate(model, prompt_ids, n: int, temperature=0.0, top_k=None, seed=None):
     temperature 0 is greedy (argmax; seed and top_k unused); above 0 it samples from
     softmax(logits / temperature), over the top_k most likely tokens when top_k is given, and needs
     an explicit seed so that every run can be repeated exactly."""
+    check_args("generate", "an integer >= 0", n=n)
+    check_args("generate", "a finite number >= 0", temperature=temperature)
     as_list = isinstance(prompt_ids, (list, tuple))
-    ids = torch.as_tensor(prompt_ids, dtype=torch.long)
+    ids = torch.as_tensor(prompt_ids)
     home, flat = ids.device, ids.dim() == 1
     ids = ids[None] if flat else ids  # [B, T]
-    if ids.dim() != 2 or ids.shape[1] < 1 or n < 0:
-        got = f"shape {tuple(ids.shape)}, n={n}"
-        raise ValueError(f"generate: need prompt_ids [B, T] or [T], T >= 1, n >= 0; got {got}")
+    if ids.dim() != 2 or ids.shape[1] < 1:
+        raise ValueError(
+            f"generate: need prompt_ids [B, T] or [T], T >= 1; got shape {tuple(ids.shape)}"
+        )
     (B, T), cfg = ids.shape, model.config
+    ids = as_token_ids(ids.flatten(), 1, "generate", cfg.vocab_size).view(B, T)  # [B, T]
     if T + n > cfg.n_ctx:
         got = f"prompt of {T} tokens + {n} new = {T + n} positions"
         raise ValueError(f"generate: {got}; {cfg.name or 'the model'} has n_ctx={cfg.n_ctx}")
-    if temperature < 0 or (temperature > 0 and seed is None) or (top_k is not None and top_k < 1):
+    if (temperature > 0 and seed is None) or (top_k is not None and top_k < 1):
         got = f"temperature={temperature}, seed={seed}, top_k={top_k}"
         need = "temperature >= 0, an explicit seed when sampling, top_k >= 1"
         raise ValueError(f"generate: need {need}; got {got}")

@@ -24,6 +24,7 @@ class Config:
     rotary_dim: int = 0  # NeoX: rotated dims per head (the first ones)
     rotary_base: float = 10000.0
     parallel_residual: bool = False
+    tied_head: bool = True  # the output head is the token embedding (GPT-2's default)
     name: str = ""
     bos_token_id: int | None = None  # hub.load_tokenizer checks both against the tokenizer
     eos_token_id: int | None = None
@@ -137,8 +138,7 @@ class Model(nn.Module):
         self.wpe = _weight(cfg.n_ctx, cfg.d_model) if cfg.family == "gpt2" else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model, cfg.eps)
-        # GPT-2 ties the output head to the token embedding
-        self.head = self.wte if cfg.family == "gpt2" else _weight(cfg.vocab_size, cfg.d_model)
+        self.head = self.wte if cfg.tied_head else _weight(cfg.vocab_size, cfg.d_model)
         self.requires_grad_(False)  # a frozen teacher, its LayerNorms included
 
     def forward(self, ids, start=0, caches=None, capture=None, keep=None):
@@ -147,8 +147,9 @@ class Model(nn.Module):
         [B, H, T, d]. keep: a bool mask [B, T]; only kept positions pass the final norm and head
         (most of a small model's cost), giving [N = keep.sum(), V] in row-major order."""
         T, cfg = ids.shape[1], self.config
-        if start + T > cfg.n_ctx:
-            raise ValueError(f"positions up to {start + T} requested; {cfg.name} has {cfg.n_ctx}")
+        if start < 0 or start + T > cfg.n_ctx:
+            asked = f"positions {start}..{start + T - 1} requested"
+            raise ValueError(f"{asked}; {cfg.name} has 0..{cfg.n_ctx - 1}")
         if keep is not None and (keep.dtype != torch.bool or keep.shape != ids.shape):
             got, want = f"{keep.dtype} {list(keep.shape)}", list(ids.shape)
             raise ValueError(f"keep is {got}; expected a torch.bool mask shaped like ids {want}")

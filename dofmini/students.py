@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from .checkpoint import CheckpointError
 from .dijiang import to_dijiang
+from .dof import check_args
 from .files import as_json, atomic_write
 from .linear_attention import replace_attention
 
@@ -25,6 +26,7 @@ def sharing_copy(teacher):
 def make_student(teacher, kind: str, dims, feature_seed: int, orthogonal: bool = True):
     """An untrained student: "dijiang", or "prf" with dims[i] PRF features in layer i, seed
     feature_seed + i (FAVOR+ orthogonal blocks unless orthogonal=False; untrained: Performer)."""
+    check_args("make_student", "an integer >= 1", **{f"dims[{i}]": m for i, m in enumerate(dims)})
     dims = [int(m) for m in dims]
     if len(dims) != teacher.config.n_layer:
         raise ValueError(f"make_student: {len(dims)} dims for {teacher.config.n_layer} layers")

@@ -5,10 +5,11 @@ came back: a clear error (non-zero exit, one "reproduce.py: ..." message, no tra
 (exit 0 and the expected effect), silent wrong (exit 0 without it), or a raw traceback. Prints a
 table; exits 1 if any probe is silent wrong or a traceback.
 
-    python tests/probe_faults.py
+    python tests/probe_faults.py [PATTERN]   # only the probes whose name PATTERN finds (re)
 """
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -48,19 +49,26 @@ def edit_tensors(folder: Path, change):
 
 def main():
     with tempfile.TemporaryDirectory() as folder:
-        bad = probe_all(Path(folder))
+        bad = probe_all(Path(folder), sys.argv[1] if len(sys.argv) > 1 else "")
     sys.exit(1 if bad else 0)
 
 
-def probe_all(root: Path) -> list:
-    """Every probe under `root`; prints the table and returns the silent wrong and tracebacks."""
+def probe_all(root: Path, only: str = "") -> list:
+    """Every probe under `root` (those whose name the regex `only` finds); prints the table and
+    returns the silent wrong and tracebacks."""
     model, env = tiny_store(root)
     baseline = reproduce(model, env=env, out=root / "base")
     assert baseline.returncode == 0, baseline.stderr
     results = json.loads((root / "base" / "results.json").read_text())
     rows = []
+    same = lambda d: json.loads(
+        (Path(d.args[d.args.index("--out") + 1]) / "results.json").read_text()
+    )["students"]
+    strip = lambda s: {k: {f: v for f, v in r.items() if "seconds" not in f} for k, r in s.items()}
 
     def probe(kind, name, setup=None, args=(), expect_ok=None, out=None, model_dir=None):
+        if not re.search(only, name):
+            return
         case = root / f"case{len(rows)}"
         case.mkdir()
         folder, case_env = case / "gpt2-tiny", {**env}  # the folder's name is in the identity
@@ -187,6 +195,43 @@ def probe_all(root: Path) -> list:
         ("n_positions 16 (ctx 64)", '"n_positions": 64', '"n_positions": 16'),
     ]:
         probe("checkpoint", f"config: {label}", config(old, new))
+
+    def config_edit(**fields):  # keys "a.b" set key b of the object at a
+        def setup(folder, case, case_env):
+            config = json.loads((folder / "config.json").read_text())
+            for key, value in fields.items():
+                parent, _, leaf = key.replace("__", ".").rpartition(".")
+                (config.setdefault(parent, {}) if parent else config)[leaf] = value
+            (folder / "config.json").write_text(json.dumps(config))
+
+        return setup
+
+    for label, fields in [
+        ("scale_attn_by_inverse_layer_idx true", dict(scale_attn_by_inverse_layer_idx=True)),
+        ("scale_attn_weights false", dict(scale_attn_weights=False)),
+        ("n_layer 1000000 (weights for 2)", dict(n_layer=1_000_000)),
+        ("tie_word_embeddings false without lm_head", dict(tie_word_embeddings=False)),
+    ]:
+        probe("checkpoint", f"config: {label}", config_edit(**fields))
+
+    def untied(folder, case, case_env):
+        config_edit(tie_word_embeddings=False)(folder, case, case_env)
+        edit_tensors(folder, lambda t: t.update({"lm_head.weight": torch.zeros(96, 32)}))
+
+    probe(
+        "checkpoint",
+        "config: tie_word_embeddings false, its own lm_head (zeros: uniform, ppl = vocab 96)",
+        untied,
+        expect_ok=lambda d: (
+            abs(
+                json.loads((Path(d.args[d.args.index("--out") + 1]) / "results.json").read_text())[
+                    "teacher"
+                ]["wikitext2_ppl"]
+                - 96
+            )
+            < 1e-3
+        ),
+    )
     for label, change in [
         ("empty model.safetensors", lambda b: b""),
         ("header length only", lambda b: b[:8]),
@@ -277,6 +322,22 @@ def probe_all(root: Path) -> list:
 
         return setup
 
+    lines = lambda t: t.splitlines(keepends=True)
+    corpus_row = next(
+        r for r in lines(Path(env["DOFMINI_DATA_REGISTRY"]).read_text()) if "tiny" in r
+    )
+    for label, edit in [
+        ("a corpus row listed twice", lambda t: t + corpus_row),
+        ("a registry without its header", lambda t: "".join(lines(t)[1:])),
+        ("a registry without a row the run reads", lambda t: t.replace(lines(t)[1], "")),
+    ]:
+        probe("data", label, registry(edit))
+
+    def reordered(folder, case, case_env):  # the same rows in another order: the same result
+        registry(lambda t: lines(t)[0] + "".join(reversed(lines(t)[1:])))(folder, case, case_env)
+
+    probe("data", "registry rows reordered", reordered,
+          expect_ok=lambda d: strip(same(d)) == strip(results["students"]))  # fmt: skip
     probe("data", "$DOFMINI_DATA_REGISTRY names no file",
           lambda f, c, e: e.update(DOFMINI_DATA_REGISTRY=str(c / "absent.tsv")))  # fmt: skip
     probe(
@@ -292,6 +353,12 @@ def probe_all(root: Path) -> list:
         case_env["DOFMINI_DATA_MIRROR"] = "http://127.0.0.1:9"
 
     probe("data", "a missing file and a mirror on a closed port", mirror_closed)
+
+    def mirror_folder(folder, case, case_env):
+        (store_copy(case_env, case) / valid).unlink()
+        case_env["DOFMINI_DATA_MIRROR"] = str(case / "mirror")  # a plain path, not a URL
+
+    probe("data", "a missing file and DOFMINI_DATA_MIRROR a plain folder path", mirror_folder)
     probe("data", "--data a folder that does not exist (every file missing)",
           args=["--data", root / "nowhere"])  # fmt: skip
 
@@ -305,6 +372,12 @@ def probe_all(root: Path) -> list:
              "--budgets 8 --loss softmax:16"]  # fmt: skip
     for flag in flags:
         probe("flags", flag, args=flag.split())
+    for flag in ("--variants", "--budgets", "--seeds", "--loss"):
+        probe("flags", f"{flag} ''", args=[flag, ""])
+    probe("flags", "--out a 300-character name", out=root / ("a" * 300))
+    probe("flags", "--data a 300-character name", args=["--data", root / ("d" * 300)])
+    probe("flags", "--variants fix,oracle --budgets 4", args=["--variants", "fix,oracle",
+          "--budgets", "4"])  # fmt: skip
     probe("flags", "--out ''", out="")
     probe(
         "flags",
@@ -314,7 +387,8 @@ def probe_all(root: Path) -> list:
     )
     command = [sys.executable, str(REPO / "reproduce.py"), "gtp2"]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
-    rows.append(("flags", "a mistyped model name (gtp2)", classify(done), done.stderr.strip()))
+    if re.search(only, "a mistyped model name (gtp2)"):
+        rows.append(("flags", "a mistyped model name (gtp2)", classify(done), done.stderr.strip()))
 
     held = []
 
@@ -337,10 +411,6 @@ def probe_all(root: Path) -> list:
             students / "fix-softmax-b8-s0.safetensors", students / "dof-softmax-b8-s0.safetensors"
         )
 
-    same = lambda d: json.loads(
-        (Path(d.args[d.args.index("--out") + 1]) / "results.json").read_text()
-    )["students"]
-    strip = lambda s: {k: {f: v for f, v in r.items() if "seconds" not in f} for k, r in s.items()}
     probe(
         "runs",
         "another student's tensors under a student's name",
@@ -390,7 +460,8 @@ def probe_all(root: Path) -> list:
         probe("runs", label, damaged_run(name, change),
               expect_ok=lambda d: strip(same(d)) == strip(results["students"]))  # fmt: skip
 
-    for sig, at in [(signal.SIGINT, "[3/"), (signal.SIGKILL, "[4/"), (signal.SIGTERM, "[5/")]:
+    interrupts = [(signal.SIGINT, "[3/"), (signal.SIGKILL, "[4/"), (signal.SIGTERM, "[5/")]
+    for sig, at in interrupts if not only else []:
         case = root / f"interrupt-{sig.name}"
         case.mkdir()
         command = [sys.executable, str(REPO / "reproduce.py"), str(model), "--profile", "quick"]

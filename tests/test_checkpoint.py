@@ -143,6 +143,30 @@ BAD_CONFIGS = [
         {"model_type": "llama"},
         r": 'model_type' is 'llama'; expected 'gpt2' or 'gpt_neox'",
     ),
+    # settings that change the model and are not implemented: refused by name, never ignored
+    (
+        "gpt2-tiny",
+        {"scale_attn_by_inverse_layer_idx": True},
+        r": 'scale_attn_by_inverse_layer_idx' is True; expected false, the only setting",
+    ),
+    ("gpt2-tiny", {"scale_attn_weights": False}, r": 'scale_attn_weights' is False; expected true"),
+    (
+        "neox-tiny",
+        {"rope_scaling": {"type": "linear", "factor": 4.0}},
+        r": 'rope_scaling' is \{'type': 'linear', 'factor': 4.0\}; expected null, the only",
+    ),
+    (
+        "neox-tiny",
+        {"rope_parameters.rope_type": "linear"},
+        r": 'rope_parameters.rope_type' is 'linear'; expected \"default\"",
+    ),
+    ("neox-tiny", {"attention_bias": False}, r": 'attention_bias' is False; expected true"),
+    (
+        "neox-tiny",
+        {"rotary_pct": 1.0},
+        r": 'rotary_pct' is 1.0 but 'rope_parameters.partial_rotary_factor' is 0.25; expected one",
+    ),
+    ("gpt2-tiny", {"tie_word_embeddings": "no"}, r": 'tie_word_embeddings' is 'no'; expected true"),
 ]
 
 
@@ -160,6 +184,44 @@ def test_bad_config_field_is_named(tmp_path, name, edit, message):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="config.json" + message):
         load(folder)
+
+
+def test_agreeing_spellings_of_one_setting_load():
+    folder = FIXTURES / "neox-tiny"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["rope_parameters"]["partial_rotary_factor"] == 0.25
+    assert load(folder).config.rotary_dim == 2  # 0.25 of 8 dims per head
+
+
+def test_an_untied_gpt2_head_is_its_own_lm_head(gpt2_copy):
+    """tie_word_embeddings false: logits are the final hidden state times the stored lm_head,
+    computed here directly from the tied model's final norm (it was wte before)."""
+    ids = torch.tensor([[1, 5, 9, 33, 70, 2]])
+    tied = load(gpt2_copy)
+    final = []
+    tied.ln_f.register_forward_hook(lambda module, args, out: final.append(out))
+    tied_logits = tied(ids)  # [1, T, V]
+    own_head = torch.randn(96, 32, generator=torch.Generator().manual_seed(0))  # [V, D]
+    rewrite_tensors(gpt2_copy, lambda t: t.update({"lm_head.weight": own_head}))
+    assert torch.equal(load(gpt2_copy)(ids), tied_logits)  # tied: a stored lm_head is not used
+    config = json.loads((gpt2_copy / "config.json").read_text())
+    (gpt2_copy / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    untied = load(gpt2_copy)
+    assert untied.head is not untied.wte
+    torch.testing.assert_close(untied(ids), final[0] @ own_head.T, rtol=0, atol=1e-5)
+    assert (untied(ids) - tied_logits).abs().max() > 1
+    rewrite_tensors(gpt2_copy, lambda t: t.pop("lm_head.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'lm_head.weight' .*\[96, 32\]"):
+        load(gpt2_copy)
+
+
+@pytest.mark.parametrize("n_layer", [3, 1, 1_000_000])
+def test_a_layer_count_unlike_the_weights_is_refused_before_building(gpt2_copy, n_layer):
+    config = json.loads((gpt2_copy / "config.json").read_text())
+    (gpt2_copy / "config.json").write_text(json.dumps({**config, "n_layer": n_layer}))
+    message = rf"model.safetensors holds 2 layers; config.json's 'n_layer' says {n_layer}$"
+    with pytest.raises(CheckpointError, match=message):
+        load(gpt2_copy)
 
 
 def test_config_that_is_not_an_object_is_named(gpt2_copy):

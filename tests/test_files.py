@@ -56,3 +56,20 @@ def test_a_full_disk_is_named_with_the_file_and_leaves_nothing(tmp_path):
         atomic_write(target, write)
     assert err.value.errno == errno.ENOSPC and err.value.filename == str(target)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_student_that_cannot_be_saved_is_named_and_leaves_nothing(tmp_path):
+    """safetensors reports a failed write as its own SafetensorError, not an OSError: a run must
+    still end in one line naming the file. A folder where its temporary goes makes it fail."""
+    import os
+
+    import torch
+
+    from dofmini.students import save_tensors
+
+    target = tmp_path / "students" / "fix-softmax-b8-s0.safetensors"
+    blocker = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    blocker.mkdir(parents=True)
+    with pytest.raises(OSError, match=f"cannot write {target}: .*Is a directory") as err:
+        save_tensors({"z": torch.zeros(2)}, target, {})
+    assert err.value.filename == str(target) and not target.exists()

@@ -148,3 +148,43 @@ def test_input_forms_and_errors():
         generate(model, prompt, 3, temperature=1.0)
     with pytest.raises(ValueError, match="shape"):
         generate(model, torch.zeros(1, 0, dtype=torch.long), 3)
+
+
+def bad_calls():
+    """(call on the gpt2-tiny fixture, the error it must raise): each public function refuses a
+    value that would run silently wrong or fail deep inside, naming the function and the value."""
+    from dofmini.distill import TrainSettings
+    from dofmini.dof import allocate, estimate_dof
+    from dofmini.students import make_student
+    from dofmini.study.evaluate import layer_errors, perplexity
+
+    ids = torch.arange(64) % 96  # [64] valid ids
+    return [
+        (lambda m: generate(m, [1, -2, 3], 2), r"generate: token ids span -2..3; expected .*96\)"),
+        (lambda m: generate(m, [1.5, 2.0], 2), r"generate: token_ids torch.float32 .* integers"),
+        (lambda m: generate(m, [1, 96], 2), r"generate: token ids span 1..96; expected ids in"),
+        (lambda m: generate(m, [1], 2.5), r"generate: n=2.5; expected an integer >= 0"),
+        (lambda m: generate(m, [1], -1), r"generate: n=-1; expected an integer >= 0"),
+        (lambda m: generate(m, [1], 2, temperature=float("nan"), seed=0), r"temperature=nan"),
+        (lambda m: estimate_dof(m, -ids, 0.1, J=8, ctx=16), r"sample_queries_keys: token ids"),
+        (lambda m: estimate_dof(m, ids.float(), 0.1, J=8, ctx=16), r"torch.float32 \(64,\)"),
+        (lambda m: estimate_dof(m, ids, 0.1, J=-5, ctx=16), r"J=-5; expected an integer >= 1"),
+        (lambda m: perplexity(m, ids - 5, 16), r"perplexity: token ids span -5..58"),
+        (lambda m: perplexity(m, ids + 0.5, 16), r"perplexity: token_ids torch.float32"),
+        (lambda m: m(ids[None, :4], -5), r"positions -5..-2 requested; .* has 0..63"),
+        (lambda m: make_student(m, "prf", [2.5, 8], 0), r"make_student: dims\[0\]=2.5; expected"),
+        (lambda m: make_student(m, "prf", [8, 0], 0), r"make_student: dims\[1\]=0; expected"),
+        (lambda m: TrainSettings(lr=float("nan")), r"TrainSettings: lr=nan; expected a positive"),
+        (lambda m: TrainSettings(lr_a=-1.0), r"TrainSettings: lr_a=-1.0; expected a positive"),
+        (lambda m: layer_errors(m, m, ids, 16, 2, chunk=2.5), r"layer_errors: chunk=2.5"),
+        (lambda m: allocate([1.0, 2.0], float("nan")), r"allocate: budget=nan; expected an int"),
+        (lambda m: allocate([[], []], 8), r"allocate: need positive finite layer_dof"),
+        (lambda m: allocate([], 8), r"allocate: need positive finite layer_dof"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(bad_calls())))
+def test_public_functions_refuse_bad_values_by_name(index):
+    call, message = bad_calls()[index]
+    with pytest.raises(ValueError, match=message):
+        call(load(FIXTURES / "gpt2-tiny"))

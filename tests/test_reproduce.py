@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import FIXTURES, REPO, data_path, shared_path, tiny_store
+from safetensors.torch import load_file, save_file
 
 TASKS = {"piqa", "arc_easy", "arc_challenge", "winogrande", "wsc273", "mmlu", "logiqa", "lambada"}
 TRAINING_LINE = re.compile(r"^(softmax|l2|direct) \d+/\d+: loss", re.M)  # distill's progress lines
@@ -45,7 +46,7 @@ def test_the_whole_pipeline_runs_in_a_fresh_clone_then_reruns_computing_nothing(
     assert json.loads((out / "results.json").read_text())["students"] == results["students"]
 
 
-def reproduce(*args, timeout=900, env=None):
+def reproduce(*args, timeout=900, env=None):  # a hang guard, not a speed claim
     return subprocess.run([sys.executable, str(REPO / "reproduce.py"), *map(str, args)],
                           capture_output=True, text=True, timeout=timeout, cwd=REPO,
                           env=env)  # fmt: skip
@@ -163,6 +164,13 @@ def test_a_damaged_student_file_is_trained_again(grid_run, tmp_path):
     (["{tiny}", "--budgets", "8,x"], "--budgets '8,x': expected comma-separated integers"),
     (["{tiny}", "--out", "{file}"], "exists and is not a directory"),
     (["{tiny}", "--out", ""], "--out '': expected a folder"),
+    (["{tiny}", "--variants", ""], "--variants '': expected a value, or no flag"),
+    (["{tiny}", "--budgets", ""], "--budgets '': expected a value"),
+    (["{tiny}", "--seeds", ""], "--seeds '': expected a value"),
+    (["{tiny}", "--loss", ""], "--loss '': expected a value"),
+    (["{tiny}", "--out", "{long}"], "/" + "a" * 300 + ": File name too long"),
+    (["{tiny}", "--data", "{long}"], "/" + "a" * 300 + ": File name too long"),
+    (["{long}"], "/" + "a" * 300 + ": File name too long"),
     (["gtp2"], "unknown model 'gtp2'"),
     (["gtp2"], "did you mean 'gpt2'?"),
     (["{tiny}", "--seed", "3", "--seeds", "1"], "--seed 3 and --seeds 1: give one of them"),
@@ -176,8 +184,9 @@ def test_a_damaged_student_file_is_trained_again(grid_run, tmp_path):
 def test_bad_values_give_one_line_before_model_work(tmp_path, args, message):
     (tmp_path / "file").write_text("x")
     fill = {"{empty}": tmp_path, "{tiny}": FIXTURES / "gpt2-tiny", "{file}": tmp_path / "file"}
+    fill["{long}"] = tmp_path / ("a" * 300)  # one name longer than the system allows
     env = {"PATH": "", "DOFMINI_DATA": str(tmp_path / "store"), "HOME": str(tmp_path)}
-    result = reproduce(*[fill.get(a, a) for a in args], timeout=120, env=env)
+    result = reproduce(*[fill.get(a, a) for a in args], timeout=600, env=env)
     assert result.returncode != 0
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""  # stopped before any work
@@ -186,7 +195,9 @@ def test_bad_values_give_one_line_before_model_work(tmp_path, args, message):
 @pytest.mark.parametrize("registry, message", [
     (None, "absent.tsv: No such file"),
     ("group\tpath\tbytes\tsha256\turl\nwikitext2\tx\t3\n", "line 2: 'wikitext2\\tx\\t3'"),
-    ("header\ncorpus\tx\tten\t" + "0" * 64 + "\thttps://h/x\n", "expected a group"),
+    ("group\tpath\tbytes\tsha256\turl\ncorpus\tx\tten\t" + "0" * 64 + "\thttps://h/x\n",
+     "expected a group"),
+    ("corpus\tx\t3\t" + "0" * 64 + "\thttps://h/x\n", "line 1: ['corpus\\tx\\t3"),
 ])  # fmt: skip
 def test_a_bad_data_registry_is_one_line_naming_it(tmp_path, registry, message):
     path = tmp_path / "absent.tsv"
@@ -194,7 +205,7 @@ def test_a_bad_data_registry_is_one_line_naming_it(tmp_path, registry, message):
         path.write_text(registry)
     env = {"PATH": "", "HOME": str(tmp_path), "DOFMINI_DATA_REGISTRY": str(path)}
     args = ["--data", tmp_path / "store", "--out", tmp_path / "out"]
-    result = reproduce(FIXTURES / "gpt2-tiny", *args, timeout=120, env=env)
+    result = reproduce(FIXTURES / "gpt2-tiny", *args, timeout=600, env=env)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.startswith(f"reproduce.py: error: cannot read {path}: ") or (
         str(path) in result.stderr and message in result.stderr
@@ -206,7 +217,7 @@ def test_a_bad_data_registry_is_one_line_naming_it(tmp_path, registry, message):
     torch.cuda.is_available(), reason="this machine has CUDA, so cuda is valid here"
 )
 def test_cuda_without_cuda_is_refused():
-    result = reproduce(FIXTURES / "gpt2-tiny", "--device", "cuda", timeout=120)
+    result = reproduce(FIXTURES / "gpt2-tiny", "--device", "cuda", timeout=600)
     assert result.returncode != 0 and "--device cuda is not available" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
@@ -255,7 +266,7 @@ def offline_env(tmp_path) -> dict:
 
 def test_offline_first_run_names_weights_and_data_in_one_message(tmp_path):
     env, out = offline_env(tmp_path), tmp_path / "out"
-    result = reproduce("gpt2", "--out", out, env=env, timeout=60)
+    result = reproduce("gpt2", "--out", out, env=env, timeout=600)
     assert result.returncode != 0 and "plan (probe" not in result.stdout  # before any model work
     assert "Traceback" not in result.stderr and result.stderr.count("reproduce.py: error:") == 1
     hub_url = f"{env['HF_ENDPOINT']}/openai-community/gpt2/resolve/main"
@@ -271,7 +282,7 @@ def test_offline_first_run_names_weights_and_data_in_one_message(tmp_path):
 
 def test_plan_only_with_nothing_downloaded_lists_what_is_missing(tmp_path):
     env, out = offline_env(tmp_path), tmp_path / "out"
-    result = reproduce("gpt2", "--plan-only", "--out", out, env=env, timeout=60)
+    result = reproduce("gpt2", "--plan-only", "--out", out, env=env, timeout=600)
     assert result.returncode == 0, result.stderr
     assert "not here yet (the stages" in result.stdout and "weights, 3 file(s)" in result.stdout
     assert "data, 86 file(s), 31.2 MB" in result.stdout and "86 to download" not in result.stderr
@@ -341,7 +352,7 @@ def test_ctrl_c_says_how_to_resume(tmp_path):
         if line.startswith("[1/"):
             run.send_signal(signal.SIGINT)
             break
-    _, err = run.communicate(timeout=120)
+    _, err = run.communicate(timeout=600)
     assert run.returncode != 0 and "Traceback" not in err
     assert "interrupted; run the same command again to resume" in err
 
@@ -356,3 +367,33 @@ def test_a_profile_setting_is_not_undone_by_an_absent_flag(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("True 400 ('fix', 'dof', 'dof_sqrt'")
+
+
+def test_oracle_budgets_outside_its_curves_are_refused_before_training(tmp_path):
+    model, env = tiny_store(tmp_path)
+    args = ["--profile", "quick", "--limit", "0", "--variants", "fix,oracle", "--budgets", "4"]
+    result = reproduce(model, *args, "--out", tmp_path / "o", env=env)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    refused = "budgets [4]: the oracle allocates between its curves' dims; expected budgets in 8"
+    assert refused in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "plan (" not in result.stdout and not TRAINING_LINE.search(result.stdout)
+    assert not list((tmp_path / "o").glob("students/*"))
+
+
+def test_a_context_shorter_than_the_profile_runs_to_its_continuation(tmp_path):
+    """n_positions 16 under the quick profile's ctx 64: windows of 16, and a continuation that
+    fits the 16 positions instead of a failure after results.json."""
+    model, env = tiny_store(tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "n_positions": 16}))
+    tensors = load_file(model / "model.safetensors")
+    tensors["transformer.wpe.weight"] = tensors["transformer.wpe.weight"][:16].clone()
+    save_file(tensors, model / "model.safetensors")
+    args = ["--profile", "quick", "--limit", "0", "--variants", "fix", "--out", tmp_path / "o"]
+    result = reproduce(model, *args, env=env)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert json.loads((tmp_path / "o" / "results.json").read_text())["config"]["ctx"] == 16
+    continuations = result.stdout.split("greedy continuations of ")[1].splitlines()
+    assert continuations[1].startswith("  teacher: ") and continuations[2].startswith(
+        "  fix/softmax/"
+    )

@@ -1,6 +1,9 @@
-import pytest
-from conftest import data_path
+import shutil
 
+import pytest
+from conftest import FIXTURES, data_path
+
+from dofmini.study.data import DataError
 from dofmini.study.tasks import TASK_SIZES, TASKS, load_task
 
 
@@ -94,3 +97,33 @@ def test_missing_file_is_named(tmp_path):
         load_task("piqa", tmp_path)
     with pytest.raises(ValueError, match="unknown task 'hellaswag'"):
         load_task("hellaswag", tmp_path)
+
+
+def test_mmlu_scores_only_the_subjects_the_registry_pins(tmp_path):
+    """A file the registry does not pin is neither scored nor hashed into results.json's inputs,
+    so it stays out of the examples."""
+    folder = shutil.copytree(FIXTURES / "tasks" / "mmlu", tmp_path / "mmlu")
+    before = load_task("mmlu", tmp_path)
+    shutil.copy(folder / "test" / "astronomy_test.csv", folder / "test" / "zz_extra_test.csv")
+    assert load_task("mmlu", tmp_path) == before
+    assert {e.group for e in before} == {"abstract_algebra", "astronomy"}
+
+
+# (task, its file in the fixtures, how one row is damaged): each of the seven formats
+MALFORMED = [
+    ("piqa", "piqa/valid.jsonl", lambda text: text.replace("}", "", 1)),  # not JSON
+    ("arc_easy", "arc/ARC-Easy-Test.jsonl", lambda text: text.replace('"answerKey"', '"x"', 1)),
+    ("winogrande", "winogrande/winogrande_1.1/dev.jsonl", lambda text: text.replace("_", " ", 1)),
+    ("wsc273", "wsc273/WSCollection.xml", lambda text: text[: len(text) // 2]),  # cut XML
+    ("mmlu", "mmlu/test/astronomy_test.csv", lambda text: "a question,A,B\n" + text),
+    ("logiqa", "logiqa/Test.txt", lambda text: text.replace("\nc\n", "\nz\n", 1)),  # not a..d
+    ("lambada", "lambada/lambada_openai.jsonl", lambda text: "[1, 2]\n" + text),
+]
+
+
+@pytest.mark.parametrize("name, path, damage", MALFORMED)
+def test_a_malformed_task_file_is_one_error_naming_the_task(tmp_path, name, path, damage):
+    folder = shutil.copytree(FIXTURES / "tasks", tmp_path / "tasks")
+    (folder / path).write_text(damage((folder / path).read_text()))
+    with pytest.raises(DataError, match=rf"a {name} file under {folder} is malformed: \w+"):
+        load_task(name, folder)

@@ -56,18 +56,21 @@ def _lines(file: Path) -> list:
 
 
 def read_registry(file: Path) -> tuple:
-    """The rows of a registry file (data_files.tsv's format), checked: a bad row stops here."""
-    rows = []
-    for number, line in enumerate(_lines(file)[1:], start=2):
+    """The rows of a registry file (data_files.tsv's format), checked: a bad row stops here, and
+    a path listed twice (its text would count twice) is a bad row."""
+    rows, lines, header = {}, _lines(file), "group\tpath\tbytes\tsha256\turl"
+    if lines[:1] != [header]:  # without it, the first row would be taken for the header
+        raise DataError(f"{file} line 1: {lines[:1]}; expected the header {header!r}")
+    for number, line in enumerate(lines[1:], start=2):
         cells = line.split("\t")
         valid = len(cells) == 5 and cells[0] in GROUPS and cells[2].isdigit()
-        if not valid or not re.fullmatch(r"[0-9a-f]{64}", cells[3]):
+        if not valid or cells[1] in rows or not re.fullmatch(r"[0-9a-f]{64}", cells[3]):
             raise DataError(
-                f"{file} line {number}: {line!r}; expected a group ({', '.join(GROUPS)}), path, "
-                "bytes, sha256 (64 hex) and URL, tab-separated"
+                f"{file} line {number}: {line!r}; expected a group ({', '.join(GROUPS)}), path "
+                "(not listed before), bytes, sha256 (64 hex) and URL, tab-separated"
             )
-        rows.append(DataFile(cells[0], cells[1], int(cells[2]), cells[3], cells[4]))
-    return tuple(rows)
+        rows[cells[1]] = DataFile(cells[0], cells[1], int(cells[2]), cells[3], cells[4])
+    return tuple(rows.values())
 
 
 @functools.cache
@@ -236,7 +239,7 @@ def fetch(url: str, what: str, tmp: Path, bar: bool = True) -> None:
             received = out.tell()
     except urllib.error.HTTPError as err:
         raise DataError(f"{what}: {url} answered HTTP {err.code} ({err.reason})") from None
-    except (OSError, http.client.HTTPException) as err:
+    except (OSError, http.client.HTTPException, ValueError) as err:  # ValueError: not a URL
         gone = isinstance(getattr(err, "reason", None), FileNotFoundError)  # file:// with no file
         retry = "" if gone else "; run again to retry"
         raise DataError(f"{what}: fetching {url} failed ({err}){retry}") from None

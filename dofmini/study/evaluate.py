@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..distill import as_token_ids, layer_pass
+from ..distill import as_token_ids, check_args, layer_pass
 from ..dof import capture
 from .tasks import TASKS, load_task
 
@@ -31,7 +31,9 @@ def perplexity(model, token_ids, ctx: int, batch: int = 8):
     n_pos = model.config.n_ctx
     if not 2 <= ctx <= n_pos:
         raise ValueError(f"ctx={ctx}: expected 2..{n_pos} (the positions of {model.config.name})")
-    token_ids = torch.as_tensor(token_ids).flatten().to(next(model.parameters()).device)
+    token_ids = torch.as_tensor(token_ids).flatten()
+    token_ids = as_token_ids(token_ids, 0, "perplexity", model.config.vocab_size)
+    token_ids = token_ids.to(next(model.parameters()).device)
     if len(token_ids) < ctx:
         raise ValueError(f"{len(token_ids)} tokens do not fill one window of ctx={ctx}")
     windows = token_ids.unfold(0, ctx, ctx)  # [W, ctx]
@@ -138,7 +140,10 @@ def layer_errors(teacher, student, token_ids, ctx, windows, offset=0, batch=4, c
     "kl_heads", each layer's KL per head. None for a layer without PRF `features` (DiJiang: its
     gate reads the block input, so it has no per-head output either)."""
     need = (offset + windows) * ctx
-    token_ids = as_token_ids(token_ids, need, "layer_errors")
+    check_args(
+        "layer_errors", "an integer >= 1", ctx=ctx, windows=windows, batch=batch, chunk=chunk
+    )
+    token_ids = as_token_ids(token_ids, need, "layer_errors", teacher.config.vocab_size)
     device = next(teacher.parameters()).device
     all_windows = token_ids[offset * ctx : need].view(windows, ctx).to(device)  # [W, ctx]
     sums = [{} for _ in student.blocks]

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from .data import DataError, files
+
 
 @dataclass
 class Example:
@@ -100,8 +102,8 @@ def load_mmlu(data_dir, per_subject=None) -> list:
     """Letter scoring, as the harness's default MMLU: the options are listed in the context, the
     continuations are " A" .. " D" (so acc_norm equals acc); the first `per_subject` of each."""
     folder = _file(data_dir, "mmlu/test/abstract_algebra_test.csv").parent
-    examples = []
-    for path in sorted(folder.glob("*_test.csv")):
+    examples, pinned = [], {Path(f.path).name for f in files("mmlu")}  # not another file there
+    for path in sorted(p for p in folder.glob("*_test.csv") if p.name in pinned):
         subject = path.name[: -len("_test.csv")]
         with open(path, newline="", encoding="utf-8") as f:
             rows = list(csv.reader(f))[:per_subject]
@@ -153,9 +155,11 @@ def load_task(name: str, data_dir, limit=None) -> list:
     subjects it macro-averages."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
-    if name == "mmlu":
-        return load_mmlu(data_dir, limit and -(-limit // 57))[:limit]
-    return TASKS[name](data_dir)[:limit]
+    per_subject = [limit and -(-limit // 57)] if name == "mmlu" else []
+    try:
+        return TASKS[name](data_dir, *per_subject)[:limit]
+    except (ValueError, LookupError, TypeError, ET.ParseError) as err:  # a malformed row
+        raise DataError(f"a {name} file under {data_dir} is malformed: {err!r}") from None
 
 
 # Examples per task and tokens one example puts through the model (its choices summed; MMLU's four
