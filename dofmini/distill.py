@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .checkpoint import CheckpointError
-from .dof import as_token_ids, capture
+from .model import as_token_ids, capture
 from .files import as_json, changed_settings
 from .students import make_student, read_tensors, save_student, save_tensors, trainable
 

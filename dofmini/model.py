@@ -160,3 +160,24 @@ class Model(nn.Module):
         if keep is not None:
             x = x[keep]  # [N, D]
         return self.ln_f(x) @ self.head.T  # [B, T, V], or [N, V] with keep
+
+
+@torch.no_grad()
+def capture(model, ids):
+    """Every layer's (q, k, v) [B, H, T, d] for ids [B, T], without the head's [B, T, V] logits
+    (1.6 GB a batch of 8 for GPT-2 at ctx 1024, and most of a small model's cost)."""
+    layers = []
+    model(ids, capture=layers, keep=torch.zeros_like(ids, dtype=torch.bool))
+    if len(layers) != model.config.n_layer:
+        n = model.config.n_layer
+        raise ValueError(f"capture: {len(layers)} layers reported, not {n}")
+    return layers
+
+
+def as_token_ids(token_ids, need: int, what: str) -> torch.Tensor:
+    """token_ids as a 1-D CPU LongTensor of at least `need` tokens, or a named error."""
+    token_ids = torch.as_tensor(token_ids)
+    if token_ids.dim() != 1 or len(token_ids) < need:
+        shape = tuple(token_ids.shape)
+        raise ValueError(f"{what}: token_ids {shape}; need 1-D, >= {need} tokens")
+    return token_ids.long().cpu().contiguous()

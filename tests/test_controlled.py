@@ -8,6 +8,7 @@ from conftest import REPO
 
 from dofmini import dof
 from dofmini.distill import TrainSettings, distill
+from dofmini.model import capture
 from dofmini.study.evaluate import layer_errors
 
 # The experiment's script lives with its results, outside the package.
@@ -23,7 +24,7 @@ TEMPERATURES = (0.5, 1.0, 2.0)
 def test_virtual_layers_scale_one_real_layer_and_order_dof(tiny, tiny_ids):
     virtual = VirtualTeacher(tiny, 1, TEMPERATURES)
     ids = tiny_ids[:64].view(2, 32)
-    (_, (q, k, v)), layers = dof.capture(tiny, ids), dof.capture(virtual, ids)
+    (_, (q, k, v)), layers = capture(tiny, ids), capture(virtual, ids)
     assert len(layers) == len(TEMPERATURES) == virtual.config.n_layer
     for s, (q_s, k_s, v_s) in zip(TEMPERATURES, layers):
         logits, scaled = q @ k.mT, q_s @ k_s.mT  # [B, H, T, T]

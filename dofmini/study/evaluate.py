@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..distill import as_token_ids, layer_pass
-from ..dof import capture
+from ..distill import layer_pass
+from ..model import as_token_ids, capture
 from .tasks import TASKS, load_task
 
 # the perplexity texts, relative to the data folder; each name is also its dofmini.data group
