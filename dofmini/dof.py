@@ -10,56 +10,45 @@ from .model import as_token_ids, capture
 
 
 def dof_by_definition(x, lam, normalize=True):
-    """The definition, for reading and for small tests: DoF [...] =
-    tr Σ̂(Σ̂+λI)⁻¹ = Σᵢ eᵢ/(eᵢ+λ) over Σ̂'s eigenvalues eᵢ, Σ̂ = G/J
-    (or G, normalize=False), G_ij = exp(xᵢᵀxⱼ/√d) for x [..., J, d].
-    G overflows at large norms and its small eigenvalues drown in
-    rounding: degrees_of_freedom computes the same number stably."""
+    """DoF [...] by its definition, to read and to test against: tr Σ̂(Σ̂+λI)⁻¹ = Σᵢ eᵢ/(eᵢ+λ)
+    over Σ̂'s eigenvalues eᵢ; Σ̂ = G/J (or G), G_ij = exp(xᵢᵀxⱼ/√d), x [..., J, d]."""
     J, d = x.shape[-2:]
-    x = x.double()  # [..., J, d]
-    gram = torch.exp(x @ x.mT / math.sqrt(d))  # [..., J, J]
-    e = torch.linalg.eigvalsh(gram / J if normalize else gram)
-    e = e.clamp(min=0)  # [..., J] a Gram is PSD: below 0 is rounding
-    return (e / (e + lam)).sum(-1)
+    gram = torch.exp(x.double() @ x.double().mT / math.sqrt(d))  # [..., J, J]
+    e = torch.linalg.eigvalsh(gram / J if normalize else gram).clamp(min=0)  # [..., J]
+    return (e / (e + lam)).sum(-1)  # eigenvalues below 0 are rounding
 
 
 def degrees_of_freedom(x, lam, normalize=True):
-    """dof_by_definition's DoF [...] float64 of the rows of x
-    [..., J, d], by a Cholesky factor that stays exact where G
-    overflows (the paper's theory and numbers use Σ̂ = G/J; its text
-    the raw G, normalize=False)."""
+    """dof_by_definition's DoF [...] float64 of x [..., J, d], computed where G overflows
+    and its small eigenvalues drown in rounding (the paper's theory and numbers use Σ̂ = G/J;
+    its text the raw G, normalize=False)."""
     finite = lam > 0 and math.isfinite(lam) and x.isfinite().all()
     if x.dim() < 2 or 0 in x.shape[-2:] or not finite:
         raise ValueError(
-            "degrees_of_freedom: need finite x [..., J, d] with J, d >= 1"
-            " and lam positive and finite; got shape "
-            f"{tuple(x.shape)}, lam={lam}"
+            "degrees_of_freedom: need finite x [..., J, d] with J, d >= 1 and lam positive "
+            f"and finite; got shape {tuple(x.shape)}, lam={lam}"
         )
     *batch, J, d = x.shape
     heads = x.detach().reshape(-1, J, d).double()  # [N, J, d]
     out = heads.new_empty(len(heads))  # [N]
-    # heads at a time: 2^24 float64 Gram entries, 128 MiB
-    step = max(1, 2**24 // (J * J))
+    step = max(1, 2**24 // (J * J))  # heads at a time: 2^24 float64 entries, 128 MiB
     eps = torch.finfo(torch.float64).eps
     log_ridge = math.log(lam) + (math.log(J) if normalize else 0.0)
     for i in range(0, len(heads), step):
         xs = heads[i : i + step]  # [n, J, d]
         mat = xs @ xs.mT / math.sqrt(d)  # [n, J, J] log G
         sq = mat.diagonal(0, -2, -1).clone()  # [n, J] ‖x‖²/√d
-        # G = D C D, D = diag(e^(sq/2)), C_ij = exp(-‖xᵢ-xⱼ‖²/2√d)
-        # in (0, 1]: DoF = tr C(C+R)⁻¹, R = λ·J·D⁻² (λ·D⁻² raw), each
-        # point at its own scale (G over its largest entry alone gave
-        # DoF 84, not 95.9, on a Pythia stand-in head, J = 96, against
-        # an 80-digit reference).
-        mat.mul_(-2).add_(sq[:, :, None]).add_(sq[:, None, :])
+        # G = D C D, D = diag(e^(sq/2)), C_ij = exp(-‖xᵢ-xⱼ‖²/2√d) in (0, 1]:
+        # DoF = tr C(C+R)⁻¹, R = λ·J·D⁻² (λ·D⁻² raw), each point at its own scale
+        # (G over its largest entry alone gave DoF 84, not 95.9, on a Pythia
+        # stand-in head, J = 96, against an 80-digit reference).
+        mat.mul_(-2).add_(sq[:, :, None]).add_(sq[:, None, :])  # ‖xᵢ-xⱼ‖²/√d
         mat.clamp_(min=0).mul_(-0.5).exp_()  # [n, J, J] C
-        ridge = torch.exp(log_ridge - sq)  # [n, J]
         # C's eigenvalues below J·d·eps·max sq are rounding; a ridge
         # >= J·eps·(J+1+d·max sq) also meets Demmel's condition for
         # Cholesky (λ_min > J(J+1)·eps/2; Higham 2002, §10.7).
-        top = sq.amax(-1, keepdim=True)  # [n, 1]
-        floor = J * eps * (J + 1 + d * top)  # [n, 1]
-        ridge = torch.maximum(ridge, floor)  # [n, J]
+        floor = J * eps * (J + 1 + d * sq.amax(-1, keepdim=True))  # [n, 1]
+        ridge = torch.exp(log_ridge - sq).maximum(floor)  # [n, J]
         mat.diagonal(0, -2, -1).add_(ridge)  # [n, J, J] C+R
         chol, info = torch.linalg.cholesky_ex(mat)  # [n, J, J]
         if info.any():
@@ -68,32 +57,27 @@ def degrees_of_freedom(x, lam, normalize=True):
         # DoF = J - tr R(C+R)⁻¹ = J - ‖L⁻¹R^½‖²_F, at least 0
         root = ridge.sqrt().diag_embed()  # [n, J, J]
         lr = torch.linalg.solve_triangular(chol, root, upper=False)
-        dof = J - lr.square().sum((-2, -1))  # [n]
-        out[i : i + step] = dof.clamp(min=0)
+        out[i : i + step] = (J - lr.square().sum((-2, -1))).clamp(min=0)
     return out.reshape(batch)
 
 
 def estimate_dof(model, token_ids, lam, J=1024, seed=0, normalize=True, ctx=None, batch=8):
-    """Per-head DoF [L, H] of a frozen teacher's kernels on its own
-    queries and keys (steps 1-4)."""
+    """Per-head DoF [L, H] of a frozen teacher's kernels on its own queries and keys (1-4)."""
     x = sample_queries_keys(model, token_ids, J, seed, ctx, batch)
     return degrees_of_freedom(x, lam, normalize)  # x [L, H, J, d]
 
 
 def sample_queries_keys(model, token_ids, J=1024, seed=0, ctx=None, batch=8):
-    """J of each head's pooled queries and keys [L, H, J, d] float64,
-    drawn uniformly without replacement from windows of ctx tokens
-    (default n_ctx) of token_ids (1-D). One seeded draw of positions
-    serves every head; windows with none are not run. Rows are in draw
-    order: [..., :j, :] is the draw of j with the same seed, so one pass
-    serves a sweep over J."""
+    """J of each head's pooled queries and keys [L, H, J, d] float64, drawn uniformly
+    without replacement from windows of ctx tokens (default n_ctx) of token_ids (1-D).
+    One seeded draw of positions serves every head; windows with none are not run. Rows
+    are in draw order: [..., :j, :] is the draw of j, so one pass serves a sweep over J."""
     cfg = model.config
     ctx = cfg.n_ctx if ctx is None else ctx
     if not 1 <= ctx <= cfg.n_ctx:
-        raise ValueError(f"sample_queries_keys: ctx={ctx}; need 1 <= ctx <= n_ctx = {cfg.n_ctx}")
+        raise ValueError(f"sample_queries_keys: ctx={ctx}; need 1..n_ctx = {cfg.n_ctx}")
     token_ids = as_token_ids(token_ids, ctx, "sample_queries_keys")
-    n_win = token_ids.numel() // ctx
-    pool = 2 * ctx  # ctx queries then ctx keys per window
+    n_win, pool = token_ids.numel() // ctx, 2 * ctx  # ctx queries, then ctx keys
     if n_win * pool < J:
         raise ValueError(
             f"sample_queries_keys: {n_win} windows of {ctx} tokens give "
@@ -110,21 +94,16 @@ def sample_queries_keys(model, token_ids, J=1024, seed=0, ctx=None, batch=8):
     for w0 in range(0, n_win, batch):
         here = (win >= w0) & (win < w0 + batch)  # [J]
         mine = here.nonzero().flatten()  # [n] draws in these windows
-        if not len(mine):
-            continue
-        rows = (win[mine] - w0).to(device)  # [n]
-        slots = slot[mine].to(device)  # [n]
+        rows, slots = (win[mine] - w0).to(device), slot[mine].to(device)  # [n], [n]
         ids = windows[w0 : w0 + batch].to(device)  # [b, ctx]
-        for layer, (q, k, _) in enumerate(capture(model, ids)):
+        for layer, (q, k, _) in enumerate(capture(model, ids) if len(mine) else ()):
             picks = torch.cat((q, k), dim=2)[rows, :, slots]  # [n, H, d]
-            picks = picks.transpose(0, 1).cpu().double()  # [H, n, d]
-            x[layer, :, mine] = picks
+            x[layer, :, mine] = picks.transpose(0, 1).cpu().double()  # [H, n, d]
     return x
 
 
 def saturation_warning(dof, J):
-    """A message when any head's DoF [L, H] exceeds J/2 (then J limits
-    the estimate), else None."""
+    """A message if any head's DoF [L, H] exceeds J/2 (J then limits it), else None."""
     if not (over := int((dof > J / 2).sum())):
         return None
     layer, head = divmod(int(dof.argmax()), dof.shape[-1])
@@ -136,18 +115,15 @@ def saturation_warning(dof, J):
 
 
 def allocate(layer_dof, budget, rule="proportional", cap=None, aggregate="max", floor=1):
-    """Per-layer feature dims [L] (steps 5-7), integers summing to
-    exactly L·budget: the paper's M_l = C·DoF_l / mean DoF, C = budget,
-    from layer_dof [L] or per-head [L, H] (a layer's DoF: its heads'
-    "max", one M, the paper; or "mean"). Refinements, each by name:
-    - rule "power:γ", any finite γ: M_l ∝ DoF_l^γ ("power:1" is
-      "proportional" exactly, "power:0" uniform, γ < 0 favours low DoF);
-    - floor: no layer below it; layers under it are fixed there and the
-      others shared again;
-    - exact shares, then largest remainder, ties to more weight, then
-      the earlier layer: more weight never gets fewer features, equal
-      weight equal shares (1 apart if a tie straddles the cut);
-    - cap: min(M_l, cap), the freed budget dropped ("DoF + clip")."""
+    """Per-layer feature dims [L] (steps 5-7) summing to exactly L·budget: the paper's
+    M_l = C·DoF_l / mean DoF, C = budget, from layer_dof [L] or per-head [L, H] (a
+    layer's DoF: its heads' "max", one M, the paper; or "mean"). Refinements, by name:
+    - rule "power:γ", any finite γ: DoF_l^γ for DoF_l ("power:1" is "proportional"
+      exactly, "power:0" uniform, γ < 0 gives more to less DoF);
+    - floor: no M_l below it; layers under it are fixed there, the rest shared again;
+    - integers by largest remainder, ties to more weight, then the earlier layer: more
+      weight never gets fewer features, equal weight equal (or 1 apart at the cut);
+    - cap: min(M_l, cap), the freed budget dropped ("DoF + clip", the paper)."""
     weights = layer_weights(layer_dof, rule, aggregate)  # [L] DoF^γ
     for name, n in (("budget", budget), ("cap", budget if cap is None else cap)):
         if int(n) != n or n < 1:
@@ -155,7 +131,7 @@ def allocate(layer_dof, budget, rule="proportional", cap=None, aggregate="max", 
     if int(floor) != floor or not 1 <= floor <= budget:
         raise ValueError(f"allocate: floor must be an integer in 1..budget = {budget}, got {floor}")
     total = len(weights) * int(budget)
-    shares = exact_shares(weights, total, int(floor))
+    shares = exact_shares(weights, total, int(floor))  # C·w_l / mean w, floored
     dims = [math.floor(s) for s in shares]
     by_remainder = sorted(range(len(dims)), key=lambda i: (dims[i] - shares[i], -weights[i], i))
     for i in by_remainder[: total - sum(dims)]:
@@ -164,9 +140,7 @@ def allocate(layer_dof, budget, rule="proportional", cap=None, aggregate="max", 
 
 
 def layer_weights(layer_dof, rule, aggregate):
-    """Each layer's exact weight DoF_l^γ [L] (Fractions): γ = 1 for
-    "proportional", γ for "power:γ"; a layer's DoF its heads' max or
-    mean."""
+    """Each layer's exact weight DoF_l^γ [L] (Fractions), γ = 1 for "proportional"."""
     if aggregate not in ("max", "mean"):
         raise ValueError(f"allocate: aggregate {aggregate!r}; expected 'max' or 'mean'")
     kind, _, arg = rule.partition(":")
@@ -178,10 +152,8 @@ def layer_weights(layer_dof, rule, aggregate):
     if not math.isfinite(gamma):
         raise ValueError(f"allocate: rule {rule!r}; expected 'proportional' or 'power:γ', γ finite")
     dof = torch.as_tensor(layer_dof, dtype=torch.float64)  # [L] or [L, H]
-    if dof.dim() == 2 and aggregate == "max":
-        dof = dof.amax(-1)  # [L]
     if dof.dim() == 2:
-        dof = dof.mean(-1)  # [L]
+        dof = dof.amax(-1) if aggregate == "max" else dof.mean(-1)  # [L]
     positive = torch.isfinite(dof) & (dof > 0)
     if dof.dim() != 1 or len(dof) == 0 or not positive.all():
         raise ValueError(f"allocate: need positive finite layer_dof [L] or [L, H], got {layer_dof}")
@@ -192,14 +164,12 @@ def layer_weights(layer_dof, rule, aggregate):
 
 
 def exact_shares(weights, total, floor):
-    """Exact shares max(c·w_l, floor) summing to total: fix the layers
-    whose share is below the floor and share out the rest again until
-    none is (c only falls, so a fixed layer stays fixed)."""
+    """Exact shares max(c·w_l, floor) summing to total: fix the layers below the floor and
+    share out the rest again until none is (c only falls: a fixed layer stays fixed)."""
     fixed = set()
     while True:
         free = [i for i in range(len(weights)) if i not in fixed]
-        left = total - floor * len(fixed)
-        c = left / sum(weights[i] for i in free)
+        c = (total - floor * len(fixed)) / sum(weights[i] for i in free)
         low = {i for i in free if c * weights[i] < floor}
         if not low:
             return [max(c * w, floor) for w in weights]

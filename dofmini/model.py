@@ -169,8 +169,7 @@ def capture(model, ids):
     layers = []
     model(ids, capture=layers, keep=torch.zeros_like(ids, dtype=torch.bool))
     if len(layers) != model.config.n_layer:
-        n = model.config.n_layer
-        raise ValueError(f"capture: {len(layers)} layers reported, not {n}")
+        raise ValueError(f"capture: {len(layers)} layers reported, not {model.config.n_layer}")
     return layers
 
 
@@ -178,6 +177,5 @@ def as_token_ids(token_ids, need: int, what: str) -> torch.Tensor:
     """token_ids as a 1-D CPU LongTensor of at least `need` tokens, or a named error."""
     token_ids = torch.as_tensor(token_ids)
     if token_ids.dim() != 1 or len(token_ids) < need:
-        shape = tuple(token_ids.shape)
-        raise ValueError(f"{what}: token_ids {shape}; need 1-D, >= {need} tokens")
+        raise ValueError(f"{what}: token_ids {tuple(token_ids.shape)}; need 1-D, >= {need} tokens")
     return token_ids.long().cpu().contiguous()

@@ -1,7 +1,7 @@
 """Students: a teacher whose attention layers are swapped for linear attention, and their files.
 A student shares its teacher's frozen tensors and owns only its trainable ones (PRF z and a = log α,
 or DiJiang's decay, norm and gate); its file holds just those, with its record (kind, dims, seeds,
-training settings, the teacher's identity) as sorted JSON: the same student gives the same bytes."""
+training, the teacher's identity) as sorted JSON: the same student gives the same bytes."""
 
 import copy
 import json
@@ -31,11 +31,12 @@ def make_student(teacher, kind: str, dims, feature_seed: int, orthogonal: bool =
     if kind not in KINDS:
         raise ValueError(f"make_student: unknown kind {kind!r}; expected one of {KINDS}")
     student = sharing_copy(teacher)
-    student.meta = {"kind": kind, "dims": dims, "feature_seed": feature_seed}
-    if kind == "prf":
-        student.meta["orthogonal"] = orthogonal
-        return replace_attention(student, dims, feature_seed, orthogonal)
-    return to_dijiang(student, feature_seed)
+    # what rebuilds this untrained student; its file records it
+    student.draw = {"kind": kind, "dims": dims, "feature_seed": feature_seed}
+    if kind == "dijiang":
+        return to_dijiang(student, feature_seed)
+    student.draw["orthogonal"] = orthogonal
+    return replace_attention(student, dims, feature_seed, orthogonal)
 
 
 def trainable(model) -> dict:
@@ -59,15 +60,15 @@ def read_tensors(path):
         raise CheckpointError(f"cannot read {path}: {type(err).__name__}: {err}") from None
 
 
-def save_student(student, path, meta=None):
-    """The student's trainable tensors with its record, `meta` and the teacher's identity."""
-    record = {**student.meta, **(meta or {}), "teacher": student.identity}
+def save_student(student, path, record=None):
+    """The student's trainable tensors with its draw, `record` and the teacher's identity."""
+    record = {**student.draw, **(record or {}), "teacher": student.identity}
     save_tensors(trainable(student), path, record)
 
 
 def load_student(teacher, path, expect=None):
-    """A saved student rebuilt on `teacher`. Refuses a file made for another teacher, with other
-    tensors, or whose record differs from `expect` (a dict, e.g. dims, feature_seed, loss)."""
+    """(A saved student rebuilt on `teacher`, its file's record). Refuses a file made for another
+    teacher, with other tensors, or whose record differs from `expect` (e.g. dims, loss)."""
     stored, meta = read_tensors(path)
     if meta.get("teacher") != teacher.identity or meta.get("kind") not in KINDS:
         raise CheckpointError(
@@ -84,5 +85,4 @@ def load_student(teacher, path, expect=None):
         if (got := shapes[0].get(name)) != (want := shapes[1].get(name)):
             raise CheckpointError(f"{path}: tensor {name!r} has shape {got}, the student's {want}")
     student.load_state_dict(stored, strict=False)  # exactly the trainable tensors, checked above
-    student.meta = {k: v for k, v in meta.items() if k != "teacher"}
-    return student
+    return student, meta

@@ -21,11 +21,11 @@ from dofmini import load, load_tokenizer  # noqa: E402
 from dofmini.distill import (  # noqa: E402
     DTYPES,
     TrainSettings,
-    capture,
     distill,
     layer_pass,
     train_direct,
 )
+from dofmini.model import capture  # noqa: E402
 from dofmini.students import make_student  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
@@ -77,8 +77,8 @@ def precision(teacher, ids, held, args):
     }
     students, curves = {}, {}
     for name, s in settings.items():
-        students[name] = distill(teacher, dims, ids, s, log=lambda line: None)
-        curves[name] = students[name].loss_curve
+        students[name], record = distill(teacher, dims, ids, s, log=lambda line: None)
+        curves[name] = record["loss_curve"]
     print(f"{args.steps} steps of the softmax loss, ctx {args.ctx}, batch {args.batch}, M = 64\n")
     print("| step | loss float32 | loss float64 | rel. diff |\n|---|---|---|---|")
     for (step, a), (_, b) in zip(curves["float32"], curves["float64"]):

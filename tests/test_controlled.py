@@ -36,7 +36,7 @@ def test_virtual_layers_scale_one_real_layer_and_order_dof(tiny, tiny_ids):
 def test_a_student_of_virtual_layers_trains_and_is_measured(tiny, tiny_ids):
     virtual = VirtualTeacher(tiny, 0, TEMPERATURES)
     settings = TrainSettings(steps=2, batch=2, ctx=32)
-    student = distill(virtual, [4, 4, 4], tiny_ids, settings, log=lambda line: None)
+    student, _ = distill(virtual, [4, 4, 4], tiny_ids, settings, log=lambda line: None)
     errors = layer_errors(virtual, student, tiny_ids, 32, 2)
     assert len(errors["kl"]) == 3 and all(e > 0 for e in errors["kl"])
     assert student.identity == f"{tiny.identity}/layer 0 at 0.5,1.0,2.0"

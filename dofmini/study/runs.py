@@ -1,13 +1,17 @@
 """What a long run needs besides the method: stages saved with the settings that made them, token
-caches, one lock per output folder, and the record of what made the results.
+caches, trainings kept on disk, one lock per output folder, and the record of what made the results.
 
 A stage is reused only when the settings and inputs it was made from (its key) match exactly;
 otherwise it is recomputed and a line names what changed. Every file goes through
-files.atomic_write, so a kill at any moment leaves a stage either whole or absent.
+files.atomic_write, so a kill at any moment leaves a stage either whole or absent. A training saves
+its progress beside the student's file every save_every steps; one of the same record, settings
+and tokens resumes from it exactly (tensors, Adam, the data order, the loss curve; its seconds add
+up), and the student's file is written once, at the end.
 """
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import platform
@@ -20,6 +24,7 @@ import torch
 from .. import __version__
 from ..checkpoint import CheckpointError
 from ..files import as_json, atomic_write, by_hand, changed_settings, sha256_file, write_text
+from ..students import read_tensors, save_student, save_tensors
 from . import data
 
 
@@ -93,6 +98,65 @@ def token_ids(path: Path, key: dict, texts, tokenizer, max_chars) -> torch.Tenso
     record = {"key": as_json(key), "sha256": sha256_file(path)}
     write_text(key_path, json.dumps(record, sort_keys=True))
     return torch.from_numpy(ids)
+
+
+def train_into(path, record: dict, settings, token_ids, train, log) -> dict:
+    """The record {"train_seconds", "loss_curve"} of train(log=, resume=, on_step=) -> (student,
+    record) (distill or train_direct, partly applied); the student goes to `path` with `record`
+    and that as "info", its progress to `<path>.progress` meanwhile."""
+    tokens = hashlib.sha256(torch.as_tensor(token_ids).long().numpy().tobytes()).hexdigest()
+    keep = as_json({**record, **settings.record(), "tokens": tokens[:16]})  # as a file gives back
+    progress = Progress(Path(f"{path}.progress"), keep, settings, log)
+    student, info = train(log=log, resume=progress.resume, on_step=progress.save)
+    save_student(student, path, {**record, "info": info})
+    progress.path.unlink(missing_ok=True)
+    return info
+
+
+class Progress:
+    """A TrainState in a safetensors file: the tensors by name, Adam's state by its index in the
+    optimiser and the generator's state, with step, seconds, loss curve and settings as metadata."""
+
+    def __init__(self, path: Path, keep: dict, settings, log):
+        self.path, self.keep, self.settings, self.log = path, keep, settings, log
+
+    def save(self, state):  # every save_every steps but the last
+        if state.step % self.settings.save_every or state.step == self.settings.steps:
+            return
+        tensors = {f"param.{n}": p for n, p in state.params.items()}
+        tensors["rng"] = state.gen.get_state()
+        for index, adam in state.opt.state_dict()["state"].items():
+            tensors |= {f"adam.{index}.{key}": t for key, t in adam.items()}
+        meta = dict(settings=self.keep, step=state.step, seconds=state.seconds)
+        save_tensors(tensors, self.path, {**meta, "loss_curve": state.curve})
+
+    def resume(self, state):
+        """Restore state from a progress file of the same settings; set aside (and name) one of
+        other settings or one that cannot be read."""
+        if not self.path.exists():
+            return
+        try:
+            stored, meta = read_tensors(self.path)
+            changed = changed_settings(meta.get("settings", {}), self.keep)
+            why = changed and f"progress of other settings ({changed} changed)"
+        except CheckpointError as err:  # a damaged file costs its steps, not the run
+            why = f"unreadable ({err})"
+        if why:
+            self.log(f"{self.path}: {why}; starting over")
+            return self.path.unlink()
+        with torch.no_grad():
+            for n, p in state.params.items():
+                p.copy_(stored[f"param.{n}"])
+        adam = {"state": {}, "param_groups": state.opt.state_dict()["param_groups"]}
+        for name, t in stored.items():
+            if name.startswith("adam."):  # adam.{index}.{exp_avg, exp_avg_sq, step}
+                _, index, key = name.split(".")
+                adam["state"].setdefault(int(index), {})[key] = t
+        state.opt.load_state_dict(adam)
+        state.gen.set_state(stored["rng"])
+        state.step, state.seconds = int(meta["step"]), float(meta["seconds"])
+        state.curve = meta["loss_curve"]
+        self.log(f"resuming from {self.path} at step {state.step}/{self.settings.steps}")
 
 
 def check_writable(out: Path, flag: str, fail) -> None:
