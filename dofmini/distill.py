@@ -113,9 +113,9 @@ def layer_pass(features, q, k, v, want: set, chunk: int, train: bool = False, dt
 
 @dataclasses.dataclass
 class TrainState:
-    """Where a training stands, for a harness that saves and resumes it:
-    the trained tensors, Adam, the data order's generator, steps done,
-    the loss curve [[step, mean loss]] and the seconds trained."""
+    """Where a training stands, for a harness that saves and resumes it: the tensors
+    trained, Adam, the data order's generator, steps done, the loss curve [[step, mean
+    loss]] and the seconds trained."""
 
     params: dict
     opt: torch.optim.Adam
@@ -126,16 +126,14 @@ class TrainState:
 
 
 def fit(student, step_fn, token_ids, what, s, log=print, resume=None, on_step=None):
-    """distill's and train_direct's loop: Adam over the student's
-    trainable tensors (`*.a` at s.lr_a, the rest at s.lr) on batches of
-    windows drawn with s.data_seed; step_fn(ids) back-propagates and
-    returns per-layer losses, and a non-finite one stops training.
-    resume(state) may restore a saved TrainState before the first step,
-    on_step(state) sees it after each. The record: {"train_seconds",
+    """distill's and train_direct's loop: Adam over the student's trainable tensors
+    (`*.a` at s.lr_a, the rest at s.lr) on batches of windows drawn with s.data_seed;
+    step_fn(ids) back-propagates and returns per-layer losses (a non-finite one stops
+    training). resume(state) may restore a saved TrainState before the first step,
+    on_step(state) sees it after each. Returns the record {"train_seconds",
     "loss_curve"}, seconds before a resume included."""
-    if s.ctx > student.config.n_ctx:
-        need = student.config.n_ctx
-        raise ValueError(f"{what}: need ctx <= {need}; got ctx={s.ctx}")
+    if s.ctx > (n_ctx := student.config.n_ctx):
+        raise ValueError(f"{what}: need ctx <= {n_ctx}; got ctx={s.ctx}")
     token_ids = as_token_ids(token_ids, s.ctx, what)
     params = trainable(student)
     z_rate = [p for n, p in params.items() if not n.endswith(".a")]
@@ -177,10 +175,9 @@ def fit(student, step_fn, token_ids, what, s, log=print, resume=None, on_step=No
 
 
 def distill(teacher, dims, token_ids, settings=TrainSettings(), *, loss="softmax", **loop):
-    """(A PRF student, its record): dims[i] features in layer i, seed
-    feature_seed + i, each layer trained with `loss` ("l2" or "softmax")
-    on the teacher's q, k for windows of token_ids (1-D); `loop`: fit's
-    log, resume and on_step."""
+    """(A PRF student, its record): dims[i] features in layer i, seed feature_seed + i
+    (default 0), each layer trained with `loss` ("l2" or "softmax") on the teacher's
+    q, k for windows of token_ids (1-D); `loop`: fit's log, resume and on_step."""
     if loss not in ("l2", "softmax"):
         raise ValueError(f"distill: loss {loss!r}; expected 'l2' or 'softmax'")
     student = make_student(teacher, "prf", dims, loop.pop("feature_seed", 0))
@@ -200,9 +197,9 @@ def distill(teacher, dims, token_ids, settings=TrainSettings(), *, loss="softmax
 
 
 def train_direct(student, token_ids, settings=TrainSettings(), **loop):
-    """(The student, its record), trained in place by the direct
-    baseline: its next-token cross-entropy on positions 1..ctx-1 of each
-    window, its own tensors only. Arguments as for distill."""
+    """(The student, its record), trained in place by the direct baseline: its
+    next-token cross-entropy on positions 1..ctx-1 of each window, its own tensors
+    only. Arguments as for distill."""
 
     def step(ids):
         logits = student(ids[:, :-1])  # [B, T-1, V]

@@ -106,57 +106,53 @@ def train_into(path, record: dict, settings, token_ids, train, log) -> dict:
     and that as "info", its progress to `<path>.progress` meanwhile."""
     tokens = hashlib.sha256(torch.as_tensor(token_ids).long().numpy().tobytes()).hexdigest()
     keep = as_json({**record, **settings.record(), "tokens": tokens[:16]})  # as a file gives back
-    progress = Progress(Path(f"{path}.progress"), keep, settings, log)
-    student, info = train(log=log, resume=progress.resume, on_step=progress.save)
+    progress = Path(f"{path}.progress")
+
+    def save(state):  # every save_every steps but the last
+        if state.step % settings.save_every == 0 and state.step < settings.steps:
+            tensors = {f"param.{n}": p for n, p in state.params.items()}
+            tensors["rng"] = state.gen.get_state()
+            for index, adam in state.opt.state_dict()["state"].items():
+                tensors |= {f"adam.{index}.{key}": t for key, t in adam.items()}
+            meta = dict(settings=keep, step=state.step, seconds=state.seconds)
+            save_tensors(tensors, progress, {**meta, "loss_curve": state.curve})
+
+    def resume(state):
+        if progress.exists() and _resume(progress, keep, state, log):
+            log(f"resuming from {progress} at step {state.step}/{settings.steps}")
+
+    student, info = train(log=log, resume=resume, on_step=save)
     save_student(student, path, {**record, "info": info})
-    progress.path.unlink(missing_ok=True)
+    progress.unlink(missing_ok=True)
     return info
 
 
-class Progress:
-    """A TrainState in a safetensors file: the tensors by name, Adam's state by its index in the
-    optimiser and the generator's state, with step, seconds, loss curve and settings as metadata."""
-
-    def __init__(self, path: Path, keep: dict, settings, log):
-        self.path, self.keep, self.settings, self.log = path, keep, settings, log
-
-    def save(self, state):  # every save_every steps but the last
-        if state.step % self.settings.save_every or state.step == self.settings.steps:
-            return
-        tensors = {f"param.{n}": p for n, p in state.params.items()}
-        tensors["rng"] = state.gen.get_state()
-        for index, adam in state.opt.state_dict()["state"].items():
-            tensors |= {f"adam.{index}.{key}": t for key, t in adam.items()}
-        meta = dict(settings=self.keep, step=state.step, seconds=state.seconds)
-        save_tensors(tensors, self.path, {**meta, "loss_curve": state.curve})
-
-    def resume(self, state):
-        """Restore state from a progress file of the same settings; set aside (and name) one of
-        other settings or one that cannot be read."""
-        if not self.path.exists():
-            return
-        try:
-            stored, meta = read_tensors(self.path)
-            changed = changed_settings(meta.get("settings", {}), self.keep)
-            why = changed and f"progress of other settings ({changed} changed)"
-        except CheckpointError as err:  # a damaged file costs its steps, not the run
-            why = f"unreadable ({err})"
-        if why:
-            self.log(f"{self.path}: {why}; starting over")
-            return self.path.unlink()
-        with torch.no_grad():
-            for n, p in state.params.items():
-                p.copy_(stored[f"param.{n}"])
-        adam = {"state": {}, "param_groups": state.opt.state_dict()["param_groups"]}
-        for name, t in stored.items():
-            if name.startswith("adam."):  # adam.{index}.{exp_avg, exp_avg_sq, step}
-                _, index, key = name.split(".")
-                adam["state"].setdefault(int(index), {})[key] = t
-        state.opt.load_state_dict(adam)
-        state.gen.set_state(stored["rng"])
-        state.step, state.seconds = int(meta["step"]), float(meta["seconds"])
-        state.curve = meta["loss_curve"]
-        self.log(f"resuming from {self.path} at step {state.step}/{self.settings.steps}")
+def _resume(path: Path, keep: dict, state, log) -> bool:
+    """Whether `state` was restored from a progress file of the settings `keep`; one of other
+    settings, or that cannot be read, is named and set aside."""
+    try:
+        stored, meta = read_tensors(path)
+        changed = changed_settings(meta.get("settings", {}), keep)
+        why = changed and f"progress of other settings ({changed} changed)"
+    except CheckpointError as err:  # a damaged file costs its steps, not the run
+        why = f"unreadable ({err})"
+    if why:
+        log(f"{path}: {why}; starting over")
+        path.unlink()
+        return False
+    with torch.no_grad():
+        for n, p in state.params.items():
+            p.copy_(stored[f"param.{n}"])
+    adam = {"state": {}, "param_groups": state.opt.state_dict()["param_groups"]}
+    for name, t in stored.items():
+        if name.startswith("adam."):  # adam.{index}.{exp_avg, exp_avg_sq, step}
+            _, index, key = name.split(".")
+            adam["state"].setdefault(int(index), {})[key] = t
+    state.opt.load_state_dict(adam)
+    state.gen.set_state(stored["rng"])
+    state.step, state.seconds = int(meta["step"]), float(meta["seconds"])
+    state.curve = meta["loss_curve"]
+    return True
 
 
 def check_writable(out: Path, flag: str, fail) -> None:
