@@ -94,7 +94,8 @@ def layer_pass(features, q, k, v, want: set, chunk: int, train: bool = False, dt
     """Per-head means [H] of the terms in `want` over one layer's batch, in `dtype` (l2 per causal
     pair, the rest per query). train=True back-propagates each chunk's share of the head-mean of the
     one term in `want`, the keys' features a detached leaf whose gradient is passed on last."""
-    q, k, v = (None if t is None else t.to(dtype) for t in (q, k, v))  # [B, H, T, d or dv]
+    q, k = q.to(dtype), k.to(dtype)  # [B, H, T, d]
+    v = None if v is None else v.to(dtype)  # [B, H, T, dv]
     B, H, T, _ = q.shape
     unit_k, top_k = unit_features(features, k, "k")  # [B, H, T, M], [B, H, T, 1]
     keys = unit_k.detach().requires_grad_() if train else unit_k
