@@ -89,8 +89,8 @@ def run(teacher, tokens: dict, args, out: Path, log=runs.log) -> dict:
         path = out / "students" / f"{'-'.join(map(str, dims))}-s{seed}.json"
 
         def compute():
-            student = distill(virtual, dims, tokens["train"], settings(seed), feature_seed=seed,
-                              log=log)  # fmt: skip
+            train = tokens["train"]
+            student, _ = distill(virtual, dims, train, settings(seed), feature_seed=seed, log=log)
             return layer_errors(virtual, student, tokens["heldout"], ctx, args.windows)
 
         return runs.stage(path, key, compute)
