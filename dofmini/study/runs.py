@@ -193,8 +193,9 @@ def locked(out: Path, fail):
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
-            fail(f"--out {out} is in use by another run (PID {f.read().strip() or '?'}); wait "
-                 "for it to finish or choose another --out")  # fmt: skip
+            pid = f.read().strip() or "?"
+            busy = f"--out {out} is in use by another run (PID {pid})"
+            fail(f"{busy}; wait for it to finish or choose another --out")
         f.seek(0)
         f.truncate()
         f.write(str(os.getpid()))
@@ -233,8 +234,8 @@ def provenance(model) -> dict:
 
     def git(*args) -> str:  # "" outside a checkout or without git
         try:
-            done = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parents[2],
-                                  capture_output=True, text=True, timeout=10)  # fmt: skip
+            command, repo = ["git", *args], Path(__file__).resolve().parents[2]
+            done = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=10)
         except (OSError, subprocess.SubprocessError):
             return ""
         return done.stdout.strip() if done.returncode == 0 else ""
@@ -245,8 +246,8 @@ def provenance(model) -> dict:
             gpu = torch.cuda.get_device_name(device)
         except (RuntimeError, AssertionError) as err:  # a simulated device has no name
             gpu = f"unknown ({err})"
-    return dict(dofmini=__version__, git_commit=git("rev-parse", "HEAD") or None,
-                git_dirty=bool(git("status", "--porcelain", "dofmini", "reproduce.py")),
-                python=platform.python_version(), torch=torch.__version__,
-                numpy=np.__version__, threads=torch.get_num_threads(), device=device_name(model),
-                gpu=gpu, cuda=torch.version.cuda if gpu else None)  # fmt: skip
+    found = dict(dofmini=__version__, git_commit=git("rev-parse", "HEAD") or None)
+    found["git_dirty"] = bool(git("status", "--porcelain", "dofmini", "reproduce.py"))
+    found.update(python=platform.python_version(), torch=torch.__version__, numpy=np.__version__)
+    found.update(threads=torch.get_num_threads(), device=device_name(model), gpu=gpu)
+    return dict(found, cuda=torch.version.cuda if gpu else None)
