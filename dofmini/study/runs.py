@@ -104,7 +104,7 @@ def train_into(path, record: dict, settings, token_ids, train, log) -> dict:
     """The record {"train_seconds", "loss_curve"} of train(log=, resume=, on_step=) -> (student,
     record) (distill or train_direct, partly applied); the student goes to `path` with `record`
     and that as "info", its progress to `<path>.progress` meanwhile."""
-    tokens = hashlib.sha256(torch.as_tensor(token_ids).long().numpy().tobytes()).hexdigest()
+    tokens = hashlib.sha256(torch.as_tensor(token_ids).long().cpu().numpy().tobytes()).hexdigest()
     keep = as_json({**record, **settings.record(), "tokens": tokens[:16]})  # as a file gives back
     progress = Path(f"{path}.progress")
 
