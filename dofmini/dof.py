@@ -1,5 +1,5 @@
 """Degrees of freedom of attention kernels and the per-layer feature
-budget (Algorithm 1). Vendorable: torch and the standard library only."""
+budget (Algorithm 1). Vendorable with model.py: torch and the standard library only."""
 
 import math
 from fractions import Fraction
