@@ -25,6 +25,7 @@ import torch
 import dofmini
 from dofmini import hub
 from dofmini.checkpoint import CheckpointError
+from dofmini.distill import TrainSettings
 from dofmini.files import sha256_file, unreachable, write_text
 from dofmini.study import data, evaluate, oracle, plan, report, runs, stages
 from dofmini.study.runs import log
@@ -34,17 +35,14 @@ LOSSES = ("softmax", "l2", "direct")
 SEED_LIMIT = 2**31 - 1  # seeds are offset by the layer index and must stay within torch's range
 PROMPT = "The history of the city begins in the"
 MAX_FEATURES = 4096  # per layer: far above any head size, below what memory can hold
-# steps None: one pass over the training corpus (the paper's one pass over its Wikipedia slice);
-# eval_windows None: all of each perplexity text; limit 0: no tasks.
-SIZES = ("ctx", "J", "calib_windows", "steps", "batch", "eval_windows", "limit", "error_windows",
-         "curve_windows", "train_chars")  # fmt: skip
+# What each profile changes in RunConfig's defaults (which are the "default" profile).
 PROFILES = {
-    "quick": dict(zip(SIZES, (64, 128, 8, 4, 2, 4, 4, 4, 4, 200_000))),
-    "default": dict(zip(SIZES, (256, 1024, 64, 400, 8, 128, 100, 32, 16, None))),
-    "study": dict(zip(SIZES, (256, 1024, 64, 400, 8, 64, 0, 32, 16, None)), seeds=(0, 1, 2),
-                  budgets=(16, 32, 64), sweep=True, losses=(("softmax", None),),
+    "quick": dict(ctx=64, J=128, calib_windows=8, steps=4, batch=2, eval_windows=4, limit=4,
+                  error_windows=4, curve_windows=4, train_chars=200_000),
+    "default": {},
+    "study": dict(eval_windows=64, limit=0, seeds=(0, 1, 2), budgets=(16, 32, 64), sweep=True,
                   variants=("fix", "dof", "dof_sqrt", "dof_mean", "dof_sqrt_mean", "oracle")),
-    "paper": dict(zip(SIZES, (None, 1024, 64, None, 8, None, None, 32, 16, None))),
+    "paper": dict(ctx=None, steps=None, eval_windows=None, limit=None),
 }  # fmt: skip
 
 
@@ -71,8 +69,8 @@ class RunConfig:
     calib_windows: int = 64  # windows of WikiText-2 valid for DoF
     steps: int | None = 400  # optimiser steps per student; None: one pass over the corpus
     batch: int = 8  # windows per step
-    lr: float = 0.02  # z (the paper's)
-    lr_a: float = 0.2  # a = log α (the paper's)
+    lr: float = TrainSettings.lr  # z
+    lr_a: float = TrainSettings.lr_a  # a = log α
     train_chars: int | None = None  # read only this many characters of the corpus
     eval_windows: int | None = 128  # perplexity windows per text; None: all
     limit: int | None = 100  # examples per task; None: all; 0: no tasks
@@ -367,7 +365,7 @@ def show_generation(run: stages.Run, students: dict):
         return
     best = min(candidates, key=lambda k: candidates[k]["wikitext2_ppl"])
     fields = {f.name: candidates[best][f.name] for f in dataclasses.fields(stages.Student)}
-    student = stages.load_student(run.teacher, stages.Student(**fields).path(run.cfg.out))
+    student, _ = stages.load_student(run.teacher, stages.Student(**fields).path(run.cfg.out))
     n_ctx = run.teacher.config.n_ctx  # a short context still gets a (shorter) continuation
     prompt = run.tokenizer.encode(PROMPT).ids[: n_ctx // 2]
     log(f"\ngreedy continuations of {run.tokenizer.decode(prompt)!r}:")

@@ -3,19 +3,14 @@ Each layer's features learn from the frozen teacher's own q, k of that layer: on
 every layer, and one layer and one chunk of queries are in memory at a time."""
 
 import dataclasses
-import hashlib
 import math
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import CheckpointError
-from .dof import as_token_ids, capture, check_args
-from .files import as_json, changed_settings
-from .linear_attention import unit_features
-from .students import make_student, read_tensors, save_student, save_tensors, trainable
+from .model import check_args
+from .students import make_student, trainable
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -39,6 +34,7 @@ class TrainSettings:
     log_every: int | None = None
 
     def __post_init__(self):
+        check_args("TrainSettings", "a positive finite number", lr=self.lr, lr_a=self.lr_a)
         low = {"steps": 1, "batch": 1, "ctx": 2, "chunk": 1, "save_every": 1, "log_every": 1}
         bad = [f"{n}={v}" for n, m in low.items() if (v := getattr(self, n)) is not None and v < m]
         if bad or self.dtype not in DTYPES:
@@ -46,10 +42,20 @@ class TrainSettings:
                 f"TrainSettings: need ctx >= 2, the other counts >= 1, dtype in {list(DTYPES)}; "
                 f"got {', '.join(bad)} dtype={self.dtype!r}"
             )
-        check_args("TrainSettings", "a positive finite number", lr=self.lr, lr_a=self.lr_a)
 
     def record(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if not k.endswith("_every")}
+
+
+def unit_features(features, x, name: str):
+    """(Φ(x) over its own largest entry [B, H, T, M], log of that entry [B, H, T, 1] detached), so
+    that log K̂ = r_q + r_k + log(unit q · unit k): nothing overflows in float32 and a key far from
+    every z keeps its share (a fixed shift per feature, as PRFFeatures.keys applies, loses every
+    feature of a key with |k/d^¼ − z_m| ≳ 14 for all m). K̂ is 0 only where unit q · unit k
+    underflows (features e^87 apart)."""
+    log_phi = features.log_features(x, name)  # [B, H, T, M]
+    top = log_phi.amax(-1, keepdim=True).detach()  # [B, H, T, 1]
+    return torch.exp(log_phi - top), top
 
 
 def chunk_terms(features, q, k, v, unit_k, top_k, lo: int, hi: int, want: set) -> dict:
@@ -63,7 +69,7 @@ def chunk_terms(features, q, k, v, unit_k, top_k, lo: int, hi: int, want: set) -
     s = torch.where(causal, scores, -math.inf)  # [B, H, c, hi]
     m = s.amax(-1, keepdim=True)  # [B, H, c, 1]
     kern = torch.exp(s - m)  # [B, H, c, hi] teacher kernel over its row max, 0 above the diagonal
-    unit_q, top_q = unit_features(features.log_features(q[:, :, lo:hi], "q"))  # [B, H, c, M | 1]
+    unit_q, top_q = unit_features(features, q[:, :, lo:hi], "q")  # [B, H, c, M], [B, H, c, 1]
     dot = unit_q @ unit_k[:, :, :hi].mT  # [B, H, c, hi]
     seen = causal & (dot > 0)  # [B, H, c, hi]
     # log K̂ − top_q, −inf above the diagonal and where dot underflowed (log 1 keeps grads finite)
@@ -89,9 +95,10 @@ def layer_pass(features, q, k, v, want: set, chunk: int, train: bool = False, dt
     """Per-head means [H] of the terms in `want` over one layer's batch, in `dtype` (l2 per causal
     pair, the rest per query). train=True back-propagates each chunk's share of the head-mean of the
     one term in `want`, the keys' features a detached leaf whose gradient is passed on last."""
-    q, k, v = (None if t is None else t.to(dtype) for t in (q, k, v))  # [B, H, T, d or dv]
+    q, k = q.to(dtype), k.to(dtype)  # [B, H, T, d]
+    v = None if v is None else v.to(dtype)  # [B, H, T, dv]
     B, H, T, _ = q.shape
-    unit_k, top_k = unit_features(features.log_features(k, "k"))  # [B, H, T, M], [B, H, T, 1]
+    unit_k, top_k = unit_features(features, k, "k")  # [B, H, T, M], [B, H, T, 1]
     keys = unit_k.detach().requires_grad_() if train else unit_k
     sums = {}
     for lo in range(0, T, chunk):
@@ -106,120 +113,101 @@ def layer_pass(features, q, k, v, want: set, chunk: int, train: bool = False, dt
     return sums
 
 
-def _train(student, step_fn, token_ids, what: str, s: TrainSettings, out_path, log, meta):
-    """distill's and train_direct's loop: Adam over the student's trainable tensors (`*.a` at
-    s.lr_a, the rest at s.lr); step_fn(ids) back-propagates and returns per-layer losses, and a
-    non-finite one stops training."""
-    if s.ctx > student.config.n_ctx:
-        raise ValueError(f"{what}: need ctx <= {student.config.n_ctx}; got ctx={s.ctx}")
-    token_ids = as_token_ids(token_ids, s.ctx, what, student.config.vocab_size)
+@dataclasses.dataclass
+class TrainState:
+    """Where a training stands, for a harness that saves and resumes it: the tensors
+    trained, Adam, the data order's generator, steps done, the loss curve [[step, mean
+    loss]] and the seconds trained."""
+
+    params: dict
+    opt: torch.optim.Adam
+    gen: torch.Generator
+    step: int = 0
+    curve: list = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+
+def fit(student, step_fn, token_ids, what, s, log=print, resume=None, on_step=None):
+    """distill's and train_direct's loop: Adam over the student's trainable tensors
+    (`*.a` at s.lr_a, the rest at s.lr) on batches of windows drawn with s.data_seed;
+    step_fn(ids) back-propagates and returns per-layer losses (a non-finite one stops
+    training). resume(state) may restore a saved TrainState before the first step,
+    on_step(state) sees it after each. Returns the record {"train_seconds",
+    "loss_curve"}, seconds before a resume included."""
+    if s.ctx > (n_ctx := student.config.n_ctx):
+        raise ValueError(f"{what}: need ctx <= {n_ctx}; got ctx={s.ctx}")
+    token_ids = student.token_ids(token_ids, s.ctx, what)
     params = trainable(student)
-    groups = [{"params": [p for n, p in params.items() if n.endswith(".a") == a], "lr": lr}
-              for a, lr in ((False, s.lr), (True, s.lr_a))]  # fmt: skip
+    z_rate = [p for n, p in params.items() if not n.endswith(".a")]
+    a_rate = [p for n, p in params.items() if n.endswith(".a")]
+    groups = [{"params": z_rate, "lr": s.lr}, {"params": a_rate, "lr": s.lr_a}]
     opt = torch.optim.Adam([g for g in groups if g["params"]])
-    tokens_hash = hashlib.sha256(token_ids.numpy().tobytes()).hexdigest()[:16]
-    student.meta = {**student.meta, **(meta or {}), "loss": what}
-    settings = {**student.meta, "teacher": student.identity, **s.record(), "tokens": tokens_hash}
-    settings = as_json(settings)  # as a progress file gives it back: no tuples
     gen = torch.Generator().manual_seed(s.data_seed)
+    state = TrainState(params, opt, gen)
+    if resume:
+        resume(state)
+    start, before, t0, window = state.step, state.seconds, time.time(), []
+    every = s.log_every or max(1, s.steps // 10)
     device = next(student.parameters()).device
-    progress = Path(f"{out_path}.progress") if out_path else None
-    start, seconds, curve = _resume(progress, settings, params, opt, gen, log)
-    t0, window = time.time(), []
     for done in range(start + 1, s.steps + 1):
-        first = torch.randint(0, len(token_ids) - s.ctx + 1, (s.batch, 1), generator=gen)  # [b, 1]
-        losses = step_fn(token_ids[first + torch.arange(s.ctx)].to(device))  # ids [batch, ctx]
+        last = len(token_ids) - s.ctx + 1
+        first = torch.randint(0, last, (s.batch, 1), generator=gen)  # [b, 1]
+        ids = token_ids[first + torch.arange(s.ctx)]  # [batch, ctx]
+        losses = step_fn(ids.to(device))  # per layer
         if not all(map(math.isfinite, losses)):
             raise FloatingPointError(f"{what}: per-layer losses {losses} at step {done}")
         opt.step()
         opt.zero_grad(set_to_none=True)
         window.append(losses)
-        if report := (done % (s.log_every or max(1, s.steps // 10)) == 0 or done == s.steps):
-            mean, window = [sum(col) / len(col) for col in zip(*window)], []  # per layer
-            curve.append([done, sum(mean) / len(mean)])
-        elapsed = time.time() - t0
-        if progress and done % s.save_every == 0 and done < s.steps:
-            _save_progress(progress, settings, params, opt, gen, done, seconds + elapsed, curve)
+        state.step, state.seconds = done, before + time.time() - t0
+        report = done % every == 0 or done == s.steps
         if report:
+            mean = [sum(col) / len(col) for col in zip(*window)]  # per layer
+            state.curve.append([done, sum(mean) / len(mean)])
+            window = []
+        if on_step:
+            on_step(state)
+        if report:
+            elapsed = state.seconds - before
             left = elapsed / (done - start) * (s.steps - done)
-            losses_text = " ".join(f"{x:.4g}" for x in mean)
-            log(f"{what} {done}/{s.steps}: loss {losses_text} ({elapsed:.0f}s, ~{left:.0f}s left)")
-    student.train_seconds, student.loss_curve = seconds + time.time() - t0, curve
-    if out_path:  # no times in the file: the same settings always give the same bytes
-        save_student(student, out_path, {"settings": settings, "loss_curve": curve})
-        progress.unlink(missing_ok=True)
-    return student
+            text = " ".join(f"{x:.4g}" for x in mean)
+            log(f"{what} {done}/{s.steps}: loss {text} ({elapsed:.0f}s, ~{left:.0f}s left)")
+    seconds = before + time.time() - t0
+    return {"train_seconds": seconds, "loss_curve": state.curve}
 
 
-def _save_progress(path, settings, params, opt, gen, done, seconds, curve):
-    tensors = {f"param.{n}": p for n, p in params.items()} | {"rng": gen.get_state()}
-    for index, state in opt.state_dict()["state"].items():
-        tensors |= {f"adam.{index}.{key}": t for key, t in state.items()}
-    meta = {"settings": settings, "step": done, "seconds": seconds, "loss_curve": curve}
-    save_tensors(tensors, path, meta)
-
-
-def _resume(path: Path, settings, params, opt, gen, log):
-    """(step, seconds, loss curve) of a progress file of the same settings, restoring the tensors,
-    Adam and the data generator; (0, 0.0, []) without one, setting aside one of other settings or
-    one that cannot be read."""
-    if not (path and path.exists()):
-        return 0, 0.0, []
-    try:
-        stored, meta = read_tensors(path)
-        changed = changed_settings(meta.get("settings", {}), settings)
-        why = changed and f"progress of other settings ({changed} changed)"
-    except CheckpointError as err:  # a damaged progress file costs its steps, not the run
-        why = f"unreadable ({err})"
-    if why:
-        log(f"{path}: {why}; starting over")
-        path.unlink()
-        return 0, 0.0, []
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(stored[f"param.{n}"])
-    state = {"state": {}, "param_groups": opt.state_dict()["param_groups"]}
-    for name, t in stored.items():
-        if name.startswith("adam."):  # adam.{index in the optimiser}.{exp_avg, exp_avg_sq, step}
-            _, index, key = name.split(".")
-            state["state"].setdefault(int(index), {})[key] = t
-    opt.load_state_dict(state)
-    gen.set_state(stored["rng"])
-    log(f"{settings['loss']}: resuming from {path} at step {meta['step']}/{settings['steps']}")
-    return int(meta["step"]), float(meta["seconds"]), meta["loss_curve"]
-
-
-def distill(teacher, dims, token_ids, settings: TrainSettings = TrainSettings(), *, loss="softmax",
-            feature_seed=0, out_path=None, log=print, meta=None):  # fmt: skip
-    """A PRF student (dims[i] features in layer i, seed feature_seed + i), each layer trained with
-    `loss` ("l2" or "softmax") on the teacher's q, k for windows of token_ids (1-D). With out_path,
-    progress goes atomically to `<out_path>.progress` every settings.save_every steps, a run of the
-    same settings resumes from it exactly (train_seconds adds up), and the student is saved to
-    out_path with `meta`."""
+def distill(teacher, dims, token_ids, settings=TrainSettings(), *, loss="softmax", **loop):
+    """(A PRF student, its record): dims[i] features in layer i, seed feature_seed + i
+    (default 0), each layer trained with `loss` ("l2" or "softmax") on the teacher's
+    q, k for windows of token_ids (1-D); `loop`: fit's log, resume and on_step."""
     if loss not in ("l2", "softmax"):
         raise ValueError(f"distill: loss {loss!r}; expected 'l2' or 'softmax'")
-    student = make_student(teacher, "prf", dims, feature_seed)
-    term, dtype = "l2" if loss == "l2" else "ce", DTYPES[settings.dtype]
+    student = make_student(teacher, "prf", dims, loop.pop("feature_seed", 0))
+    term = "l2" if loss == "l2" else "ce"
+    dtype = DTYPES[settings.dtype]
 
     def step(ids):
         losses = []
-        for block, (q, k, _) in zip(student.blocks, capture(teacher, ids)):
-            terms = layer_pass(block.attn.features, q, k, None, {term}, settings.chunk, True, dtype)
+        for block, (q, k, _) in zip(student.blocks, teacher.capture(ids)):
+            features = block.attn.features
+            want, chunk = {term}, settings.chunk
+            terms = layer_pass(features, q, k, None, want, chunk, True, dtype)
             losses.append(terms[term].mean())
         return torch.stack(losses).tolist()  # one read from the device per step
 
-    return _train(student, step, token_ids, loss, settings, out_path, log, meta)
+    return student, fit(student, step, token_ids, loss, settings, **loop)
 
 
-def train_direct(student, token_ids, settings: TrainSettings = TrainSettings(), *, out_path=None,
-                 log=print, meta=None):  # fmt: skip
-    """The direct baseline, in place: the student's next-token cross-entropy on positions 1..ctx-1
-    of each window, training its own tensors only. Arguments as for distill."""
+def train_direct(student, token_ids, settings=TrainSettings(), **loop):
+    """(The student, its record), trained in place by the direct baseline: its
+    next-token cross-entropy on positions 1..ctx-1 of each window, its own tensors
+    only. Arguments as for distill."""
 
     def step(ids):
         logits = student(ids[:, :-1])  # [B, T-1, V]
-        nll = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+        logits, targets = logits.flatten(0, 1).float(), ids[:, 1:].flatten()
+        nll = F.cross_entropy(logits, targets)
         nll.backward()
         return [nll.item()]
 
-    return _train(student, step, token_ids, "direct", settings, out_path, log, meta)
+    return student, fit(student, step, token_ids, "direct", settings, **loop)

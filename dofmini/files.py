@@ -63,7 +63,8 @@ def _endpoint(url: str):
     proxy = urllib.request.getproxies().get(parts.scheme)
     if proxy and not urllib.request.proxy_bypass(parts.hostname):
         parts = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
-    return parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    default_port = 443 if parts.scheme == "https" else 80
+    return parts.hostname, parts.port or default_port
 
 
 def unreachable(urls) -> list:

@@ -2,9 +2,9 @@
 layers, a fixed-size LinearState for linear ones. The prompt is read in one call (chunked form for
 linear layers), then each new token costs one call: O(M·d) per linear layer at any context."""
 
-import torch
+import math
 
-from .dof import as_token_ids, check_args
+import torch
 
 
 @torch.no_grad()
@@ -14,8 +14,9 @@ def generate(model, prompt_ids, n: int, temperature=0.0, top_k=None, seed=None):
     temperature 0 is greedy (argmax; seed and top_k unused); above 0 it samples from
     softmax(logits / temperature), over the top_k most likely tokens when top_k is given, and needs
     an explicit seed so that every run can be repeated exactly."""
-    check_args("generate", "an integer >= 0", n=n)
-    check_args("generate", "a finite number >= 0", temperature=temperature)
+    if not (isinstance(n, int) and n >= 0 and 0 <= float(temperature) < math.inf):
+        got = f"n={n!r}, temperature={temperature!r}"
+        raise ValueError(f"generate: {got}; expected an integer n >= 0, a finite temperature >= 0")
     as_list = isinstance(prompt_ids, (list, tuple))
     ids = torch.as_tensor(prompt_ids)
     home, flat = ids.device, ids.dim() == 1
@@ -25,7 +26,7 @@ def generate(model, prompt_ids, n: int, temperature=0.0, top_k=None, seed=None):
             f"generate: need prompt_ids [B, T] or [T], T >= 1; got shape {tuple(ids.shape)}"
         )
     (B, T), cfg = ids.shape, model.config
-    ids = as_token_ids(ids.flatten(), 1, "generate", cfg.vocab_size).view(B, T)  # [B, T]
+    ids = model.token_ids(ids.flatten(), 1, "generate").view(B, T)  # [B, T]
     if T + n > cfg.n_ctx:
         got = f"prompt of {T} tokens + {n} new = {T + n} positions"
         raise ValueError(f"generate: {got}; {cfg.name or 'the model'} has n_ctx={cfg.n_ctx}")

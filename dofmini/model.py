@@ -3,6 +3,8 @@ torch only. Every projection is stored [in, out] and applied as `x @ W + b` (GPT
 checkpoint.py brings NeoX's weights to it), so both families share one forward pass. Each layer's
 attention is its own module so a student can swap it while keeping the teacher's projections."""
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -161,3 +163,48 @@ class Model(nn.Module):
         if keep is not None:
             x = x[keep]  # [N, D]
         return self.ln_f(x) @ self.head.T  # [B, T, V], or [N, V] with keep
+
+    @torch.no_grad()
+    def capture(self, ids):
+        """Every layer's (q, k, v) [B, H, T, d] for ids [B, T], without the head's [B, T, V]
+        logits (1.6 GB a batch of 8 for GPT-2 at ctx 1024, and most of a small model's cost)."""
+        layers = []
+        self(ids, capture=layers, keep=torch.zeros_like(ids, dtype=torch.bool))
+        if len(layers) != self.config.n_layer:
+            raise ValueError(f"capture: {len(layers)} layers, not {self.config.n_layer}")
+        return layers
+
+    def token_ids(self, token_ids, need: int, what: str) -> torch.Tensor:
+        """as_token_ids against this model's vocabulary."""
+        return as_token_ids(token_ids, need, what, self.config.vocab_size)
+
+
+def as_token_ids(token_ids, need: int, what: str, vocab: int) -> torch.Tensor:
+    """token_ids as a 1-D CPU LongTensor of at least `need` ids in [0, vocab), or a named error
+    (a float or negative id would index the embedding silently wrong)."""
+    token_ids = torch.as_tensor(token_ids)
+    whole = token_ids.dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+    if token_ids.dim() != 1 or len(token_ids) < need or not whole:
+        got = f"{token_ids.dtype} {tuple(token_ids.shape)}"
+        raise ValueError(f"{what}: token_ids {got}; need 1-D integers, >= {need} tokens")
+    if len(token_ids) and not 0 <= token_ids.min() <= token_ids.max() < vocab:
+        span = f"{token_ids.min()}..{token_ids.max()}"
+        raise ValueError(f"{what}: token ids span {span}; expected ids in [0, {vocab})")
+    return token_ids.long().cpu().contiguous()
+
+
+REAL = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+ARGUMENT_KINDS = {
+    "an integer >= 1": lambda v: isinstance(v, numbers.Integral) and REAL(v) and v >= 1,
+    "an integer >= 0": lambda v: isinstance(v, numbers.Integral) and REAL(v) and v >= 0,
+    "a finite number >= 0": lambda v: REAL(v) and v >= 0,
+    "a positive finite number": lambda v: REAL(v) and v > 0,
+}
+
+
+def check_args(what: str, expected: str, **values) -> None:
+    """A ValueError naming function `what`, the argument and its value, unless every one of
+    `values` is `expected` (a key of ARGUMENT_KINDS): one check for every public size and rate."""
+    for name, value in values.items():
+        if not ARGUMENT_KINDS[expected](value):
+            raise ValueError(f"{what}: {name}={value!r}; expected {expected}")

@@ -1,7 +1,7 @@
-"""Students: a teacher whose attention layers are swapped for linear attention, and their files.
-A student shares its teacher's frozen tensors and owns only its trainable ones (PRF z and a = log α,
-or DiJiang's decay, norm and gate); its file holds just those, with its record (kind, dims, seeds,
-training settings, the teacher's identity) as sorted JSON: the same student gives the same bytes."""
+"""Students: a teacher with linear attention swapped in, and their files. A student
+shares the teacher's frozen tensors and owns only its trainable ones (PRF z and
+a = log α, or DiJiang's decay, norm and gate); its file holds just those, with its
+record (kind, dims, seed, training, the teacher's identity) as sorted JSON."""
 
 import copy
 import json
@@ -11,33 +11,35 @@ from safetensors.torch import save_file
 
 from .checkpoint import CheckpointError
 from .dijiang import to_dijiang
-from .dof import check_args
 from .files import as_json, atomic_write
 from .linear_attention import replace_attention
+from .model import check_args
 
 KINDS = ("prf", "dijiang")
 
 
 def sharing_copy(teacher):
-    """A copy of the teacher's modules sharing every tensor, whose attention can be swapped."""
-    return copy.deepcopy(teacher, {id(t): t for t in (*teacher.parameters(), *teacher.buffers())})
+    """A copy of the teacher sharing every tensor, its attention swappable."""
+    shared = (*teacher.parameters(), *teacher.buffers())
+    return copy.deepcopy(teacher, {id(t): t for t in shared})
 
 
 def make_student(teacher, kind: str, dims, feature_seed: int, orthogonal: bool = True):
-    """An untrained student: "dijiang", or "prf" with dims[i] PRF features in layer i, seed
-    feature_seed + i (FAVOR+ orthogonal blocks unless orthogonal=False; untrained: Performer)."""
+    """An untrained student: "dijiang", or "prf" with dims[i] PRF features in layer i,
+    seed feature_seed + i (FAVOR+ orthogonal blocks unless orthogonal=False)."""
     check_args("make_student", "an integer >= 1", **{f"dims[{i}]": m for i, m in enumerate(dims)})
-    dims = [int(m) for m in dims]
-    if len(dims) != teacher.config.n_layer:
-        raise ValueError(f"make_student: {len(dims)} dims for {teacher.config.n_layer} layers")
+    dims, n_layer = [int(m) for m in dims], teacher.config.n_layer
+    if len(dims) != n_layer:
+        raise ValueError(f"make_student: {len(dims)} dims for {n_layer} layers")
     if kind not in KINDS:
-        raise ValueError(f"make_student: unknown kind {kind!r}; expected one of {KINDS}")
+        raise ValueError(f"make_student: kind {kind!r}; expected one of {KINDS}")
     student = sharing_copy(teacher)
-    student.meta = {"kind": kind, "dims": dims, "feature_seed": feature_seed}
-    if kind == "prf":
-        student.meta["orthogonal"] = orthogonal
-        return replace_attention(student, dims, feature_seed, orthogonal)
-    return to_dijiang(student, feature_seed)
+    # what rebuilds this untrained student; its file records it
+    student.draw = {"kind": kind, "dims": dims, "feature_seed": feature_seed}
+    if kind == "dijiang":
+        return to_dijiang(student, feature_seed)
+    student.draw["orthogonal"] = orthogonal
+    return replace_attention(student, dims, feature_seed, orthogonal)
 
 
 def trainable(model) -> dict:
@@ -46,7 +48,8 @@ def trainable(model) -> dict:
 
 
 def save_tensors(tensors: dict, path, metadata: dict):
-    """A safetensors file written atomically, `metadata` as sorted JSON under the key "dofmini"."""
+    """A safetensors file written atomically, `metadata` as sorted JSON
+    under the key "dofmini"."""
     tensors = {n: t.detach().cpu().contiguous() for n, t in sorted(tensors.items())}
     meta = {"dofmini": json.dumps(metadata, sort_keys=True)}
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), meta))
@@ -61,15 +64,16 @@ def read_tensors(path):
         raise CheckpointError(f"cannot read {path}: {type(err).__name__}: {err}") from None
 
 
-def save_student(student, path, meta=None):
-    """The student's trainable tensors with its record, `meta` and the teacher's identity."""
-    record = {**student.meta, **(meta or {}), "teacher": student.identity}
+def save_student(student, path, record=None):
+    """Its trainable tensors, draw, `record` and the teacher's identity."""
+    record = {**student.draw, **(record or {}), "teacher": student.identity}
     save_tensors(trainable(student), path, record)
 
 
 def load_student(teacher, path, expect=None):
-    """A saved student rebuilt on `teacher`. Refuses a file made for another teacher, with other
-    tensors, or whose record differs from `expect` (a dict, e.g. dims, feature_seed, loss)."""
+    """(A saved student rebuilt on `teacher`, its file's record). Refuses a
+    file of another teacher, with other tensors, or whose record differs
+    from `expect` (e.g. dims, loss)."""
     stored, meta = read_tensors(path)
     if meta.get("teacher") != teacher.identity or meta.get("kind") not in KINDS:
         raise CheckpointError(
@@ -84,7 +88,6 @@ def load_student(teacher, path, expect=None):
     shapes = [{n: tuple(t.shape) for n, t in d.items()} for d in (stored, trainable(student))]
     for name in sorted(shapes[0].keys() | shapes[1].keys()):
         if (got := shapes[0].get(name)) != (want := shapes[1].get(name)):
-            raise CheckpointError(f"{path}: tensor {name!r} has shape {got}, the student's {want}")
-    student.load_state_dict(stored, strict=False)  # exactly the trainable tensors, checked above
-    student.meta = {k: v for k, v in meta.items() if k != "teacher"}
-    return student
+            raise CheckpointError(f"{path}: tensor {name!r} is {got}, the student's {want}")
+    student.load_state_dict(stored, strict=False)  # the trainable ones, checked
+    return student, meta

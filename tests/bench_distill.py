@@ -21,7 +21,6 @@ from dofmini import load, load_tokenizer  # noqa: E402
 from dofmini.distill import (  # noqa: E402
     DTYPES,
     TrainSettings,
-    capture,
     distill,
     layer_pass,
     train_direct,
@@ -55,7 +54,7 @@ def seconds_per_step(teacher, ids, loss, ctx, batch, steps):
 def heldout_kl(teacher, student, held, ctx):
     """Per-layer KL(p‖p̂) on held-out windows, always in float64."""
     ids = held[: len(held) // ctx * ctx].view(-1, ctx)[:8]  # [W, ctx]
-    layers = zip(student.blocks, capture(teacher, ids))
+    layers = zip(student.blocks, teacher.capture(ids))
     with torch.no_grad():
         return [
             layer_pass(b.attn.features, q, k, None, {"kl"}, 256, dtype=torch.float64)["kl"]
@@ -77,8 +76,8 @@ def precision(teacher, ids, held, args):
     }
     students, curves = {}, {}
     for name, s in settings.items():
-        students[name] = distill(teacher, dims, ids, s, log=lambda line: None)
-        curves[name] = students[name].loss_curve
+        students[name], record = distill(teacher, dims, ids, s, log=lambda line: None)
+        curves[name] = record["loss_curve"]
     print(f"{args.steps} steps of the softmax loss, ctx {args.ctx}, batch {args.batch}, M = 64\n")
     print("| step | loss float32 | loss float64 | rel. diff |\n|---|---|---|---|")
     for (step, a), (_, b) in zip(curves["float32"], curves["float64"]):
@@ -91,7 +90,7 @@ def precision(teacher, ids, held, args):
     # one training step's layerwise work (every layer, forward and backward), alternating dtypes
     student = students["float32"]
     batch = ids[: args.batch * args.ctx].view(args.batch, args.ctx)  # [B, ctx]
-    qkv = capture(teacher, batch)
+    qkv = teacher.capture(batch)
     seconds = {name: [] for name in DTYPES}
     for _ in range(args.repeats):
         for name, dtype in DTYPES.items():

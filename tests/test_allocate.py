@@ -130,8 +130,27 @@ def test_allocate_takes_max_or_mean_over_heads_and_rejects_bad_input():
     for bad in (([0.0, 1.0], 4, None), ([1.0, math.inf], 4, None), ([1.0], 0, None), ([1.0], 4, 0)):
         with pytest.raises(ValueError):
             allocate(bad[0], bad[1], cap=bad[2])
-    for rule in ("sqrt", "power:", "power:-1", "power:nan", "Proportional"):
+    for rule in ("sqrt", "power:", "power:inf", "power:nan", "Proportional"):
         with pytest.raises(ValueError, match=rf"rule {re.escape(repr(rule))}; expected"):
             allocate([1.0, 2.0], 4, rule)
     with pytest.raises(ValueError, match="aggregate 'median'"):
         allocate(per_head, 4, aggregate="median")
+    for floor in (0, 5, 2.5):
+        with pytest.raises(ValueError, match=f"floor must be .* got {floor}"):
+            allocate([1.0, 2.0], 4, floor=floor)
+
+
+def test_negative_powers_favour_low_dof_and_the_floor_holds_each_layer():
+    assert allocate([1.0, 4.0], 30, "power:-0.5") == [40, 20]
+    assert allocate([1.0, 1.0, 1000.0], 2, floor=2) == [2, 2, 2]
+    assert allocate([1.0, 1.0, 1000.0], 4, floor=2) == [2, 2, 8]  # the floor's layers, re-shared
+
+
+@FAST
+@given(dofs, st.integers(1, 200), st.floats(-3, 3), st.data())
+def test_any_power_and_floor_keep_the_exact_budget(dof, budget, gamma, data):
+    floor = data.draw(st.integers(1, budget))
+    dims = allocate(dof, budget, f"power:{gamma!r}", floor=floor)
+    assert sum(dims) == len(dof) * budget and min(dims) >= floor
+    weights = [x**gamma for x in dof]  # more weight never fewer features
+    assert_monotone(weights, dims)

@@ -23,7 +23,7 @@ TEMPERATURES = (0.5, 1.0, 2.0)
 def test_virtual_layers_scale_one_real_layer_and_order_dof(tiny, tiny_ids):
     virtual = VirtualTeacher(tiny, 1, TEMPERATURES)
     ids = tiny_ids[:64].view(2, 32)
-    (_, (q, k, v)), layers = dof.capture(tiny, ids), dof.capture(virtual, ids)
+    (_, (q, k, v)), layers = tiny.capture(ids), virtual.capture(ids)
     assert len(layers) == len(TEMPERATURES) == virtual.config.n_layer
     for s, (q_s, k_s, v_s) in zip(TEMPERATURES, layers):
         logits, scaled = q @ k.mT, q_s @ k_s.mT  # [B, H, T, T]
@@ -35,7 +35,7 @@ def test_virtual_layers_scale_one_real_layer_and_order_dof(tiny, tiny_ids):
 def test_a_student_of_virtual_layers_trains_and_is_measured(tiny, tiny_ids):
     virtual = VirtualTeacher(tiny, 0, TEMPERATURES)
     settings = TrainSettings(steps=2, batch=2, ctx=32)
-    student = distill(virtual, [4, 4, 4], tiny_ids, settings, log=lambda line: None)
+    student, _ = distill(virtual, [4, 4, 4], tiny_ids, settings, log=lambda line: None)
     errors = layer_errors(virtual, student, tiny_ids, 32, 2)
     assert len(errors["kl"]) == 3 and all(e > 0 for e in errors["kl"])
     assert student.identity == f"{tiny.identity}/layer 0 at 0.5,1.0,2.0"

@@ -4,17 +4,28 @@ distillation that lowers the held-out error of the draw it starts from, and stud
 reproducible byte for byte and reload exactly. The stand-in versions in the other test files stay
 the stronger checks where ../shared exists."""
 
+import functools
+import json
 import re
 
 import pytest
 import torch
 from conftest import FIXTURES
+from safetensors.torch import save
 
 from dofmini import CheckpointError, load
 from dofmini.distill import TrainSettings, distill
 from dofmini.dof import allocate, estimate_dof
-from dofmini.students import load_student, make_student, save_student, save_tensors, trainable
+from dofmini.students import (
+    load_student,
+    make_student,
+    read_tensors,
+    save_student,
+    save_tensors,
+    trainable,
+)
 from dofmini.study.evaluate import layer_errors
+from dofmini.study.runs import train_into
 from dofmini.study.tasks import TASKS, load_task
 
 TASK_FILES = FIXTURES / "tasks"  # two or three hand-written examples in each task's own format
@@ -91,7 +102,7 @@ def test_distillation_lowers_the_heldout_error_of_its_starting_draw(loss):
     dims = [8] * teacher.config.n_layer
     before = layer_errors(teacher, make_student(teacher, "prf", dims, 0), held, 32, windows=8)
     settings = TrainSettings(steps=40, batch=4, ctx=32)
-    student = distill(teacher, dims, train, settings, loss=loss, log=lambda _: None)
+    student, _ = distill(teacher, dims, train, settings, loss=loss, log=lambda _: None)
     after = layer_errors(teacher, student, held, 32, windows=8)
     metric = "kernel_l2" if loss == "l2" else "kl"
     assert all(a < b for a, b in zip(after[metric], before[metric])), (before, after)
@@ -102,25 +113,30 @@ def test_ten_repeats_of_one_seed_give_bit_identical_students_and_files(tiny, tin
     files, settings = [], S(steps=3, batch=2, ctx=32, data_seed=4)
     for i in range(10):
         path = tmp_path / f"s{i}.safetensors"
-        distill(tiny, [6, 6], tiny_ids, settings, feature_seed=4, out_path=path, log=quiet)
-        files.append(path.read_bytes())
+        train = functools.partial(distill, tiny, [6, 6], tiny_ids, settings, feature_seed=4)
+        train_into(path, {"loss": "softmax"}, settings, tiny_ids, train, quiet)
+        # the same tensors and record byte for byte, but for the seconds it took
+        stored, meta = read_tensors(path)
+        del meta["info"]["train_seconds"]
+        files.append((save(stored), json.dumps(meta, sort_keys=True)))
     assert len(set(files)) == 1  # tensors and metadata, byte for byte
-    other = trainable(distill(tiny, [6, 6], tiny_ids, settings, feature_seed=5, log=quiet))
-    first = trainable(load_student(tiny, tmp_path / "s0.safetensors"))
+    other = trainable(distill(tiny, [6, 6], tiny_ids, settings, feature_seed=5, log=quiet)[0])
+    first = trainable(load_student(tiny, tmp_path / "s0.safetensors")[0])
     assert not torch.equal(first["blocks.0.attn.features.z"], other["blocks.0.attn.features.z"])
 
 
 def test_saved_student_reloads_with_bit_identical_logits(tiny, tiny_ids, tmp_path):
     path = tmp_path / "student.safetensors"
-    student = distill(
-        tiny, [6, 10], tiny_ids, S(steps=3, batch=2, ctx=32), loss="l2", feature_seed=3,
-        out_path=path, meta={"lam": 0.0625}, log=quiet,
-    )  # fmt: skip
-    loaded = load_student(tiny, path, expect={"dims": (6, 10), "feature_seed": 3, "loss": "l2"})
+    settings = S(steps=3, batch=2, ctx=32)
+    train = functools.partial(distill, tiny, [6, 10], tiny_ids, settings, loss="l2", feature_seed=3)
+    train_into(path, {"lam": 0.0625, "loss": "l2"}, settings, tiny_ids, train, quiet)
+    student = distill(tiny, [6, 10], tiny_ids, settings, loss="l2", feature_seed=3, log=quiet)[0]
+    expect = {"dims": (6, 10), "feature_seed": 3, "loss": "l2"}
+    loaded, meta = load_student(tiny, path, expect)
     assert set(loaded.state_dict()) == set(student.state_dict())
-    record = [loaded.meta[k] for k in ("dims", "lam", "loss", "feature_seed", "kind")]
+    record = [meta[k] for k in ("dims", "lam", "loss", "feature_seed", "kind")]
     assert record == [[6, 10], 0.0625, "l2", 3, "prf"]
-    assert loaded.meta["settings"]["dtype"] == "float32"
+    assert set(meta["info"]) == {"loss_curve", "train_seconds"}
     ids = tiny_ids[:64].view(2, 32)
     with torch.no_grad():
         assert torch.equal(loaded(ids), student(ids))

@@ -175,8 +175,9 @@ def test_student_file_round_trip(tmp_path):
     teacher = load(FIXTURES / "gpt2-tiny")
     student = perturbed(make_dijiang(teacher, 4))
     save_student(student, tmp_path / "dj.safetensors", {"loss": "direct"})
-    loaded = load_student(teacher, tmp_path / "dj.safetensors")
-    assert loaded.meta == {"kind": "dijiang", "dims": [8, 8], "feature_seed": 4, "loss": "direct"}
+    loaded, meta = load_student(teacher, tmp_path / "dj.safetensors")
+    expected = {"kind": "dijiang", "dims": [8, 8], "feature_seed": 4, "loss": "direct"}
+    assert meta == {**expected, "teacher": teacher.identity}
     ids = torch.arange(30)[None] % 96
     with torch.no_grad():
         assert torch.equal(loaded(ids), student(ids))

@@ -1,8 +1,8 @@
 """Layerwise distillation and the direct baseline: training lowers held-out error on the GPT-2
-stand-in, the metrics and gradients match a dense float64 reference, runs resume exactly, and only z
-and α ever change. Student files (reproducible bytes, exact reloads): test_core_on_fixtures.py."""
+stand-in, the metrics and gradients match a dense float64 reference, and only z and α ever change.
+Resuming from progress files: test_runs.py; student files (reproducible bytes, exact reloads):
+test_core_on_fixtures.py."""
 
-import dataclasses
 import hashlib
 import math
 
@@ -14,7 +14,7 @@ from dofmini import load_tokenizer
 from dofmini.distill import TrainSettings, distill, layer_pass, train_direct
 from dofmini.files import changed_settings
 from dofmini.linear_attention import PRFFeatures, causal_linear_attention
-from dofmini.students import load_student, make_student, read_tensors
+from dofmini.students import make_student
 from dofmini.study.evaluate import layer_errors, perplexity
 
 S = TrainSettings
@@ -46,7 +46,8 @@ def trainable(student) -> dict:
 def test_each_loss_beats_the_performer_draw_on_heldout_text(standin_gpt2, wiki, loss, metric):
     train, held = wiki
     dims = [64] * standin_gpt2.config.n_layer
-    student = distill(standin_gpt2, dims, train, S(steps=30, batch=2, ctx=64), loss=loss, log=quiet)
+    settings = S(steps=30, batch=2, ctx=64)
+    student, _ = distill(standin_gpt2, dims, train, settings, loss=loss, log=quiet)
     before, after = (
         layer_errors(standin_gpt2, st, held, 64, windows=8, batch=4)
         for st in (make_student(standin_gpt2, "prf", dims, 0), student)
@@ -90,10 +91,8 @@ def tiny_capture(tiny, tiny_ids, batch, ctx):
 
 
 def trained_tiny(tiny, tiny_ids, loss):
-    return distill(
-        tiny, [5, 12], tiny_ids, S(steps=3, batch=2, ctx=32, data_seed=1), loss=loss,
-        feature_seed=1, log=quiet,
-    )  # fmt: skip
+    settings = S(steps=3, batch=2, ctx=32, data_seed=1)
+    return distill(tiny, [5, 12], tiny_ids, settings, loss=loss, feature_seed=1, log=quiet)[0]
 
 
 def test_metrics_match_a_dense_float64_reference_at_any_chunk(tiny, tiny_ids):
@@ -183,9 +182,9 @@ def test_only_z_and_alpha_change_and_the_teacher_stays_intact(tiny, tiny_ids, lo
     before = {n: t.clone() for n, t in start.state_dict().items()}
     settings = S(steps=3, batch=2, ctx=32, data_seed=2)
     if loss == "direct":
-        student = train_direct(start, tiny_ids, settings, log=quiet)
+        student, _ = train_direct(start, tiny_ids, settings, log=quiet)
     else:
-        student = distill(tiny, [8, 3], tiny_ids, settings, loss=loss, feature_seed=2, log=quiet)
+        student, _ = distill(tiny, [8, 3], tiny_ids, settings, loss=loss, feature_seed=2, log=quiet)
     after = student.state_dict()
     changed = {n for n in before if not torch.equal(before[n], after[n])}
     assert changed == {f"blocks.{i}.attn.features.{p}" for i in range(2) for p in "za"}
@@ -203,67 +202,6 @@ def test_direct_loss_gradients_reach_only_z_and_alpha(tiny, tiny_ids):
     with_grad = {n for n, p in student.named_parameters() if p.grad is not None}
     assert with_grad == {f"blocks.{i}.attn.features.{p}" for i in range(2) for p in "za"}
     assert all(p.grad is None for p in tiny.parameters())
-
-
-def interrupt_at(step):
-    def log(line):
-        if f" {step}/" in line:
-            raise KeyboardInterrupt(line)
-
-    return log
-
-
-@pytest.mark.parametrize("loss", ["softmax", "direct"])
-def test_resume_after_interruption_equals_an_uninterrupted_run(tiny, tiny_ids, tmp_path, loss):
-    settings = S(steps=6, batch=2, ctx=32, data_seed=1, save_every=2, log_every=2)
-
-    meta = {"key": {"dims": (5, 7)}}  # a tuple, as a stage key holds, comes back as a list
-
-    def run(path, log):
-        common = dict(out_path=path, log=log, meta=meta)
-        if loss == "direct":
-            start = make_student(tiny, "prf", [5, 7], 1)
-            return train_direct(start, tiny_ids, settings, **common)
-        return distill(tiny, [5, 7], tiny_ids, settings, feature_seed=1, **common)
-
-    whole = trainable(run(tmp_path / "whole.safetensors", quiet))
-    path = tmp_path / "resumed.safetensors"
-    with pytest.raises(KeyboardInterrupt):
-        run(path, interrupt_at(4))
-    assert not path.exists() and (tmp_path / "resumed.safetensors.progress").exists()
-    interrupted = read_tensors(path.with_name(path.name + ".progress"))[1]["seconds"]
-    lines = []
-    finished = run(path, lines.append)
-    assert "at step 4/6" in lines[0] and len(lines) == 2  # then 6/6: steps 1-4 are not redone
-    assert finished.train_seconds > interrupted > 0  # the time before the interruption counts
-    resumed = trainable(load_student(tiny, path))
-    assert all(torch.equal(whole[n], resumed[n]) for n in whole)
-    assert not (tmp_path / "resumed.safetensors.progress").exists()
-
-
-def test_progress_of_other_settings_is_set_aside_and_training_starts_over(tiny, tiny_ids, tmp_path):
-    path = tmp_path / "s.safetensors"
-    first = S(steps=4, batch=2, ctx=32, save_every=2, log_every=2)
-    with pytest.raises(KeyboardInterrupt):
-        distill(tiny, [4, 4], tiny_ids, first, loss="l2", out_path=path, log=interrupt_at(2))
-    assert path.with_name(path.name + ".progress").exists()
-    lines, other = [], dataclasses.replace(first, lr=0.01, dtype="float64")
-    student = distill(tiny, [4, 4], tiny_ids, other, loss="l2", out_path=path, log=lines.append)
-    assert "(dtype, lr changed)" in lines[0] and "starting over" in lines[0], lines
-    assert not any("resuming" in line for line in lines)
-    fresh = trainable(distill(tiny, [4, 4], tiny_ids, other, loss="l2", log=quiet))
-    assert all(torch.equal(t, fresh[n]) for n, t in trainable(student).items())
-
-
-def test_an_unreadable_progress_file_is_named_and_training_starts_over(tiny, tiny_ids, tmp_path):
-    path, settings = tmp_path / "s.safetensors", S(steps=2, batch=2, ctx=32, log_every=1)
-    path.with_name(path.name + ".progress").write_bytes(b"garbage")
-    lines = []
-    student = distill(tiny, [4, 4], tiny_ids, settings, out_path=path, log=lines.append)
-    assert f"{path}.progress: unreadable (cannot read {path}.progress" in lines[0], lines
-    assert "starting over" in lines[0] and not path.with_name(path.name + ".progress").exists()
-    fresh = trainable(distill(tiny, [4, 4], tiny_ids, settings, log=quiet))
-    assert all(torch.equal(t, fresh[n]) for n, t in trainable(student).items())
 
 
 def test_changed_settings_names_every_differing_or_missing_key():

@@ -10,7 +10,13 @@ from conftest import data_path, shared_path
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from dofmini.dof import degrees_of_freedom, estimate_dof, sample_queries_keys, saturation_warning
+from dofmini.dof import (
+    degrees_of_freedom,
+    dof_by_definition,
+    estimate_dof,
+    sample_queries_keys,
+    saturation_warning,
+)
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -58,6 +64,8 @@ def test_dof_matches_eigenvalue_formula_and_trace_identity(case):
     dof = degrees_of_freedom(x, lam, normalize).item()
     ref, op = naive(x, lam, normalize)
     assert dof == pytest.approx(ref, rel=1e-7, abs=1e-8)
+    if math.isfinite(ref):  # the package's own reading of the definition
+        assert dof_by_definition(x, lam, normalize).item() == pytest.approx(ref, rel=1e-7, abs=1e-8)
     # tr Σ̂(Σ̂+λI)⁻¹ = J − λ·tr (Σ̂+λI)⁻¹
     trace_form = J - lam * np.trace(np.linalg.inv(op + lam * np.eye(J)))
     assert dof == pytest.approx(trace_form, rel=1e-7, abs=1e-7)

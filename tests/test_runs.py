@@ -1,19 +1,24 @@
 """A saved stage is reused only for the settings that made it: a changed setting recomputes it and
-says which; token caches follow the same rule."""
+says which; token caches follow the same rule. A training interrupted and resumed from its progress
+file gives bit-identical tensors to an uninterrupted one and counts its whole time; progress of
+other settings, or that cannot be read, is named and set aside."""
 
+import dataclasses
+import functools
 import json
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from dofmini.distill import distill
-from dofmini.students import read_tensors
+from dofmini.distill import TrainSettings, distill, train_direct
+from dofmini.students import load_student, make_student, read_tensors
 from dofmini.study import stages
 from dofmini.study.plan import Clock
-from dofmini.study.runs import stage, token_ids
+from dofmini.study.runs import stage, token_ids, train_into
 
 
 def test_stage_reuses_only_an_identical_key(tmp_path, capsys):
@@ -103,14 +108,94 @@ def test_a_resumed_training_paces_the_clock_on_its_whole_training(tiny, tiny_ids
         if "54/60" in line:
             raise KeyboardInterrupt
 
-    meta = {"variant": "fix", "key": stages.train_key(run, spec)}
-    settings = stages.settings(run, spec.seed)
+    record = {"loss": "softmax", "variant": "fix", "key": stages.train_key(run, spec)}
+    settings, train = stages.settings(run, spec.seed), stages.fitting(run, spec)
+    interrupt = interrupt_after_the_save_at_step_50
     with pytest.raises(KeyboardInterrupt):
-        distill(tiny, spec.dims, tiny_ids, settings, out_path=path, meta=meta,
-                log=interrupt_after_the_save_at_step_50)  # fmt: skip
+        train_into(path, record, settings, tiny_ids, train, interrupt)
     before = read_tensors(Path(f"{path}.progress"))[1]["seconds"]
     run.clock = Clock([(spec.name, 100.0), ("next", 1000.0)])
     _, info = stages.train_student(run, spec)
     assert "at step 50/60" in capsys.readouterr().out
     assert info["train_seconds"] > before
     assert run.clock.worked[spec.name] == info["train_seconds"]
+
+
+# --- a training kept on disk ---
+
+S, quiet = TrainSettings, lambda line: None
+
+
+def trainable(student) -> dict:
+    return {n: p.detach().clone() for n, p in student.named_parameters() if p.requires_grad}
+
+
+def kept(tiny, tiny_ids, path, settings, log, loss="softmax", dims=(4, 4), seed=0, record=None):
+    """train_into's record of a student trained into `path`, as stages.train_student runs it."""
+    if loss == "direct":
+        start = make_student(tiny, "prf", dims, seed)
+        train = functools.partial(train_direct, start, tiny_ids, settings)
+    else:
+        common = dict(loss=loss, feature_seed=seed)
+        train = functools.partial(distill, tiny, dims, tiny_ids, settings, **common)
+    record = {"loss": loss} if record is None else record
+    return train_into(path, record, settings, tiny_ids, train, log)
+
+
+def interrupt_at(step):
+    def log(line):
+        if f" {step}/" in line:
+            raise KeyboardInterrupt(line)
+
+    return log
+
+
+@pytest.mark.parametrize("loss", ["softmax", "direct"])
+def test_resume_after_interruption_equals_an_uninterrupted_run(tiny, tiny_ids, tmp_path, loss):
+    settings = S(steps=6, batch=2, ctx=32, data_seed=1, save_every=2, log_every=2)
+    # a tuple, as a stage key holds, comes back as a list
+    record = {"loss": loss, "key": {"dims": (5, 7)}}
+    options = dict(settings=settings, loss=loss, dims=[5, 7], seed=1, record=record)
+    run = functools.partial(kept, tiny, tiny_ids, **options)
+    run(tmp_path / "whole.safetensors", log=quiet)
+    whole = trainable(load_student(tiny, tmp_path / "whole.safetensors")[0])
+    path = tmp_path / "resumed.safetensors"
+    with pytest.raises(KeyboardInterrupt):
+        run(path, log=interrupt_at(4))
+    assert not path.exists() and (tmp_path / "resumed.safetensors.progress").exists()
+    interrupted = read_tensors(path.with_name(path.name + ".progress"))[1]["seconds"]
+    lines = []
+    info = run(path, log=lines.append)
+    assert "at step 4/6" in lines[0] and len(lines) == 2  # then 6/6: steps 1-4 are not redone
+    assert info["train_seconds"] > interrupted > 0  # the time before the interruption counts
+    assert read_tensors(path)[1]["info"] == info
+    resumed = trainable(load_student(tiny, path)[0])
+    assert all(torch.equal(whole[n], resumed[n]) for n in whole)
+    assert not (tmp_path / "resumed.safetensors.progress").exists()
+
+
+def test_progress_of_other_settings_is_set_aside_and_training_starts_over(tiny, tiny_ids, tmp_path):
+    path = tmp_path / "s.safetensors"
+    first = S(steps=4, batch=2, ctx=32, save_every=2, log_every=2)
+    with pytest.raises(KeyboardInterrupt):
+        kept(tiny, tiny_ids, path, first, interrupt_at(2), loss="l2")
+    assert path.with_name(path.name + ".progress").exists()
+    lines, other = [], dataclasses.replace(first, lr=0.01, dtype="float64")
+    kept(tiny, tiny_ids, path, other, lines.append, loss="l2")
+    assert "(dtype, lr changed)" in lines[0] and "starting over" in lines[0], lines
+    assert not any("resuming" in line for line in lines)
+    fresh = trainable(distill(tiny, [4, 4], tiny_ids, other, loss="l2", log=quiet)[0])
+    student = trainable(load_student(tiny, path)[0])
+    assert all(torch.equal(t, fresh[n]) for n, t in student.items())
+
+
+def test_an_unreadable_progress_file_is_named_and_training_starts_over(tiny, tiny_ids, tmp_path):
+    path, settings = tmp_path / "s.safetensors", S(steps=2, batch=2, ctx=32, log_every=1)
+    path.with_name(path.name + ".progress").write_bytes(b"garbage")
+    lines = []
+    kept(tiny, tiny_ids, path, settings, lines.append)
+    assert f"{path}.progress: unreadable (cannot read {path}.progress" in lines[0], lines
+    assert "starting over" in lines[0] and not path.with_name(path.name + ".progress").exists()
+    fresh = trainable(distill(tiny, [4, 4], tiny_ids, settings, log=quiet)[0])
+    student = trainable(load_student(tiny, path)[0])
+    assert all(torch.equal(t, fresh[n]) for n, t in student.items())

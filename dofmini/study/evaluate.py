@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..distill import as_token_ids, check_args, layer_pass
-from ..dof import capture
+from ..distill import layer_pass
+from ..model import check_args
 from .tasks import TASKS, load_task
 
 # the perplexity texts, relative to the data folder; each name is also its dofmini.data group
@@ -31,8 +31,7 @@ def perplexity(model, token_ids, ctx: int, batch: int = 8):
     n_pos = model.config.n_ctx
     if not 2 <= ctx <= n_pos:
         raise ValueError(f"ctx={ctx}: expected 2..{n_pos} (the positions of {model.config.name})")
-    token_ids = torch.as_tensor(token_ids).flatten()
-    token_ids = as_token_ids(token_ids, 0, "perplexity", model.config.vocab_size)
+    token_ids = model.token_ids(torch.as_tensor(token_ids).flatten(), 0, "perplexity")
     token_ids = token_ids.to(next(model.parameters()).device)
     if len(token_ids) < ctx:
         raise ValueError(f"{len(token_ids)} tokens do not fill one window of ctx={ctx}")
@@ -140,15 +139,14 @@ def layer_errors(teacher, student, token_ids, ctx, windows, offset=0, batch=4, c
     "kl_heads", each layer's KL per head. None for a layer without PRF `features` (DiJiang: its
     gate reads the block input, so it has no per-head output either)."""
     need = (offset + windows) * ctx
-    check_args(
-        "layer_errors", "an integer >= 1", ctx=ctx, windows=windows, batch=batch, chunk=chunk
-    )
-    token_ids = as_token_ids(token_ids, need, "layer_errors", teacher.config.vocab_size)
+    sizes = dict(ctx=ctx, windows=windows, batch=batch, chunk=chunk)
+    check_args("layer_errors", "an integer >= 1", **sizes)
+    token_ids = teacher.token_ids(token_ids, need, "layer_errors")
     device = next(teacher.parameters()).device
     all_windows = token_ids[offset * ctx : need].view(windows, ctx).to(device)  # [W, ctx]
     sums = [{} for _ in student.blocks]
     for ids in all_windows.split(batch):
-        for acc, block, (q, k, v) in zip(sums, student.blocks, capture(teacher, ids)):
+        for acc, block, (q, k, v) in zip(sums, student.blocks, teacher.capture(ids)):
             if not hasattr(block.attn, "features"):
                 continue
             terms = layer_pass(block.attn.features, q, k, v, {"l2", "kl", "err"}, chunk)

@@ -1,13 +1,17 @@
 """What a long run needs besides the method: stages saved with the settings that made them, token
-caches, one lock per output folder, and the record of what made the results.
+caches, trainings kept on disk, one lock per output folder, and the record of what made the results.
 
 A stage is reused only when the settings and inputs it was made from (its key) match exactly;
 otherwise it is recomputed and a line names what changed. Every file goes through
-files.atomic_write, so a kill at any moment leaves a stage either whole or absent.
+files.atomic_write, so a kill at any moment leaves a stage either whole or absent. A training saves
+its progress beside the student's file every save_every steps; one of the same record, settings
+and tokens resumes from it exactly (tensors, Adam, the data order, the loss curve; its seconds add
+up), and the student's file is written once, at the end.
 """
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import platform
@@ -20,6 +24,7 @@ import torch
 from .. import __version__
 from ..checkpoint import CheckpointError
 from ..files import as_json, atomic_write, by_hand, changed_settings, sha256_file, write_text
+from ..students import read_tensors, save_student, save_tensors
 from . import data
 
 
@@ -95,6 +100,61 @@ def token_ids(path: Path, key: dict, texts, tokenizer, max_chars) -> torch.Tenso
     return torch.from_numpy(ids)
 
 
+def train_into(path, record: dict, settings, token_ids, train, log) -> dict:
+    """The record {"train_seconds", "loss_curve"} of train(log=, resume=, on_step=) -> (student,
+    record) (distill or train_direct, partly applied); the student goes to `path` with `record`
+    and that as "info", its progress to `<path>.progress` meanwhile."""
+    tokens = hashlib.sha256(torch.as_tensor(token_ids).long().cpu().numpy().tobytes()).hexdigest()
+    keep = as_json({**record, **settings.record(), "tokens": tokens[:16]})  # as a file gives back
+    progress = Path(f"{path}.progress")
+
+    def save(state):  # every save_every steps but the last
+        if state.step % settings.save_every == 0 and state.step < settings.steps:
+            tensors = {f"param.{n}": p for n, p in state.params.items()}
+            tensors["rng"] = state.gen.get_state()
+            for index, adam in state.opt.state_dict()["state"].items():
+                tensors |= {f"adam.{index}.{key}": t for key, t in adam.items()}
+            meta = dict(settings=keep, step=state.step, seconds=state.seconds)
+            save_tensors(tensors, progress, {**meta, "loss_curve": state.curve})
+
+    def resume(state):
+        if progress.exists() and _resume(progress, keep, state, log):
+            log(f"resuming from {progress} at step {state.step}/{settings.steps}")
+
+    student, info = train(log=log, resume=resume, on_step=save)
+    save_student(student, path, {**record, "info": info})
+    progress.unlink(missing_ok=True)
+    return info
+
+
+def _resume(path: Path, keep: dict, state, log) -> bool:
+    """Whether `state` was restored from a progress file of the settings `keep`; one of other
+    settings, or that cannot be read, is named and set aside."""
+    try:
+        stored, meta = read_tensors(path)
+        changed = changed_settings(meta.get("settings", {}), keep)
+        why = changed and f"progress of other settings ({changed} changed)"
+    except CheckpointError as err:  # a damaged file costs its steps, not the run
+        why = f"unreadable ({err})"
+    if why:
+        log(f"{path}: {why}; starting over")
+        path.unlink()
+        return False
+    with torch.no_grad():
+        for n, p in state.params.items():
+            p.copy_(stored[f"param.{n}"])
+    adam = {"state": {}, "param_groups": state.opt.state_dict()["param_groups"]}
+    for name, t in stored.items():
+        if name.startswith("adam."):  # adam.{index}.{exp_avg, exp_avg_sq, step}
+            _, index, key = name.split(".")
+            adam["state"].setdefault(int(index), {})[key] = t
+    state.opt.load_state_dict(adam)
+    state.gen.set_state(stored["rng"])
+    state.step, state.seconds = int(meta["step"]), float(meta["seconds"])
+    state.curve = meta["loss_curve"]
+    return True
+
+
 def check_writable(out: Path, flag: str, fail) -> None:
     """fail(message) unless `out` is a folder, or can be made one, that this user may write."""
     if out.exists() and not out.is_dir():
@@ -133,8 +193,9 @@ def locked(out: Path, fail):
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
-            fail(f"--out {out} is in use by another run (PID {f.read().strip() or '?'}); wait "
-                 "for it to finish or choose another --out")  # fmt: skip
+            pid = f.read().strip() or "?"
+            busy = f"--out {out} is in use by another run (PID {pid})"
+            fail(f"{busy}; wait for it to finish or choose another --out")
         f.seek(0)
         f.truncate()
         f.write(str(os.getpid()))
@@ -173,8 +234,8 @@ def provenance(model) -> dict:
 
     def git(*args) -> str:  # "" outside a checkout or without git
         try:
-            done = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parents[2],
-                                  capture_output=True, text=True, timeout=10)  # fmt: skip
+            command, repo = ["git", *args], Path(__file__).resolve().parents[2]
+            done = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=10)
         except (OSError, subprocess.SubprocessError):
             return ""
         return done.stdout.strip() if done.returncode == 0 else ""
@@ -185,8 +246,8 @@ def provenance(model) -> dict:
             gpu = torch.cuda.get_device_name(device)
         except (RuntimeError, AssertionError) as err:  # a simulated device has no name
             gpu = f"unknown ({err})"
-    return dict(dofmini=__version__, git_commit=git("rev-parse", "HEAD") or None,
-                git_dirty=bool(git("status", "--porcelain", "dofmini", "reproduce.py")),
-                python=platform.python_version(), torch=torch.__version__,
-                numpy=np.__version__, threads=torch.get_num_threads(), device=device_name(model),
-                gpu=gpu, cuda=torch.version.cuda if gpu else None)  # fmt: skip
+    found = dict(dofmini=__version__, git_commit=git("rev-parse", "HEAD") or None)
+    found["git_dirty"] = bool(git("status", "--porcelain", "dofmini", "reproduce.py"))
+    found.update(python=platform.python_version(), torch=torch.__version__, numpy=np.__version__)
+    found.update(threads=torch.get_num_threads(), device=device_name(model), gpu=gpu)
+    return dict(found, cuda=torch.version.cuda if gpu else None)

@@ -15,7 +15,7 @@ from .. import dof
 from ..checkpoint import CheckpointError
 from ..distill import TrainSettings, distill, train_direct
 from ..files import as_json
-from ..students import load_student, make_student, read_tensors, save_student, save_tensors
+from ..students import load_student, make_student, read_tensors, save_tensors
 from . import evaluate, plan, runs
 from .oracle import curves_record
 from .runs import log
@@ -228,25 +228,28 @@ def train_student(run: Run, spec: Student):
         log(f"{spec.name}: the same training as {twins[0].name} (same dims, loss and seed): copied")
     else:
         log(f"{spec.name}: dims {list(spec.dims)}")
-        meta, tokens = {"variant": spec.variant, "key": key}, run.texts["train"]
-        train, common = settings(run, spec.seed), dict(out_path=path, log=log, meta=meta)
-        if spec.variant == "dijiang":
-            student = make_student(run.teacher, "dijiang", spec.dims, spec.seed)
-            student = train_direct(student, tokens, train, **common)
-        elif spec.variant == "performer":
-            student = performer(run, spec)
-            student.train_seconds, student.loss_curve = 0.0, []
-        elif spec.loss == "direct":
-            student = train_direct(performer(run, spec), tokens, train, **common)
-        else:
-            options = dict(loss=spec.loss, feature_seed=spec.seed, **common)
-            student = distill(run.teacher, spec.dims, tokens, train, **options)
-        info = {"train_seconds": student.train_seconds, "loss_curve": student.loss_curve}
-        save_student(student, path, {**meta, "info": info})
+        record = {"loss": spec.loss, "variant": spec.variant, "key": key}
+        train, tokens = settings(run, spec.seed), run.texts["train"]
+        info = runs.train_into(path, record, train, tokens, fitting(run, spec), log)
         # a resumed training's seconds include those before the interruption, as the stage's
         # estimate does: this invocation's seconds alone would make the pace look fast
-        run.clock.count(student.train_seconds)
-    return load_student(run.teacher, path, {"key": key}), read_tensors(path)[1]["info"]
+        run.clock.count(info["train_seconds"])
+    student, meta = load_student(run.teacher, path, {"key": key})
+    return student, meta["info"]
+
+
+def fitting(run: Run, spec: Student):
+    """train(log=, resume=, on_step=) -> (student, record): one student's training."""
+    tokens, train = run.texts["train"], settings(run, spec.seed)
+    if spec.variant == "performer":  # the draw, untrained
+        untrained = {"train_seconds": 0.0, "loss_curve": []}
+        return lambda **_: (performer(run, spec), untrained)
+    if spec.loss != "direct":
+        options = dict(loss=spec.loss, feature_seed=spec.seed)
+        return functools.partial(distill, run.teacher, spec.dims, tokens, train, **options)
+    kind = "dijiang" if spec.variant == "dijiang" else "prf"
+    start = make_student(run.teacher, kind, spec.dims, spec.seed)
+    return functools.partial(train_direct, start, tokens, train)
 
 
 def error_curves(run: Run) -> dict:

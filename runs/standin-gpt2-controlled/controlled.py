@@ -48,14 +48,12 @@ class VirtualTeacher(nn.Module):
         scales = ",".join(map(str, self.temperatures))
         self.identity = f"{teacher.identity}/layer {layer} at {scales}"
 
-    def forward(self, ids, capture=None, keep=None):
-        if capture is None:
-            raise ValueError("a virtual teacher gives only q, k, v: pass capture")
-        layers = []
-        self.teacher(ids, capture=layers, keep=torch.zeros_like(ids, dtype=torch.bool))
-        q, k, v = layers[self.layer]  # [B, H, T, d] each
-        capture.extend((q * s**0.5, k * s**0.5, v) for s in self.temperatures)
-        return None
+    def capture(self, ids):
+        q, k, v = self.teacher.capture(ids)[self.layer]  # [B, H, T, d] each
+        return [(q * s**0.5, k * s**0.5, v) for s in self.temperatures]
+
+    def token_ids(self, token_ids, need: int, what: str):
+        return self.teacher.token_ids(token_ids, need, what)
 
 
 class _Layer(nn.Module):
@@ -89,8 +87,8 @@ def run(teacher, tokens: dict, args, out: Path, log=runs.log) -> dict:
         path = out / "students" / f"{'-'.join(map(str, dims))}-s{seed}.json"
 
         def compute():
-            student = distill(virtual, dims, tokens["train"], settings(seed), feature_seed=seed,
-                              log=log)  # fmt: skip
+            train = tokens["train"]
+            student, _ = distill(virtual, dims, train, settings(seed), feature_seed=seed, log=log)
             return layer_errors(virtual, student, tokens["heldout"], ctx, args.windows)
 
         return runs.stage(path, key, compute)
