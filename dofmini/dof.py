@@ -10,7 +10,7 @@ import torch
 
 
 def dof_by_definition(x, lam, normalize=True):
-    """DoF [...] by its definition, to read and to test against: tr Σ̂(Σ̂+λI)⁻¹ = Σᵢ eᵢ/(eᵢ+λ)
+    """DoF [...] by its definition, the reference: tr Σ̂(Σ̂+λI)⁻¹ = Σᵢ eᵢ/(eᵢ+λ)
     over Σ̂'s eigenvalues eᵢ; Σ̂ = G/J (or G), G_ij = exp(xᵢᵀxⱼ/√d), x [..., J, d]."""
     J, d = x.shape[-2:]
     gram = torch.exp(x.double() @ x.double().mT / math.sqrt(d))  # [..., J, J]
@@ -77,7 +77,7 @@ def sample_queries_keys(model, token_ids, J=1024, seed=0, ctx=None, batch=8):
     if not 1 <= ctx <= cfg.n_ctx:
         raise ValueError(f"sample_queries_keys: ctx={ctx}; need 1..n_ctx = {cfg.n_ctx}")
     if not all(isinstance(n, int) and n >= 1 for n in (J, batch)):
-        raise ValueError(f"sample_queries_keys: J={J!r}, batch={batch!r}; expected integers >= 1")
+        raise ValueError(f"sample_queries_keys: J={J!r}, batch={batch!r}; need integers >= 1")
     token_ids = model.token_ids(token_ids, ctx, "sample_queries_keys")
     n_win, pool = token_ids.numel() // ctx, 2 * ctx  # ctx queries, then ctx keys
     if n_win * pool < J:
@@ -131,7 +131,7 @@ def allocate(layer_dof, budget, rule="proportional", cap=None, aggregate="max", 
         if not (isinstance(n, numbers.Integral) and n >= 1):
             raise ValueError(f"allocate: {name} must be an integer >= 1, got {n!r}")
     if not (isinstance(floor, numbers.Integral) and 1 <= floor <= budget):
-        raise ValueError(f"allocate: floor must be an integer in 1..budget = {budget}, got {floor}")
+        raise ValueError(f"allocate: floor must be an integer in 1..{budget}, got {floor!r}")
     total = len(weights) * int(budget)
     shares = exact_shares(weights, total, int(floor))  # C·w_l / mean w, floored
     dims = [math.floor(s) for s in shares]
