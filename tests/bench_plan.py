@@ -1,6 +1,6 @@
 """What a run costs on this machine: reproduce.py's own plan for a model of GPT-2 small's shape.
 
-    python tests/bench_plan.py [--profiles default,paper] [--threads N]
+    python tests/bench_plan.py [--profiles default,paper] [--threads N] [--device cuda]
 
 Builds a checkpoint of GPT-2 small's shape (12 layers, 12 heads of 64, width 768, 1024 positions,
 vocabulary 50,257) with random N(0, 0.02) weights in a temporary folder, with the real GPT-2
@@ -11,6 +11,7 @@ every stage. Random weights cost what real ones do.
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -60,18 +61,20 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profiles", default="default,paper")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "gpt2-small-random"
         gpt2_small(model)
-        env = None
+        env = dict(os.environ)  # the data store ($DOFMINI_DATA) and PYTHONPATH pass through
         if args.threads:
-            env = {"OMP_NUM_THREADS": str(args.threads), "PATH": "/usr/bin:/bin"}
+            env["OMP_NUM_THREADS"] = str(args.threads)
         for profile in args.profiles.split(","):
             print(f"\n## profile {profile}", flush=True)
-            subprocess.run([sys.executable, str(REPO / "reproduce.py"), str(model), "--profile",
-                            profile, "--plan-only", "--out", str(Path(tmp) / profile)],
-                           check=True, cwd=REPO, env=env)  # fmt: skip
+            command = [sys.executable, str(REPO / "reproduce.py"), str(model)]
+            command += ["--profile", profile, "--plan-only", "--device", args.device]
+            command += ["--out", str(Path(tmp) / profile)]
+            subprocess.run(command, check=True, cwd=REPO, env=env)
 
 
 if __name__ == "__main__":
