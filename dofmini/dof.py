@@ -114,17 +114,18 @@ def saturation_warning(dof, J):
     )
 
 
-def allocate(layer_dof, budget, rule="proportional", cap=None, aggregate="max"):
-    """Per-layer feature dims [L] (steps 5-7), integers >= 1 summing to exactly L·budget, from
+def allocate(layer_dof, budget, rule="proportional", cap=None, aggregate="max", floor=1):
+    """Per-layer feature dims [L] (steps 5-7), integers >= floor summing to exactly L·budget, from
     layer_dof [L] or per-head [L, H] (a layer's DoF: its heads' "max", one M, the paper; or "mean").
-    rule "proportional" (the paper): M_l ∝ DoF_l; "power:γ" (γ >= 0): M_l ∝ DoF_l^γ ("power:1" is
-    "proportional" exactly, "power:0" uniform). Exact shares (fractions, each >= 1), then largest
-    remainder, ties to more weight, then the earlier layer: more DoF never gets fewer features,
-    equal DoF equal shares (1 apart if a remainder tie straddles the cut). cap: min(M_l, cap), the
-    freed budget dropped ("DoF + clip", the paper). Why γ < 1: if layer l's error is a_l·M^-β, the
-    least summed error at fixed ΣM has M_l ∝ a_l^(1/(1+β)); with DoF as the M for a fixed error,
-    w_l = a_l^(1/β), so γ = β/(1+β); for β <= 1 proportional never beats uniform on exact shares (a
-    power-mean inequality; integer rounding can tip a near-tie)."""
+    rule "proportional" (the paper): M_l ∝ DoF_l; "power:γ", any finite γ: M_l ∝ DoF_l^γ ("power:1"
+    is "proportional" exactly, "power:0" uniform; γ < 0 gives low-DoF layers more, as end-to-end
+    error asks of GPT-2's first layer). Exact shares (fractions, each >= floor, 1 <= floor <=
+    budget), then largest remainder, ties to more weight, then the earlier layer: more weight never
+    gets fewer features, equal DoF equal shares (1 apart if a remainder tie straddles the cut).
+    cap: min(M_l, cap), the freed budget dropped ("DoF + clip", the paper). Why γ < 1: if layer
+    l's error is a_l·M^-β, the least summed error at fixed ΣM has M_l ∝ a_l^(1/(1+β)); with DoF as
+    the M for a fixed error, w_l = a_l^(1/β), so γ = β/(1+β); for β <= 1 proportional never beats
+    uniform on exact shares (a power-mean inequality; integer rounding can tip a near-tie)."""
     if aggregate not in ("max", "mean"):
         raise ValueError(f"allocate: aggregate {aggregate!r}; expected 'max' or 'mean'")
     kind, _, arg = rule.partition(":")
@@ -132,8 +133,8 @@ def allocate(layer_dof, budget, rule="proportional", cap=None, aggregate="max"):
         gamma = 1.0 if rule == "proportional" else float(arg) if kind == "power" else math.nan
     except ValueError:
         gamma = math.nan
-    if not (math.isfinite(gamma) and gamma >= 0):
-        raise ValueError(f"allocate: rule {rule!r}; expected 'proportional' or 'power:γ', γ >= 0")
+    if not math.isfinite(gamma):
+        raise ValueError(f"allocate: rule {rule!r}; expected 'proportional' or 'power:γ', γ finite")
     dof = torch.as_tensor(layer_dof, dtype=torch.float64)  # [L] or [L, H]
     if dof.dim() == 2:
         dof = dof.amax(-1) if aggregate == "max" else dof.mean(-1)  # [L]
@@ -142,12 +143,14 @@ def allocate(layer_dof, budget, rule="proportional", cap=None, aggregate="max"):
     for name, n in (("budget", budget), ("cap", 1 if cap is None else cap)):
         if int(n) != n or n < 1:
             raise ValueError(f"allocate: {name} must be an integer >= 1, got {n}")
+    if int(floor) != floor or not 1 <= floor <= budget:
+        raise ValueError(f"allocate: floor must be an integer in [1, budget {budget}], got {floor}")
     weights = dof.pow(gamma)  # [L] x^1.0 is x exactly, so "power:1" is "proportional"
     if not (torch.isfinite(weights) & (weights > 0)).all():
         raise ValueError(f"allocate: rule {rule!r} takes DoF^{gamma:g} out of float64's range")
     weights = [Fraction(w) for w in weights.tolist()]
     total = len(weights) * int(budget)
-    shares = _shares(weights, total)
+    shares = _shares(weights, total, int(floor))
     dims = [math.floor(s) for s in shares]
     order = sorted(range(len(dims)), key=lambda i: (dims[i] - shares[i], -weights[i], i))
     for i in order[: total - sum(dims)]:  # largest remainder first
@@ -155,14 +158,14 @@ def allocate(layer_dof, budget, rule="proportional", cap=None, aggregate="max"):
     return dims if cap is None else [min(m, cap) for m in dims]
 
 
-def _shares(weights, total):
-    """Exact shares max(c·w, 1) summing to total: floor the layers whose share is below 1 and
+def _shares(weights, total, floor=1):
+    """Exact shares max(c·w, floor) summing to total: fix the layers whose share is below floor and
     share out the rest again until none is (c only falls, so a floored layer stays floored)."""
     floored = set()
     while True:
         free = [i for i in range(len(weights)) if i not in floored]
-        c = (total - len(floored)) / sum(weights[i] for i in free)
-        low = {i for i in free if c * weights[i] < 1}
+        c = (total - floor * len(floored)) / sum(weights[i] for i in free)
+        low = {i for i in free if c * weights[i] < floor}
         if not low:
-            return [max(c * w, 1) for w in weights]
+            return [max(c * w, floor) for w in weights]
         floored |= low

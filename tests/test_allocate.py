@@ -130,8 +130,20 @@ def test_allocate_takes_max_or_mean_over_heads_and_rejects_bad_input():
     for bad in (([0.0, 1.0], 4, None), ([1.0, math.inf], 4, None), ([1.0], 0, None), ([1.0], 4, 0)):
         with pytest.raises(ValueError):
             allocate(bad[0], bad[1], cap=bad[2])
-    for rule in ("sqrt", "power:", "power:-1", "power:nan", "Proportional"):
+    for rule in ("sqrt", "power:", "power:inf", "power:nan", "Proportional"):
         with pytest.raises(ValueError, match=rf"rule {re.escape(repr(rule))}; expected"):
             allocate([1.0, 2.0], 4, rule)
     with pytest.raises(ValueError, match="aggregate 'median'"):
         allocate(per_head, 4, aggregate="median")
+
+
+def test_allocate_negative_powers_and_floors():
+    # γ < 0 favours the low-DoF layers; the floor holds every layer at >= floor, the rest re-shared
+    assert allocate([1.0, 4.0], 30, "power:-0.5") == [40, 20]
+    assert allocate([1.0, 4.0], 30, "power:-1") == allocate([4.0, 1.0], 30)
+    assert allocate([1.0, 1.0, 1000.0], 2, floor=1) == allocate([1.0, 1.0, 1000.0], 2)
+    assert allocate([1.0, 9.0, 10.0], 16, floor=8) == [8, 19, 21]
+    assert allocate([1.0, 9.0, 10.0], 16, floor=16) == [16, 16, 16]
+    for floor in (0, 17, 2.5):
+        with pytest.raises(ValueError, match="floor must be an integer"):
+            allocate([1.0, 9.0, 10.0], 16, floor=floor)

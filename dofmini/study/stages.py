@@ -20,15 +20,20 @@ from . import evaluate, plan, runs
 from .oracle import curves_record
 from .runs import log
 
-# DoF's allocations (dof.allocate): (rule, how a layer's heads combine, capped at the head size).
+# DoF's allocations (dof.allocate): (rule, how a layer's heads combine, capped at the head size,
+# each layer's floor as a share of the budget; None: 1 feature).
 ALLOCATIONS = {
-    "dof": ("proportional", "max", False),
-    "dof_clip": ("proportional", "max", True),
-    "dof_mean": ("proportional", "mean", False),
-    "dof_sqrt": ("power:0.5", "max", False),
-    "dof_sqrt_mean": ("power:0.5", "mean", False),
+    "dof": ("proportional", "max", False, None),
+    "dof_clip": ("proportional", "max", True, None),
+    "dof_mean": ("proportional", "mean", False, None),
+    "dof_sqrt": ("power:0.5", "max", False, None),
+    "dof_sqrt_mean": ("power:0.5", "mean", False, None),
+    "dof_floor": ("proportional", "max", False, 0.5),
+    "dof_inv_sqrt": ("power:-0.5", "max", False, None),
+    "dof_inv": ("power:-1", "max", False, None),
 }
-TRAINED_PRF = ("fix", *ALLOCATIONS, "oracle")  # variants whose draw is trained
+ORACLES = ("oracle", "oracle_e2e")  # least summed layer KL; least summed one-layer-swap e2e KL
+TRAINED_PRF = ("fix", *ALLOCATIONS, *ORACLES)  # variants whose draw is trained
 CALIBRATION = "wikitext-2-raw/wiki.valid.raw"  # DoF calibration text, in the data store
 
 
@@ -75,7 +80,7 @@ class Run:
 def student_keys(run: Run) -> list:
     """(variant, loss, budget, seed) of every student in run order, the oracle's curves first."""
     cfg, keys = run.cfg, []
-    if "oracle" in cfg.variants:
+    if set(ORACLES) & set(cfg.variants):
         keys += [("fix", "softmax", m, seed) for seed in cfg.seeds for m in cfg.curve_dims]
     for seed in cfg.seeds:
         if "dijiang" in cfg.variants:
@@ -88,11 +93,13 @@ def student_keys(run: Run) -> list:
 
 
 def dims_of(run: Run, variant: str, budget: int, allocation, curves=None):
-    """A student's dims: uniform; DoF's once estimated; the oracle's once the curves are in."""
+    """A student's dims: uniform; DoF's once estimated; an oracle's once its curves are in (the
+    end-to-end oracle's under curves["e2e"])."""
     if variant in ALLOCATIONS:
         return None if allocation is None else tuple(allocation["dims"][str(budget)][variant])
-    if variant == "oracle":
-        return None if curves is None else tuple(curves["oracle"][str(budget)])
+    if variant in ORACLES:
+        found = (curves or {}).get("e2e") if variant == "oracle_e2e" else curves
+        return None if found is None else tuple(found["oracle"][str(budget)])
     return (budget,) * run.teacher.config.n_layer
 
 
@@ -169,8 +176,12 @@ def estimate_allocation(run: Run) -> dict:
         if not (per_head.amax(-1) > 0).all():
             raise runs.RunError(f"--lam {run.lam}: a layer's DoF is 0 at this λ; use a smaller λ")
         dims = {str(b): {"fix": [b] * n_layer} for b in run.budgets}
-        for b, (variant, (rule, aggregate, clip)) in itertools.product(dims, ALLOCATIONS.items()):
-            dims[b][variant] = dof.allocate(per_head, int(b), rule, clip and cap or None, aggregate)
+        for b, variant in itertools.product(dims, ALLOCATIONS):
+            rule, aggregate, clip, share = ALLOCATIONS[variant]
+            floor = max(1, int(int(b) * (share or 0)))
+            dims[b][variant] = dof.allocate(
+                per_head, int(b), rule, clip and cap or None, aggregate, floor
+            )
         found = dict(lam=run.lam, J=cfg.J, seed=seed, normalize=normalize, dims=dims)
         found["calibration"] = f"{CALIBRATION}: first {len(calib)} tokens, ctx {run.ctx}"
         found.update(per_head=per_head.tolist(), warning=dof.saturation_warning(per_head, cfg.J))
