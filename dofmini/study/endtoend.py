@@ -122,7 +122,7 @@ def swap_curves(run) -> dict:
 def evaluate_students(run, allocation: dict, curves) -> tuple:
     """(every student's result, the curves with the swap curves under "e2e"), cheapest and most
     telling first: the students already trained, then the swap curves, then the end-to-end
-    oracle's students, then the rest in run order."""
+    oracle's students, then the rest variant by variant."""
     out = run.cfg.out
     ready = [
         spec
@@ -133,6 +133,8 @@ def evaluate_students(run, allocation: dict, curves) -> tuple:
     if "oracle_e2e" in run.cfg.variants:
         curves = {**curves, "e2e": swap_curves(run)}
     rest = [spec for spec in stages.specs(run, allocation, curves) if spec.name not in results]
-    rest.sort(key=lambda spec: spec.variant != "oracle_e2e")
+    # one variant's seeds and budgets together, so a run cut short leaves whole variants
+    order = {v: i for i, v in enumerate(dict.fromkeys(spec.variant for spec in rest))}
+    rest.sort(key=lambda spec: (spec.variant != "oracle_e2e", order[spec.variant]))
     results.update({spec.name: evaluate(run, spec) for spec in rest})
     return results, curves
