@@ -12,7 +12,6 @@ the settings and inputs that made it; running again reuses a stage only when the
 import argparse
 import dataclasses
 import difflib
-import itertools
 import json
 import math
 import sys
@@ -301,7 +300,7 @@ def plan_run(run: stages.Run):
         estimates.append(("DoF sweep", cfg.calib_windows * costs["forward"] + grams * costs["dof"]))
     e2e = cfg.e2e_windows * costs["forward"]  # a teacher and a student pass, or a swapped one
     if "oracle_e2e" in cfg.variants:
-        swaps = len(endtoend.curve_specs(run)) * (run.teacher.config.n_layer + 1)
+        swaps = len(stages.curve_specs(run)) * (run.teacher.config.n_layer + 1)
         estimates.append((endtoend.SWAP_STAGE, swaps * e2e))
     for variant, loss, budget, seed in stages.student_keys(run):
         step = 0 if variant == "performer" else costs["direct" if loss == "direct" else loss]
@@ -317,20 +316,18 @@ def done_stages(run: stages.Run) -> set:
     """The plan names of the stages already saved with this run's keys, and of the students among
     them whose end-to-end KL is still to do. A student's key needs its dims: DoF's come from a
     saved allocation, the oracle's from the saved curves."""
-    cfg, n_layer = run.cfg, run.teacher.config.n_layer
+    cfg = run.cfg
     saved = {name: runs.saved(*files) for name, files in stages.stage_files(run).items()}
     found = {
         name for name, result in saved.items() if result and (cfg.sweep or name != "DoF sweep")
     }
     errors, curves, e2e_left = {}, None, set()
-    oracles = set(stages.ORACLES) & set(cfg.variants)
-    for seed, m in itertools.product(cfg.seeds, cfg.curve_dims if oracles else ()):
-        spec = stages.Student("fix", "softmax", m, seed, (m,) * n_layer)
+    for spec in stages.curve_specs(run) if set(stages.ORACLES) & set(cfg.variants) else ():
         found_m = runs.saved(*stages.student_file(run, spec, curve=True))
-        errors.setdefault(str(seed), []).append(found_m)
+        errors.setdefault(str(spec.seed), []).append(found_m)
     if errors and all(None not in by_m for by_m in errors.values()):
         curves = oracle.curves_record(errors, cfg.curve_dims, run.budgets, 0.0)
-    swaps = [runs.saved(*endtoend.stage_file(run, s, swap=True)) for s in endtoend.curve_specs(run)]
+    swaps = [runs.saved(*endtoend.stage_file(run, s, swap=True)) for s in stages.curve_specs(run)]
     if "oracle_e2e" in cfg.variants and None not in swaps:
         found.add(endtoend.SWAP_STAGE)
     for variant, loss, budget, seed in stages.student_keys(run):

@@ -239,12 +239,9 @@ def needs(curves: dict) -> dict:
 
 
 def dof_views(per_head, found: dict, label: str = "") -> list:
-    """The (level, DoF, M needed) of evidence_table: heads (where found has them), and layers
-    under both aggregations."""
-    heads = (
-        [(f"{label}heads", np.ravel(per_head), np.ravel(found["head"]))] if "head" in found else []
-    )
-    return heads + [
+    """The (level, DoF, M needed) of evidence_table: heads, and layers under both aggregations."""
+    return [
+        (f"{label}heads", np.ravel(per_head), np.ravel(found["head"])),
         (f"{label}layers, DoF max over heads", [max(h) for h in per_head], found["layer"]),
         (f"{label}layers, DoF mean over heads", [np.mean(h) for h in per_head], found["layer"]),
     ]
@@ -301,7 +298,7 @@ features (seeds {", ".join(swap["kl"])}, mean), on {swap["windows"][1]} held-out
 
 {md_table(header, rows)}
 
-{evidence_table(ms, dof_views(per_head, found))}
+{evidence_table(ms, dof_views(per_head, dict(found, head=[]))[1:])}
 
 {md_table(["budget", "end-to-end oracle dims"], oracle)}"""
         ]

@@ -9,7 +9,6 @@ the students' end-to-end KL (e2e_windows), then the swap curves' (e2e_windows), 
 oracle chosen on the swap curves is scored on windows it never saw."""
 
 import copy
-import itertools
 
 import torch
 from torch import nn
@@ -67,15 +66,6 @@ def stage_file(run, spec, swap: bool = False) -> tuple:
     return run.cfg.out / "eval" / f"{spec.stem}-{'swap' if swap else 'e2e'}.json", key
 
 
-def curve_specs(run) -> list:
-    """The Fix students of the curves, seed by seed."""
-    cfg, n_layer = run.cfg, run.teacher.config.n_layer
-    return [
-        stages.Student("fix", "softmax", m, seed, (m,) * n_layer)
-        for seed, m in itertools.product(cfg.seeds, cfg.curve_dims)
-    ]
-
-
 def student_kl(run, spec) -> float:
     """A trained student's end-to-end KL, saved as eval/<student>-e2e.json."""
     offset, count = offsets(run)[0]
@@ -102,7 +92,7 @@ def swap_curves(run) -> dict:
     cfg, n_layer, (offset, count) = run.cfg, run.teacher.config.n_layer, offsets(run)[1]
     run.clock.begin(SWAP_STAGE)
     kl = {}
-    for spec in curve_specs(run):
+    for spec in stages.curve_specs(run):
 
         def compute(spec=spec):
             student = load_student(run.teacher, spec.path(cfg.out))

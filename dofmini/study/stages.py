@@ -260,18 +260,27 @@ def train_student(run: Run, spec: Student):
     return load_student(run.teacher, path, {"key": key}), read_tensors(path)[1]["info"]
 
 
+def curve_specs(run: Run) -> list:
+    """The Fix students of the error curves, seed by seed, M by M."""
+    n_layer = run.teacher.config.n_layer
+    return [
+        Student("fix", "softmax", m, s, (m,) * n_layer)
+        for s in run.cfg.seeds
+        for m in run.cfg.curve_dims
+    ]
+
+
 def error_curves(run: Run) -> dict:
     """Every layer's held-out KL at each of curve_dims features (Fix students: one distillation
     per M trains all layers at once), on the held-out windows after the reported errors' ones."""
-    cfg, n_layer = run.cfg, run.teacher.config.n_layer
+    cfg = run.cfg
     errors, curve_only_seconds, windows = {}, 0.0, (cfg.curve_windows, cfg.error_windows)
-    for seed, m in itertools.product(cfg.seeds, cfg.curve_dims):
-        spec = Student("fix", "softmax", m, seed, (m,) * n_layer)
+    for spec in curve_specs(run):
         student, info = train_student(run, spec)
         compute = functools.partial(layer_errors, run, student, *windows)
         found = run.stage(spec.name, *student_file(run, spec, curve=True), compute)
-        errors.setdefault(str(seed), []).append(found)
-        if m not in run.budgets:  # the others are Fix students, timed with the students
+        errors.setdefault(str(spec.seed), []).append(found)
+        if spec.budget not in run.budgets:  # the others are Fix students, timed with the students
             curve_only_seconds += info["train_seconds"]
     return curves_record(errors, cfg.curve_dims, run.budgets, curve_only_seconds)
 
