@@ -25,7 +25,7 @@ import dofmini
 from dofmini import hub
 from dofmini.checkpoint import CheckpointError
 from dofmini.files import sha256_file, unreachable, write_text
-from dofmini.study import data, endtoend, evaluate, oracle, plan, report, runs, stages
+from dofmini.study import compare, data, endtoend, evaluate, oracle, plan, report, runs, stages
 from dofmini.study.runs import log
 
 VARIANTS = ("performer", "dijiang", "fix", *stages.ALLOCATIONS, *stages.ORACLES)
@@ -355,6 +355,7 @@ def collect(run: stages.Run, teacher_result, allocation, sweep_rows, curves, stu
     teacher.update(head_dim=model_cfg.head_dim, n_layer=model_cfg.n_layer)
     found = dict(teacher=teacher, dof=allocation, sweep=sweep_rows, curves=curves)
     found.update(students=students, config=config, inputs=run.inputs)
+    found["e2e"] = compare.e2e_summary(compare.groups(students))  # the metric to choose by
     # a resumed run skips finished stages, so its own wall time says little
     timings = {"stages_seconds": stages, "this_invocation_seconds": time.time() - run.clock.t0}
     return dict(found, provenance=runs.provenance(run.teacher), timings=timings)

@@ -56,8 +56,8 @@ def _chart(out, name: str, series: dict, labels: tuple, **axes) -> str:
 
 
 def _pm(mean, half, sign="") -> str:
-    """'mean ± half width', or the mean alone where there is no interval (one seed: nan)."""
-    return f"{mean:{sign}.4g}" + (f" ± {half:.2g}" if math.isfinite(half) else "")
+    """'mean ± half width', or the mean alone where there is no interval (one seed: nan, None)."""
+    return f"{mean:{sign}.4g}" + (f" ± {half:.2g}" if math.isfinite(half or math.nan) else "")
 
 
 def students(grouped: dict, teacher: dict, out) -> tuple:
@@ -259,18 +259,34 @@ def evidence_table(ms, views) -> str:
     return md_table(["level", "Spearman ρ", "permutation p", "log-log slope", "points"], rows)
 
 
+def e2e_summary(grouped: dict) -> dict:
+    """For results.json, per "variant/loss/bB": its seeds, "e2e_kl" (mean, 95% t half width over
+    seeds; None where one seed), and where Fix has the budget "minus_fix", its paired difference
+    from Fix seed by seed (mean, half width), and "relative", its mean over Fix's less 1."""
+    found, as_json = {}, lambda mean, half: [mean, half if math.isfinite(half) else None]
+    for (variant, loss, budget), by_seed in grouped.items():
+        e2e = stats.mean_ci([s["e2e_kl"] for s in by_seed.values()])
+        row = {"seeds": sorted(by_seed), "e2e_kl": as_json(*e2e)}
+        fix = grouped.get(("fix", loss, budget))
+        for label, _, _, diff, relative in against_fix(fix, by_seed) if fix else ():
+            if label == METRICS[0][0]:
+                row.update(minus_fix=as_json(*diff), relative=relative)
+        found[f"{variant}/{loss}/b{budget}"] = row
+    return found
+
+
 def e2e_section(grouped: dict, results: dict, out) -> str:
     """End-to-end KL of every variant against Fix, seed by seed; then each layer's end-to-end KL
     with only it swapped for a Fix student's, what DoF says of it, and the oracle it implies."""
-    rows = []
+    rows, summary = [], e2e_summary(grouped)
     for (variant, loss, budget), by_seed in grouped.items():
-        fix = grouped.get(("fix", loss, budget))
-        found = [r for r in against_fix(fix, by_seed) if r[0] == "end-to-end KL"] if fix else []
-        e2e = [by_seed[s]["e2e_kl"] for s in by_seed]
-        diff = [_pm(*found[0][3], "+"), f"{100 * found[0][4]:+.1f}%"] if found else ["—", "—"]
+        found = summary[f"{variant}/{loss}/b{budget}"]
+        diff = ["—", "—"]
+        if "minus_fix" in found:
+            diff = [_pm(*found["minus_fix"], "+"), f"{100 * found['relative']:+.1f}%"]
         kl = [[metric(r, "kl", view) for r in by_seed.values()] for view in (np.mean, max)]
         layer = ["—" if None in v else _pm(*stats.mean_ci(v)) for v in kl]
-        rows.append([variant, loss, budget, len(by_seed), _pm(*stats.mean_ci(e2e)), *diff, *layer])
+        rows.append([variant, loss, budget, len(by_seed), _pm(*found["e2e_kl"]), *diff, *layer])
     header = ["variant", "loss", "budget", "seeds", "end-to-end KL", "− fix, paired", "relative"]
     parts = [md_table(header + ["mean KL", "worst-layer KL"], rows)]
     swap = (results.get("curves") or {}).get("e2e")
