@@ -1,10 +1,13 @@
-"""The end-to-end KL against a direct computation, and the one-layer swap, on the tiny fixture."""
+"""The end-to-end KL against a direct computation, and the one-layer swap, on the tiny fixture;
+its summary over seeds against the stats helpers."""
 
 import torch
 
 from dofmini.model import Attention
 from dofmini.students import make_student
+from dofmini.study.compare import e2e_summary
 from dofmini.study.endtoend import e2e_kl, swapped
+from dofmini.study.stats import mean_ci, paired_diff
 
 
 def by_hand(teacher, model, windows):  # [W, ctx] -> mean over tokens of KL(p_teacher ‖ p_model)
@@ -49,3 +52,20 @@ def test_one_layer_swap_changes_only_that_layer(tiny):
     assert all(type(block.attn) is Attention for block in tiny.blocks)
     with torch.no_grad():
         assert torch.equal(tiny(ids), teacher_logits)
+
+
+def test_e2e_summary_is_the_t_interval_and_the_paired_difference_against_fix():
+    errors = {"kl": [0.1, 0.2], "output_rel": [0.3, 0.4], "kernel_l2": [0.5, 0.6]}
+
+    def student(e2e):
+        return dict(e2e_kl=e2e, layer_error=errors, wikitext2_ppl=10.0, heldout_ppl=11.0)
+
+    fix = {0: student(1.0), 1: student(2.0), 2: student(4.0)}
+    dof = {0: student(1.5), 1: student(2.0), 2: student(5.0)}
+    found = e2e_summary({("fix", "softmax", 16): fix, ("dof", "softmax", 16): dof})
+    assert found["dof/softmax/b16"]["seeds"] == [0, 1, 2]
+    assert found["dof/softmax/b16"]["e2e_kl"] == list(mean_ci([1.5, 2.0, 5.0]))
+    assert found["dof/softmax/b16"]["minus_fix"] == list(paired_diff([1.5, 2.0, 5.0], [1, 2, 4]))
+    assert found["dof/softmax/b16"]["relative"] == (8.5 / 3) / (7 / 3) - 1
+    one_seed = e2e_summary({("fix", "softmax", 8): {0: student(1.0)}})["fix/softmax/b8"]
+    assert one_seed["e2e_kl"] == [1.0, None] and one_seed["minus_fix"] == [0.0, None]

@@ -16,7 +16,7 @@ from torch import nn
 from ..distill import as_token_ids
 from ..students import load_student
 from . import runs, stages
-from .oracle import oracle_allocate
+from .oracle import seed_mean_oracle
 
 SWAP_STAGE = "end-to-end swap curves"  # its name in the plan
 
@@ -101,12 +101,7 @@ def swap_curves(run) -> dict:
 
         found = runs.stage(*stage_file(run, spec, swap=True), run.clock.timed(compute))
         kl.setdefault(str(spec.seed), []).append(found)  # [M][layer]
-    by_seed = list(kl.values())
-    mean = [[sum(s[k][i] for s in by_seed) / len(by_seed) for k in range(len(cfg.curve_dims))]
-            for i in range(n_layer)]  # fmt: skip
-    ms = list(cfg.curve_dims)
-    oracle = {str(b): oracle_allocate(mean, b, ms=ms) for b in run.budgets}
-    return dict(dims=ms, kl=kl, mean_kl=mean, oracle=oracle, windows=[offset, count])
+    return dict(seed_mean_oracle(kl, cfg.curve_dims, run.budgets), windows=[offset, count])
 
 
 def evaluate_students(run, allocation: dict, curves) -> tuple:
