@@ -12,7 +12,6 @@ the settings and inputs that made it; running again reuses a stage only when the
 import argparse
 import dataclasses
 import difflib
-import itertools
 import json
 import math
 import sys
@@ -27,10 +26,10 @@ from dofmini import hub
 from dofmini.checkpoint import CheckpointError
 from dofmini.distill import TrainSettings
 from dofmini.files import sha256_file, unreachable, write_text
-from dofmini.study import data, evaluate, oracle, plan, report, runs, stages
+from dofmini.study import compare, data, endtoend, evaluate, oracle, plan, report, runs, stages
 from dofmini.study.runs import log
 
-VARIANTS = ("performer", "dijiang", "fix", *stages.ALLOCATIONS, "oracle")
+VARIANTS = ("performer", "dijiang", "fix", *stages.ALLOCATIONS, *stages.ORACLES)
 LOSSES = ("softmax", "l2", "direct")
 SEED_LIMIT = 2**31 - 1  # seeds are offset by the layer index and must stay within torch's range
 PROMPT = "The history of the city begins in the"
@@ -38,10 +37,11 @@ MAX_FEATURES = 4096  # per layer: far above any head size, below what memory can
 # What each profile changes in RunConfig's defaults (which are the "default" profile).
 PROFILES = {
     "quick": dict(ctx=64, J=128, calib_windows=8, steps=4, batch=2, eval_windows=4, limit=4,
-                  error_windows=4, curve_windows=4, train_chars=200_000),
+                  error_windows=4, curve_windows=4, train_chars=200_000, e2e_windows=4),
     "default": {},
     "study": dict(eval_windows=64, limit=0, seeds=(0, 1, 2), budgets=(16, 32, 64), sweep=True,
-                  variants=("fix", "dof", "dof_sqrt", "dof_mean", "dof_sqrt_mean", "oracle")),
+                  variants=("fix", "dof", "dof_sqrt", "dof_sqrt_mean", "oracle", "oracle_e2e",
+                            "dof_inv_sqrt", "dof_floor", "dof_inv")),
     "paper": dict(ctx=None, steps=None, eval_windows=None, limit=None),
 }  # fmt: skip
 
@@ -76,6 +76,7 @@ class RunConfig:
     limit: int | None = 100  # examples per task; None: all; 0: no tasks
     error_windows: int = 32  # held-out windows for the per-layer errors
     curve_windows: int = 16  # the next held-out windows, for the error curves
+    e2e_windows: int = 32  # the next ones, for end-to-end KL; the next ones, for the swap curves
     max_ctx: int = 2048
     sweep_lams: tuple = (2.0**-12, 2.0**-8, 2.0**-4, 1.0)
     sweep_Js: tuple = (256, 512, 1024, 2048)
@@ -241,9 +242,8 @@ def _main(cfg: RunConfig):
     sweep = stages.sweep(run) if cfg.sweep else None
     if sweep:
         report.write_sweep(cfg.out, sweep, log)
-    curves = stages.error_curves(run) if "oracle" in cfg.variants else None
-    students = stages.specs(run, allocation, curves)
-    students = {spec.name: stages.train_and_evaluate(run, spec) for spec in students}
+    curves = stages.error_curves(run) if set(stages.ORACLES) & set(cfg.variants) else None
+    students, curves = endtoend.evaluate_students(run, allocation, curves)
     results = collect(run, teacher, allocation, sweep, curves, students)
     write_text(cfg.out / "results.json", json.dumps(results, indent=1, sort_keys=True))
     log("\n" + report.write(cfg.out, results))
@@ -299,44 +299,54 @@ def plan_run(run: stages.Run):
     cfg, ctx = run.cfg, run.ctx
     costs = plan.probe(run.teacher, ctx, cfg.J)
     sizes = plan.stage_sizes(cfg, ctx, data.files("corpus"))
-    done = done_stages(run)
+    done, e2e_left = done_stages(run)
     estimates = [("teacher evaluation", sizes["evaluation"] * costs["forward"])]
     estimates.append(("DoF estimate", cfg.calib_windows * costs["forward"] + costs["dof"]))
     if cfg.sweep:  # one pass over the calibration text, then a DoF per Gram, λ and J: on 2 CPU
         # cores one took 4.8× as long at J = 2048 as at 1024, nearer J² than the Cholesky's J³
         grams = 2 * len(cfg.sweep_lams) * sum((J / cfg.J) ** 2 for J in cfg.sweep_Js)
         estimates.append(("DoF sweep", cfg.calib_windows * costs["forward"] + grams * costs["dof"]))
+    e2e = cfg.e2e_windows * costs["forward"]  # a teacher and a student pass, or a swapped one
+    if "oracle_e2e" in cfg.variants:
+        swaps = len(stages.curve_specs(run)) * (run.teacher.config.n_layer + 1)
+        estimates.append((endtoend.SWAP_STAGE, swaps * e2e))
     for variant, loss, budget, seed in stages.student_keys(run):
         step = 0 if variant == "performer" else costs["direct" if loss == "direct" else loss]
         seconds = sizes["train_windows"] * step + sizes["error_windows"] * costs["softmax"]
         name = stages.Student(variant, loss, budget, seed, ()).name
-        estimates.append((name, seconds + estimates[0][1]))
-    run.clock.plan = [(name, 0.0 if name in done else seconds) for name, seconds in estimates]
-    plan.print_plan(run.clock.plan, costs, sizes, cfg, ctx, done)
+        estimates.append((name, seconds + estimates[0][1] + 2 * e2e))
+    left = {name: 2 * e2e for name in e2e_left}
+    run.clock.plan = [(n, left.get(n, 0.0 if n in done else s)) for n, s in estimates]
+    plan.print_plan(run.clock.plan, costs, sizes, cfg, ctx, done - e2e_left)
 
 
 def done_stages(run: stages.Run) -> set:
-    """The plan names of the stages already saved with this run's keys. A student's key needs its
-    dims: DoF's come from a saved allocation, the oracle's from the saved curves."""
-    cfg, n_layer = run.cfg, run.teacher.config.n_layer
+    """The plan names of the stages already saved with this run's keys, and of the students among
+    them whose end-to-end KL is still to do. A student's key needs its dims: DoF's come from a
+    saved allocation, the oracle's from the saved curves."""
+    cfg = run.cfg
     saved = {name: runs.saved(*files) for name, files in stages.stage_files(run).items()}
     found = {
         name for name, result in saved.items() if result and (cfg.sweep or name != "DoF sweep")
     }
-    errors, curves = {}, None
-    for seed, m in itertools.product(cfg.seeds, cfg.curve_dims if "oracle" in cfg.variants else ()):
-        spec = stages.Student("fix", "softmax", m, seed, (m,) * n_layer)
+    errors, curves, e2e_left = {}, None, set()
+    for spec in stages.curve_specs(run) if set(stages.ORACLES) & set(cfg.variants) else ():
         found_m = runs.saved(*stages.student_file(run, spec, curve=True))
-        errors.setdefault(str(seed), []).append(found_m)
+        errors.setdefault(str(spec.seed), []).append(found_m)
     if errors and all(None not in by_m for by_m in errors.values()):
         curves = oracle.curves_record(errors, cfg.curve_dims, run.budgets, 0.0)
+    swaps = [runs.saved(*endtoend.stage_file(run, s, swap=True)) for s in stages.curve_specs(run)]
+    if "oracle_e2e" in cfg.variants and None not in swaps:
+        found.add(endtoend.SWAP_STAGE)
     for variant, loss, budget, seed in stages.student_keys(run):
         dims = stages.dims_of(run, variant, budget, saved["DoF estimate"], curves)
         spec = stages.Student(variant, loss, budget, seed, dims)
         curve_only = variant == "fix" and budget not in run.budgets  # a student of the curves
         if dims and runs.saved(*stages.student_file(run, spec, curve_only)):
             found.add(spec.name)
-    return found
+            if not curve_only and runs.saved(*endtoend.stage_file(run, spec)) is None:
+                e2e_left.add(spec.name)
+    return found, e2e_left
 
 
 def collect(run: stages.Run, teacher_result, allocation, sweep_rows, curves, students) -> dict:
@@ -349,9 +359,11 @@ def collect(run: stages.Run, teacher_result, allocation, sweep_rows, curves, stu
     stages += curves["curve_only_train_seconds"] if curves else 0.0
     model_cfg = run.teacher.config
     teacher = {"name": model_cfg.name, "identity": run.teacher.identity, **teacher_result}
+    teacher["e2e_kl"] = 0.0  # KL(teacher ‖ teacher)
     teacher.update(head_dim=model_cfg.head_dim, n_layer=model_cfg.n_layer)
     found = dict(teacher=teacher, dof=allocation, sweep=sweep_rows, curves=curves)
     found.update(students=students, config=config, inputs=run.inputs)
+    found["e2e"] = compare.e2e_summary(compare.groups(students))  # the metric to choose by
     # a resumed run skips finished stages, so its own wall time says little
     timings = {"stages_seconds": stages, "this_invocation_seconds": time.time() - run.clock.t0}
     return dict(found, provenance=runs.provenance(run.teacher), timings=timings)

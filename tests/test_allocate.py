@@ -154,3 +154,15 @@ def test_any_power_and_floor_keep_the_exact_budget(dof, budget, gamma, data):
     assert sum(dims) == len(dof) * budget and min(dims) >= floor
     weights = [x**gamma for x in dof]  # more weight never fewer features
     assert_monotone(weights, dims)
+
+
+def test_allocate_negative_powers_and_floors():
+    # γ < 0 favours the low-DoF layers; the floor holds every layer at >= floor, the rest re-shared
+    assert allocate([1.0, 4.0], 30, "power:-0.5") == [40, 20]
+    assert allocate([1.0, 4.0], 30, "power:-1") == allocate([4.0, 1.0], 30)
+    assert allocate([1.0, 1.0, 1000.0], 2, floor=1) == allocate([1.0, 1.0, 1000.0], 2)
+    assert allocate([1.0, 9.0, 10.0], 16, floor=8) == [8, 19, 21]
+    assert allocate([1.0, 9.0, 10.0], 16, floor=16) == [16, 16, 16]
+    for floor in (0, 17, 2.5):
+        with pytest.raises(ValueError, match="floor must be an integer"):
+            allocate([1.0, 9.0, 10.0], 16, floor=floor)

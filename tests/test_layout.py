@@ -32,6 +32,7 @@ STUDY = tuple(
         "plan",
         "oracle",
         "stages",
+        "endtoend",
         "stats",
         "plots",
         "compare",

@@ -13,7 +13,7 @@ from . import plots, stats
 # (label, key, view): view reduces a student's per-layer errors to one number per seed, None reads
 # a perplexity. The worst layer stands beside the mean, as a gain on average can hide a worse layer.
 METRICS = (
-    ("mean KL", "kl", np.mean), ("worst-layer KL", "kl", max),
+    ("end-to-end KL", "e2e_kl", None), ("mean KL", "kl", np.mean), ("worst-layer KL", "kl", max),
     ("mean output error", "output_rel", np.mean), ("worst-layer output error", "output_rel", max),
     ("mean kernel L2", "kernel_l2", np.mean),
     ("WikiText-2 ppl", "wikitext2_ppl", None), ("held-out ppl", "heldout_ppl", None),
@@ -56,12 +56,13 @@ def _chart(out, name: str, series: dict, labels: tuple, **axes) -> str:
 
 
 def _pm(mean, half, sign="") -> str:
-    """'mean ± half width', or the mean alone where there is no interval (one seed: nan)."""
-    return f"{mean:{sign}.4g}" + (f" ± {half:.2g}" if math.isfinite(half) else "")
+    """'mean ± half width', or the mean alone where there is no interval (one seed: nan, None)."""
+    return f"{mean:{sign}.4g}" + (f" ± {half:.2g}" if math.isfinite(half or math.nan) else "")
 
 
 def students(grouped: dict, teacher: dict, out) -> tuple:
-    """The summary table (every metric, mean ± CI over seeds), and mean KL charted on budget."""
+    """The summary table (every metric, mean ± CI over seeds), and end-to-end and mean-layer KL
+    charted on budget."""
     teacher_row = ["—" if view else f"{teacher[key]:.2f}" for _, key, view in METRICS]
     rows, points = [["teacher", "—", "—", "—", *teacher_row, "—"]], {}
     for (variant, loss, budget), by_seed in grouped.items():
@@ -70,12 +71,19 @@ def students(grouped: dict, teacher: dict, out) -> tuple:
         cells = [_pm(*ci) if ci else "—" for ci in cis]
         train = np.mean([s["train_seconds"] for s in by_seed.values()])
         rows.append([variant, loss, budget, len(by_seed), *cells, f"{train:.0f}"])
-        if cis[0] and variant != "performer":
-            points.setdefault(f"{variant}/{loss}", []).append((budget, *cis[0]))
+        for name, ci in zip(("budget_e2e_kl", "budget_kl"), cis):
+            if ci and variant != "performer":
+                points.setdefault(name, {}).setdefault(f"{variant}/{loss}", []).append(
+                    (budget, *ci)
+                )
     table = md_table(["variant", "loss", "budget", "seeds", *next(zip(*METRICS)), "train s"], rows)
-    series = {k: tuple(map(list, zip(*sorted(v)))) for k, v in points.items() if len(v) > 1}
-    labels = "mean-layer kl against budget", "features per layer (budget)", "kl"
-    return table, _chart(out, "budget_kl", series, labels, log_x=True, log_y=True)
+    charts = []
+    for name, by_label in points.items():
+        series = {k: tuple(map(list, zip(*sorted(v)))) for k, v in by_label.items() if len(v) > 1}
+        title = ("end-to-end" if "e2e" in name else "mean-layer") + " kl against budget"
+        labels = title, "features per layer (budget)", "kl"
+        charts.append(_chart(out, name, series, labels, log_x=True, log_y=True))
+    return table, " ".join(charts)
 
 
 def against_fix(fix: dict, other: dict) -> list:
@@ -216,13 +224,17 @@ def needs(curves: dict) -> dict:
     reach a common KL ("layer_target", "head_target": the median at the middle M, so about half
     reach it there), and each layer's power law β (KL ≈ a·M^(−β), fitted through its points)."""
     ms, mean = curves["dims"], curves["mean_kl"]
-    heads = np.mean(list(curves["kl_heads"].values()), axis=0).transpose(1, 2, 0)  # [L, H, M]
     found = {"beta": [-stats.loglog_slope(ms, errs) for errs in mean]}
-    for level, errors in (("layer", mean), ("head", heads.reshape(-1, len(ms)))):
+    levels = [("layer", mean)]
+    if "kl_heads" in curves:  # the swap curves have one per layer
+        heads = np.mean(list(curves["kl_heads"].values()), axis=0).transpose(1, 2, 0)  # [L, H, M]
+        levels.append(("head", heads.reshape(-1, len(ms))))
+    for level, errors in levels:
         target = float(np.median([curve[len(ms) // 2] for curve in errors]))
         found[f"{level}_target"] = target
         found[level] = [stats.features_needed(ms, curve, target) for curve in errors]
-    found["head"] = np.reshape(found["head"], heads.shape[:2]).tolist()  # [L][H]
+    if "head" in found:
+        found["head"] = np.reshape(found["head"], heads.shape[:2]).tolist()  # [L][H]
     return found
 
 
@@ -245,3 +257,65 @@ def evidence_table(ms, views) -> str:
         )
         rows.append([name, f"{rho:+.2f}", f"{p:.3g}", f"{slope:.2f}", f"{used} of {len(needed)}"])
     return md_table(["level", "Spearman ρ", "permutation p", "log-log slope", "points"], rows)
+
+
+def e2e_summary(grouped: dict) -> dict:
+    """For results.json, per "variant/loss/bB": its seeds, "e2e_kl" (mean, 95% t half width over
+    seeds; None where one seed), and where Fix has the budget "minus_fix", its paired difference
+    from Fix seed by seed (mean, half width), and "relative", its mean over Fix's less 1."""
+    found, as_json = {}, lambda mean, half: [mean, half if math.isfinite(half) else None]
+    for (variant, loss, budget), by_seed in grouped.items():
+        e2e = stats.mean_ci([s["e2e_kl"] for s in by_seed.values()])
+        row = {"seeds": sorted(by_seed), "e2e_kl": as_json(*e2e)}
+        fix = grouped.get(("fix", loss, budget))
+        for label, _, _, diff, relative in against_fix(fix, by_seed) if fix else ():
+            if label == METRICS[0][0]:
+                row.update(minus_fix=as_json(*diff), relative=relative)
+        found[f"{variant}/{loss}/b{budget}"] = row
+    return found
+
+
+def e2e_section(grouped: dict, results: dict, out) -> str:
+    """End-to-end KL of every variant against Fix, seed by seed; then each layer's end-to-end KL
+    with only it swapped for a Fix student's, what DoF says of it, and the oracle it implies."""
+    rows, summary = [], e2e_summary(grouped)
+    for (variant, loss, budget), by_seed in grouped.items():
+        found = summary[f"{variant}/{loss}/b{budget}"]
+        diff = ["—", "—"]
+        if "minus_fix" in found:
+            diff = [_pm(*found["minus_fix"], "+"), f"{100 * found['relative']:+.1f}%"]
+        kl = [[metric(r, "kl", view) for r in by_seed.values()] for view in (np.mean, max)]
+        layer = ["—" if None in v else _pm(*stats.mean_ci(v)) for v in kl]
+        rows.append([variant, loss, budget, len(by_seed), _pm(*found["e2e_kl"]), *diff, *layer])
+    header = ["variant", "loss", "budget", "seeds", "end-to-end KL", "− fix, paired", "relative"]
+    parts = [md_table(header + ["mean KL", "worst-layer KL"], rows)]
+    swap = (results.get("curves") or {}).get("e2e")
+    if swap:
+        per_head, ms = results["dof"]["per_head"], swap["dims"]
+        series = {f"layer {i}": (ms, e, None) for i, e in enumerate(swap["mean_kl"])}
+        labels = "end-to-end KL, one layer swapped, against its features", "features M", "KL"
+        found = needs(swap)
+        rows = [
+            [i, f"{max(h):.1f}", *(f"{x:.4g}" for x in errs), f"{n:.1f}", f"{b:.2f}"]
+            for i, (h, errs, n, b) in enumerate(
+                zip(per_head, swap["mean_kl"], found["layer"], found["beta"]))
+        ]  # fmt: skip
+        header = ["layer", "DoF (max)", *(f"M={m}" for m in ms)]
+        header += [f"M to KL {found['layer_target']:.3g}", "β"]
+        oracle = [[b, spaced(dims)] for b, dims in swap["oracle"].items()]
+        parts += [
+            f"""
+Each layer's cost end to end: the teacher with only that layer swapped for the Fix student's at M
+features (seeds {", ".join(swap["kl"])}, mean), on {swap["windows"][1]} held-out windows from window
+{swap["windows"][0]}, disjoint from those of the table above, so the end-to-end oracle
+(`oracle_e2e`, least summed swap KL by the same exact DP as `oracle`) is scored out of sample.
+
+{_chart(out, "curves_e2e_kl", series, labels, log_x=True, log_y=True)}
+
+{md_table(header, rows)}
+
+{evidence_table(ms, dof_views(per_head, dict(found, head=[]))[1:])}
+
+{md_table(["budget", "end-to-end oracle dims"], oracle)}"""
+        ]
+    return "\n".join(parts)

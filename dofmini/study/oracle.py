@@ -75,9 +75,15 @@ def curves_record(errors: dict, ms, budgets, curve_only_seconds: float) -> dict:
     implies; each head's KL is kept for the per-head evidence."""
     kl = {seed: [e["kl"] for e in by_m] for seed, by_m in errors.items()}  # [M][layer]
     heads = {seed: [e["kl_heads"] for e in by_m] for seed, by_m in errors.items()}  # [M][L][H]
+    found = dict(seed_mean_oracle(kl, ms, budgets), kl_heads=heads)
+    return dict(found, curve_only_train_seconds=curve_only_seconds)
+
+
+def seed_mean_oracle(kl: dict, ms, budgets) -> dict:
+    """{"dims", "kl", "mean_kl" [layer][M], "oracle"}: the mean over seeds of curves kl[seed][M]
+    [layer] measured at ms, and the oracle allocation on those means at each budget."""
     by_seed = list(kl.values())  # [seed][M][layer]; summed in seed order, as numpy's mean does
     layers = range(len(by_seed[0][0]))
     mean = [[sum(s[k][i] for s in by_seed) / len(by_seed) for k in range(len(ms))] for i in layers]
     oracle = {str(b): oracle_allocate(mean, b, ms=list(ms)) for b in budgets}
-    found = dict(dims=list(ms), kl=kl, kl_heads=heads, mean_kl=mean, oracle=oracle)
-    return dict(found, curve_only_train_seconds=curve_only_seconds)
+    return dict(dims=list(ms), kl=kl, mean_kl=mean, oracle=oracle)

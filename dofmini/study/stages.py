@@ -20,15 +20,20 @@ from . import evaluate, plan, runs
 from .oracle import curves_record
 from .runs import log
 
-# DoF's allocations (dof.allocate): (rule, how a layer's heads combine, capped at the head size).
+# DoF's allocations (dof.allocate): (rule, how a layer's heads combine, capped at the head size,
+# each layer's floor as a share of the budget; None: 1 feature).
 ALLOCATIONS = {
-    "dof": ("proportional", "max", False),
-    "dof_clip": ("proportional", "max", True),
-    "dof_mean": ("proportional", "mean", False),
-    "dof_sqrt": ("power:0.5", "max", False),
-    "dof_sqrt_mean": ("power:0.5", "mean", False),
+    "dof": ("proportional", "max", False, None),
+    "dof_clip": ("proportional", "max", True, None),
+    "dof_mean": ("proportional", "mean", False, None),
+    "dof_sqrt": ("power:0.5", "max", False, None),
+    "dof_sqrt_mean": ("power:0.5", "mean", False, None),
+    "dof_floor": ("proportional", "max", False, 0.5),
+    "dof_inv_sqrt": ("power:-0.5", "max", False, None),
+    "dof_inv": ("power:-1", "max", False, None),
 }
-TRAINED_PRF = ("fix", *ALLOCATIONS, "oracle")  # variants whose draw is trained
+ORACLES = ("oracle", "oracle_e2e")  # least summed layer KL; least summed one-layer-swap e2e KL
+TRAINED_PRF = ("fix", *ALLOCATIONS, *ORACLES)  # variants whose draw is trained
 CALIBRATION = "wikitext-2-raw/wiki.valid.raw"  # DoF calibration text, in the data store
 
 
@@ -75,7 +80,7 @@ class Run:
 def student_keys(run: Run) -> list:
     """(variant, loss, budget, seed) of every student in run order, the oracle's curves first."""
     cfg, keys = run.cfg, []
-    if "oracle" in cfg.variants:
+    if set(ORACLES) & set(cfg.variants):
         keys += [("fix", "softmax", m, seed) for seed in cfg.seeds for m in cfg.curve_dims]
     for seed in cfg.seeds:
         if "dijiang" in cfg.variants:
@@ -88,11 +93,13 @@ def student_keys(run: Run) -> list:
 
 
 def dims_of(run: Run, variant: str, budget: int, allocation, curves=None):
-    """A student's dims: uniform; DoF's once estimated; the oracle's once the curves are in."""
+    """A student's dims: uniform; DoF's once estimated; an oracle's once its curves are in (the
+    end-to-end oracle's under curves["e2e"])."""
     if variant in ALLOCATIONS:
         return None if allocation is None else tuple(allocation["dims"][str(budget)][variant])
-    if variant == "oracle":
-        return None if curves is None else tuple(curves["oracle"][str(budget)])
+    if variant in ORACLES:
+        found = (curves or {}).get("e2e") if variant == "oracle_e2e" else curves
+        return None if found is None else tuple(found["oracle"][str(budget)])
     return (budget,) * run.teacher.config.n_layer
 
 
@@ -169,8 +176,12 @@ def estimate_allocation(run: Run) -> dict:
         if not (per_head.amax(-1) > 0).all():
             raise runs.RunError(f"--lam {run.lam}: a layer's DoF is 0 at this λ; use a smaller λ")
         dims = {str(b): {"fix": [b] * n_layer} for b in run.budgets}
-        for b, (variant, (rule, aggregate, clip)) in itertools.product(dims, ALLOCATIONS.items()):
-            dims[b][variant] = dof.allocate(per_head, int(b), rule, clip and cap or None, aggregate)
+        for b, variant in itertools.product(dims, ALLOCATIONS):
+            rule, aggregate, clip, share = ALLOCATIONS[variant]
+            floor = max(1, int(int(b) * (share or 0)))
+            dims[b][variant] = dof.allocate(
+                per_head, int(b), rule, clip and cap or None, aggregate, floor
+            )
         found = dict(lam=run.lam, J=cfg.J, seed=seed, normalize=normalize, dims=dims)
         found["calibration"] = f"{CALIBRATION}: first {len(calib)} tokens, ctx {run.ctx}"
         found.update(per_head=per_head.tolist(), warning=dof.saturation_warning(per_head, cfg.J))
@@ -252,18 +263,27 @@ def fitting(run: Run, spec: Student):
     return functools.partial(train_direct, start, tokens, train)
 
 
+def curve_specs(run: Run) -> list:
+    """The Fix students of the error curves, seed by seed, M by M."""
+    n_layer = run.teacher.config.n_layer
+    return [
+        Student("fix", "softmax", m, s, (m,) * n_layer)
+        for s in run.cfg.seeds
+        for m in run.cfg.curve_dims
+    ]
+
+
 def error_curves(run: Run) -> dict:
     """Every layer's held-out KL at each of curve_dims features (Fix students: one distillation
     per M trains all layers at once), on the held-out windows after the reported errors' ones."""
-    cfg, n_layer = run.cfg, run.teacher.config.n_layer
+    cfg = run.cfg
     errors, curve_only_seconds, windows = {}, 0.0, (cfg.curve_windows, cfg.error_windows)
-    for seed, m in itertools.product(cfg.seeds, cfg.curve_dims):
-        spec = Student("fix", "softmax", m, seed, (m,) * n_layer)
+    for spec in curve_specs(run):
         student, info = train_student(run, spec)
         compute = functools.partial(layer_errors, run, student, *windows)
         found = run.stage(spec.name, *student_file(run, spec, curve=True), compute)
-        errors.setdefault(str(seed), []).append(found)
-        if m not in run.budgets:  # the others are Fix students, timed with the students
+        errors.setdefault(str(spec.seed), []).append(found)
+        if spec.budget not in run.budgets:  # the others are Fix students, timed with the students
             curve_only_seconds += info["train_seconds"]
     return curves_record(errors, cfg.curve_dims, run.budgets, curve_only_seconds)
 

@@ -1,0 +1,124 @@
+"""End-to-end error: how far a student's next-token distribution is from the teacher's, KL(teacher
+‖ student) per token on held-out windows, and what each layer alone costs end to end (the teacher
+with one layer's attention swapped for a Fix student's). The layerwise errors feed each layer the
+teacher's own inputs, so they cannot weigh how a layer's error grows through the layers after it;
+on the GPT-2 stand-in the lowest-DoF layer carries most of the end-to-end loss.
+
+Held-out windows, in order: the layer errors' (error_windows), the error curves' (curve_windows),
+the students' end-to-end KL (e2e_windows), then the swap curves' (e2e_windows), so the end-to-end
+oracle chosen on the swap curves is scored on windows it never saw."""
+
+import copy
+
+import torch
+from torch import nn
+
+from ..students import load_student
+from . import runs, stages
+from .oracle import seed_mean_oracle
+
+SWAP_STAGE = "end-to-end swap curves"  # its name in the plan
+
+
+@torch.no_grad()
+def e2e_kl(teacher, models, token_ids, ctx, windows, offset=0, batch=4) -> list:
+    """For each of `models`, the mean over tokens of KL(p_teacher ‖ p_model) of the next-token
+    distributions at every position of `windows` windows of ctx tokens from window `offset` on;
+    the teacher runs once per batch for all of them."""
+    need = (offset + windows) * ctx
+    token_ids = teacher.token_ids(token_ids, need, "e2e_kl")
+    device = next(teacher.parameters()).device
+    all_windows = token_ids[offset * ctx : need].view(windows, ctx).to(device)  # [W, ctx]
+    sums = [0.0] * len(models)
+    for ids in all_windows.split(batch):  # [b, ctx]
+        target = teacher(ids).float().log_softmax(-1)  # [b, ctx, V]
+        for i, model in enumerate(models):
+            log_q = model(ids).float().log_softmax(-1)  # [b, ctx, V]
+            token_kl = (target.exp() * (target - log_q)).sum(-1)  # [b, ctx]
+            sums[i] += token_kl.double().sum().item()
+    return [total / (windows * ctx) for total in sums]
+
+
+def swapped(teacher, student, layer: int):
+    """The teacher with only block `layer` taken from `student` (its attention the student's, its
+    other tensors shared with the teacher): a shallow copy with its own block list, so the teacher
+    itself is left as it was."""
+    model = copy.copy(teacher)
+    model._modules = dict(teacher._modules)  # the copy's own table, or setting blocks edits both
+    blocks = list(teacher.blocks)
+    blocks[layer] = student.blocks[layer]
+    model.blocks = nn.ModuleList(blocks)
+    return model
+
+
+def offsets(run) -> tuple:
+    """(first window, windows) of the students' end-to-end KL and of the swap curves."""
+    cfg = run.cfg
+    start = cfg.error_windows + cfg.curve_windows
+    return (start, cfg.e2e_windows), (start + cfg.e2e_windows, cfg.e2e_windows)
+
+
+def stage_file(run, spec, swap: bool = False) -> tuple:
+    """(file, key) of a student's end-to-end KL, or with `swap` of its one-layer swaps."""
+    windows = offsets(run)[swap]
+    key = {"student": stages.train_key(run, spec), **stages.eval_key(run), "e2e": windows}
+    return run.cfg.out / "eval" / f"{spec.stem}-{'swap' if swap else 'e2e'}.json", key
+
+
+def student_kl(run, spec) -> float:
+    """A trained student's end-to-end KL, saved as eval/<student>-e2e.json."""
+    offset, count = offsets(run)[0]
+
+    def compute():
+        student = load_student(run.teacher, spec.path(run.cfg.out))
+        return e2e_kl(run.teacher, [student], run.texts["heldout"], run.ctx, count, offset)[0]
+
+    return runs.stage(*stage_file(run, spec), run.clock.timed(compute))
+
+
+def evaluate(run, spec) -> dict:
+    """stages.train_and_evaluate, with the student's end-to-end KL."""
+    result = stages.train_and_evaluate(run, spec)
+    result["e2e_kl"] = kl = student_kl(run, spec)
+    runs.log(f"{spec.name}: end-to-end KL {kl:.4g}")
+    return result
+
+
+def swap_curves(run) -> dict:
+    """Each layer's end-to-end KL with only that layer swapped for the Fix curve student's at each
+    of curve_dims, every seed; their seed means ("mean_kl" [L][M]) and the end-to-end oracle dims
+    at each budget (the exact DP of oracle_allocate on those means)."""
+    cfg, n_layer, (offset, count) = run.cfg, run.teacher.config.n_layer, offsets(run)[1]
+    run.clock.begin(SWAP_STAGE)
+    kl = {}
+    for spec in stages.curve_specs(run):
+
+        def compute(spec=spec):
+            student = load_student(run.teacher, spec.path(cfg.out))
+            models = [swapped(run.teacher, student, i) for i in range(n_layer)]
+            return e2e_kl(run.teacher, models, run.texts["heldout"], run.ctx, count, offset)
+
+        found = runs.stage(*stage_file(run, spec, swap=True), run.clock.timed(compute))
+        kl.setdefault(str(spec.seed), []).append(found)  # [M][layer]
+    return dict(seed_mean_oracle(kl, cfg.curve_dims, run.budgets), windows=[offset, count])
+
+
+def evaluate_students(run, allocation: dict, curves) -> tuple:
+    """(every student's result, the curves with the swap curves under "e2e"), cheapest and most
+    telling first: the students already trained, then the swap curves, then the end-to-end
+    oracle's students, then the rest variant by variant."""
+    out = run.cfg.out
+    ready = [
+        spec
+        for spec in stages.specs(run, allocation, curves)
+        if spec.dims and stages.trained(spec.path(out), stages.train_key(run, spec), own=False)
+    ]
+    results = {spec.name: evaluate(run, spec) for spec in ready}
+    if "oracle_e2e" in run.cfg.variants:
+        curves = {**curves, "e2e": swap_curves(run)}
+    rest = [spec for spec in stages.specs(run, allocation, curves) if spec.name not in results]
+    # one variant's seeds and budgets together, so a run cut short leaves whole variants
+    order = {v: i for i, v in enumerate(dict.fromkeys(spec.variant for spec in rest))}
+    rest.sort(key=lambda spec: (spec.variant != "oracle_e2e", order[spec.variant]))
+    results.update({spec.name: evaluate(run, spec) for spec in rest})
+    return results, curves
