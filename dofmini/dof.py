@@ -76,8 +76,9 @@ def sample_queries_keys(model, token_ids, J=1024, seed=0, ctx=None, batch=8):
     ctx = cfg.n_ctx if ctx is None else ctx
     if not 1 <= ctx <= cfg.n_ctx:
         raise ValueError(f"sample_queries_keys: ctx={ctx}; need 1..n_ctx = {cfg.n_ctx}")
-    if not all(isinstance(n, int) and n >= 1 for n in (J, batch)):
-        raise ValueError(f"sample_queries_keys: J={J!r}, batch={batch!r}; need integers >= 1")
+    for name, n in (("J", J), ("batch", batch)):
+        if not (isinstance(n, numbers.Integral) and n >= 1):
+            raise ValueError(f"sample_queries_keys: {name}={n!r}; expected an integer >= 1")
     token_ids = model.token_ids(token_ids, ctx, "sample_queries_keys")
     n_win, pool = token_ids.numel() // ctx, 2 * ctx  # ctx queries, then ctx keys
     if n_win * pool < J:
@@ -129,7 +130,7 @@ def allocate(layer_dof, budget, rule="proportional", cap=None, aggregate="max", 
     weights = layer_weights(layer_dof, rule, aggregate)  # [L] DoF^γ
     for name, n in (("budget", budget), ("cap", budget if cap is None else cap)):
         if not (isinstance(n, numbers.Integral) and n >= 1):
-            raise ValueError(f"allocate: {name} must be an integer >= 1, got {n!r}")
+            raise ValueError(f"allocate: {name}={n!r}; expected an integer >= 1")
     if not (isinstance(floor, numbers.Integral) and 1 <= floor <= budget):
         raise ValueError(f"allocate: floor must be an integer in 1..{budget}, got {floor!r}")
     total = len(weights) * int(budget)

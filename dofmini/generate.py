@@ -14,9 +14,10 @@ def generate(model, prompt_ids, n: int, temperature=0.0, top_k=None, seed=None):
     temperature 0 is greedy (argmax; seed and top_k unused); above 0 it samples from
     softmax(logits / temperature), over the top_k most likely tokens when top_k is given, and needs
     an explicit seed so that every run can be repeated exactly."""
-    if not (isinstance(n, int) and n >= 0 and 0 <= float(temperature) < math.inf):
-        got = f"n={n!r}, temperature={temperature!r}"
-        raise ValueError(f"generate: {got}; expected an integer n >= 0, a finite temperature >= 0")
+    if not (isinstance(n, int) and n >= 0):
+        raise ValueError(f"generate: n={n!r}; expected an integer >= 0")
+    if not 0 <= float(temperature) < math.inf:
+        raise ValueError(f"generate: temperature={temperature!r}; expected a finite number >= 0")
     as_list = isinstance(prompt_ids, (list, tuple))
     ids = torch.as_tensor(prompt_ids)
     home, flat = ids.device, ids.dim() == 1
