@@ -8,5 +8,5 @@ from .checkpoint import CheckpointError
 from .generate import generate
 from .hub import load, load_tokenizer
 
-__version__ = "0.4.1"
+__version__ = "0.5.0"
 __all__ = ["CheckpointError", "generate", "load", "load_tokenizer"]
