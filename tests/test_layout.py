@@ -25,8 +25,8 @@ CORE = (
 STUDY = tuple(
     f"study.{name}"
     for name in (
-        "data",
         "tasks",
+        "data",
         "evaluate",
         "runs",
         "plan",

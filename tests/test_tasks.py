@@ -1,9 +1,10 @@
 import shutil
+from pathlib import Path
 
 import pytest
 from conftest import FIXTURES, data_path
 
-from dofmini.study.data import DataError
+from dofmini.study.data import DataError, files
 from dofmini.study.tasks import TASK_SIZES, TASKS, load_task
 
 
@@ -103,9 +104,10 @@ def test_mmlu_scores_only_the_subjects_the_registry_pins(tmp_path):
     """A file the registry does not pin is neither scored nor hashed into results.json's inputs,
     so it stays out of the examples."""
     folder = shutil.copytree(FIXTURES / "tasks" / "mmlu", tmp_path / "mmlu")
-    before = load_task("mmlu", tmp_path)
+    pinned = {Path(f.path).name for f in files("mmlu")}  # what evaluate_model passes
+    before = load_task("mmlu", tmp_path, only=pinned)
     shutil.copy(folder / "test" / "astronomy_test.csv", folder / "test" / "zz_extra_test.csv")
-    assert load_task("mmlu", tmp_path) == before
+    assert load_task("mmlu", tmp_path, only=pinned) == before
     assert {e.group for e in before} == {"abstract_algebra", "astronomy"}
 
 

@@ -17,6 +17,7 @@ from typing import NamedTuple
 from tqdm import tqdm
 
 from ..files import CONNECT_SECONDS, atomic_write, by_hand, cache_dir, sha256_file, unreachable
+from .tasks import DataError
 
 # group: (dataset, licence); the task groups are the names of tasks.TASKS
 GROUPS = {
@@ -33,10 +34,6 @@ GROUPS = {
     "lambada": ("LAMBADA, OpenAI's detokenised test", "CC BY 4.0"),
 }
 WIKIEXTRACTOR_GROUPS = ("corpus", "heldout")
-
-
-class DataError(RuntimeError):
-    """A data file that differs from its pin, or that is missing and cannot be downloaded."""
 
 
 class DataFile(NamedTuple):

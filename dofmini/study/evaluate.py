@@ -6,6 +6,7 @@ continuation's own encoding; over-long inputs lose tokens from the left."""
 import math
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -14,6 +15,7 @@ from tqdm import tqdm
 
 from ..distill import layer_pass
 from ..model import check_args
+from . import data
 from .tasks import TASKS, load_task
 
 # the perplexity texts, relative to the data folder; each name is also its dofmini.data group
@@ -182,7 +184,9 @@ def evaluate_model(
     result["tasks"] = {}
     for name in tasks:
         started = time.time()
-        scores = score_examples(model, tokenizer, load_task(name, data_dir, limit), what=name)
+        pinned = {Path(f.path).name for f in data.files(name)}  # no other file in its folder
+        examples = load_task(name, data_dir, limit, pinned)
+        scores = score_examples(model, tokenizer, examples, what=name)
         print(f"{name}: {scores} ({time.time() - started:.0f}s)", flush=True)
         result["tasks"][name] = scores
     result["eval_seconds"] = time.time() - t0

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from .data import DataError, files
+
+class DataError(RuntimeError):
+    """A data file that differs from its pin, is malformed, or is missing and cannot be fetched."""
 
 
 @dataclass
@@ -98,12 +100,12 @@ def load_wsc273(data_dir) -> list:
     return examples
 
 
-def load_mmlu(data_dir, per_subject=None) -> list:
+def load_mmlu(data_dir, per_subject=None, only=None) -> list:
     """Letter scoring, as the harness's default MMLU: the options are listed in the context, the
     continuations are " A" .. " D" (so acc_norm equals acc); the first `per_subject` of each."""
     folder = _file(data_dir, "mmlu/test/abstract_algebra_test.csv").parent
-    examples, pinned = [], {Path(f.path).name for f in files("mmlu")}  # not another file there
-    for path in sorted(p for p in folder.glob("*_test.csv") if p.name in pinned):
+    examples, paths = [], sorted(folder.glob("*_test.csv"))
+    for path in [p for p in paths if only is None or p.name in only]:
         subject = path.name[: -len("_test.csv")]
         with open(path, newline="", encoding="utf-8") as f:
             rows = list(csv.reader(f))[:per_subject]
@@ -149,13 +151,13 @@ TASKS = {
 }
 
 
-def load_task(name: str, data_dir, limit=None) -> list:
+def load_task(name: str, data_dir, limit=None, only=None) -> list:
     """The task's examples from the data folder `data_dir`; `limit` keeps the first N. MMLU keeps
     the first ceil(N/57) of each subject, at most N in all, so a limited run still spreads over the
-    subjects it macro-averages."""
+    subjects it macro-averages; `only`: the MMLU file names to read (the pinned ones)."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
-    per_subject = [limit and -(-limit // 57)] if name == "mmlu" else []
+    per_subject = [limit and -(-limit // 57), only] if name == "mmlu" else []
     try:
         return TASKS[name](data_dir, *per_subject)[:limit]
     except (ValueError, LookupError, TypeError, ET.ParseError) as err:  # a malformed row
