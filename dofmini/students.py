@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from .checkpoint import CheckpointError
 from .dijiang import to_dijiang
 from .files import as_json, atomic_write
-from .linear_attention import replace_attention
+from .linear_attention import LinearAttention
 from .model import check_args
 
 KINDS = ("prf", "dijiang")
@@ -40,6 +40,15 @@ def make_student(teacher, kind: str, dims, feature_seed: int, orthogonal: bool =
         return to_dijiang(student, feature_seed)
     student.draw["orthogonal"] = orthogonal
     return replace_attention(student, dims, feature_seed, orthogonal)
+
+
+def replace_attention(model, dims, seed: int, orthogonal: bool = True):
+    """Swap block i's attn for LinearAttention, dims[i] features, seed + i, in place."""
+    if len(dims) != len(model.blocks):
+        raise ValueError(f"replace_attention: {len(dims)} dims for {len(model.blocks)} blocks")
+    for i, (block, M) in enumerate(zip(model.blocks, dims)):
+        block.attn = LinearAttention(block.attn, int(M), seed + i, orthogonal)
+    return model
 
 
 def trainable(model) -> dict:
