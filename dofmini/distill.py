@@ -106,9 +106,8 @@ def layer_pass(features, q, k, v, want: set, chunk: int, train: bool = False, dt
 
 @dataclasses.dataclass
 class TrainState:
-    """Where a training stands, for a harness that saves and resumes it: the tensors
-    trained, Adam, the data order's generator, steps done, the loss curve [[step, mean
-    loss]] and the seconds trained."""
+    """Where a training stands, for a harness that saves and resumes it: the tensors trained,
+    Adam, the data order's generator, steps done, the loss curve [[step, mean loss]], seconds."""
 
     params: dict
     opt: torch.optim.Adam
@@ -119,12 +118,11 @@ class TrainState:
 
 
 def fit(student, step_fn, token_ids, what, s, log=print, resume=None, on_step=None):
-    """distill's and train_direct's loop: Adam over the student's trainable tensors
-    (`*.a` at s.lr_a, the rest at s.lr) on batches of windows drawn with s.data_seed;
-    step_fn(ids) back-propagates and returns per-layer losses (a non-finite one stops
-    training). resume(state) may restore a saved TrainState before the first step,
-    on_step(state) sees it after each. Returns the record {"train_seconds",
-    "loss_curve"}, seconds before a resume included."""
+    """distill's and train_direct's loop: Adam over the student's trainable tensors (`*.a` at
+    s.lr_a, the rest at s.lr) on batches of windows drawn with s.data_seed; step_fn(ids)
+    back-propagates and returns per-layer losses (a non-finite one stops training). resume(state)
+    may restore a saved TrainState before the first step, on_step(state) sees it after each.
+    Returns the record {"train_seconds", "loss_curve"}, seconds before a resume included."""
     if s.ctx > (n_ctx := student.config.n_ctx):
         raise ValueError(f"{what}: need ctx <= {n_ctx}; got ctx={s.ctx}")
     token_ids = student.token_ids(token_ids, s.ctx, what)
@@ -163,8 +161,7 @@ def fit(student, step_fn, token_ids, what, s, log=print, resume=None, on_step=No
             left = elapsed / (done - start) * (s.steps - done)
             text = " ".join(f"{x:.4g}" for x in mean)
             log(f"{what} {done}/{s.steps}: loss {text} ({elapsed:.0f}s, ~{left:.0f}s left)")
-    seconds = before + time.time() - t0
-    return {"train_seconds": seconds, "loss_curve": state.curve}
+    return {"train_seconds": before + time.time() - t0, "loss_curve": state.curve}
 
 
 def distill(teacher, dims, token_ids, settings=TrainSettings(), *, loss="softmax", **loop):
@@ -189,9 +186,8 @@ def distill(teacher, dims, token_ids, settings=TrainSettings(), *, loss="softmax
 
 
 def train_direct(student, token_ids, settings=TrainSettings(), **loop):
-    """(The student, its record), trained in place by the direct baseline: its
-    next-token cross-entropy on positions 1..ctx-1 of each window, its own tensors
-    only. Arguments as for distill."""
+    """(The student, its record), trained in place by the direct baseline (arguments as distill's):
+    its next-token cross-entropy on positions 1..ctx-1 of each window, its own tensors only."""
 
     def step(ids):
         logits = student(ids[:, :-1])  # [B, T-1, V]
