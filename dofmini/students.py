@@ -80,9 +80,8 @@ def save_student(student, path, record=None):
 
 
 def load_student(teacher, path, expect=None):
-    """(A saved student rebuilt on `teacher`, its file's record). Refuses a
-    file of another teacher, with other tensors, or whose record differs
-    from `expect` (e.g. dims, loss)."""
+    """(A saved student rebuilt on `teacher`, its file's record). Refuses a file of another
+    teacher, with other tensors, or whose record differs from `expect` (e.g. dims, loss)."""
     stored, meta = read_tensors(path)
     if meta.get("teacher") != teacher.identity or meta.get("kind") not in KINDS:
         raise CheckpointError(
