@@ -24,6 +24,15 @@ def sharing_copy(teacher):
     return copy.deepcopy(teacher, {id(t): t for t in shared})
 
 
+def replace_attention(model, dims, seed: int, orthogonal: bool = True):
+    """Swap block i's attn for LinearAttention, dims[i] features, seed + i, in place."""
+    if len(dims) != len(model.blocks):
+        raise ValueError(f"replace_attention: {len(dims)} dims for {len(model.blocks)} blocks")
+    for i, (block, M) in enumerate(zip(model.blocks, dims)):
+        block.attn = LinearAttention(block.attn, int(M), seed + i, orthogonal)
+    return model
+
+
 def make_student(teacher, kind: str, dims, feature_seed: int, orthogonal: bool = True):
     """An untrained student: "dijiang", or "prf" with dims[i] PRF features in layer i,
     seed feature_seed + i (FAVOR+ orthogonal blocks unless orthogonal=False)."""
@@ -40,15 +49,6 @@ def make_student(teacher, kind: str, dims, feature_seed: int, orthogonal: bool =
         return to_dijiang(student, feature_seed)
     student.draw["orthogonal"] = orthogonal
     return replace_attention(student, dims, feature_seed, orthogonal)
-
-
-def replace_attention(model, dims, seed: int, orthogonal: bool = True):
-    """Swap block i's attn for LinearAttention, dims[i] features, seed + i, in place."""
-    if len(dims) != len(model.blocks):
-        raise ValueError(f"replace_attention: {len(dims)} dims for {len(model.blocks)} blocks")
-    for i, (block, M) in enumerate(zip(model.blocks, dims)):
-        block.attn = LinearAttention(block.attn, int(M), seed + i, orthogonal)
-    return model
 
 
 def trainable(model) -> dict:
