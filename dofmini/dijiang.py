@@ -72,8 +72,7 @@ class DiJiangAttention(CausalMixer):
         logit = torch.log1p(-log_1mg.exp()) - log_1mg  # [H] logit γ
         self.decay_logit = nn.Parameter(logit.float())  # [H]
         self.norm = nn.GroupNorm(H, H * d)
-        # W_G = gate / √D: an Adam step at lr 0.02 moves each entry by ~lr, i.e. x W_G by ~lr·D on
-        # the raw matrix (held-out loss rose in 60 steps on the stand-in), ~lr·√D here. Init: the
+        # W_G = gate / √D: an Adam step of ~lr per entry moves x W_G by ~lr·√D, not lr·D. Init: the
         # released code's Xavier-uniform W_G with gain 2^−2.5, i.e. bound 2^−2.5·√(6/2D)·√D on gate.
         u = torch.rand(H * d, H * d, generator=gen, dtype=torch.float64)  # [D, D]
         self.gate = nn.Parameter(((2 * u - 1) * 2**-2.5 * math.sqrt(3)).float())  # [D, D]
@@ -85,8 +84,7 @@ class DiJiangAttention(CausalMixer):
         return torch.softmax(x.to(f) @ self.proj.to(f), -1)  # [B, H, T, d]
 
     def feature_maps(self, q, k):
-        """Softmax features (bounded: no shift), decayed by γ (in (0, 1): nothing to check or read
-        back to the host), no normaliser."""
+        """Softmax features (bounded: no shift), no normaliser; γ in (0, 1): no check, no sync."""
         form = partial(decayed_chunks, log_g=F.logsigmoid(self.decay_logit)[:, None, None])
         return self.phi(q), self.phi(k), {"normalize": False, "form": form}  # log γ [H, 1, 1]
 

@@ -9,6 +9,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .linear_attention import unit_features
 from .model import check_args
 from .students import make_student, trainable
 
@@ -47,17 +48,6 @@ class TrainSettings:
         return {k: v for k, v in dataclasses.asdict(self).items() if not k.endswith("_every")}
 
 
-def unit_features(features, x, name: str):
-    """(Φ(x) over its own largest entry [B, H, T, M], log of that entry [B, H, T, 1] detached), so
-    that log K̂ = r_q + r_k + log(unit q · unit k): nothing overflows in float32 and a key far from
-    every z keeps its share (a fixed shift per feature, as PRFFeatures.keys applies, loses every
-    feature of a key with |k/d^¼ − z_m| ≳ 14 for all m). K̂ is 0 only where unit q · unit k
-    underflows (features e^87 apart)."""
-    log_phi = features.log_features(x, name)  # [B, H, T, M]
-    top = log_phi.amax(-1, keepdim=True).detach()  # [B, H, T, 1]
-    return torch.exp(log_phi - top), top
-
-
 def chunk_terms(features, q, k, v, unit_k, top_k, lo: int, hi: int, want: set) -> dict:
     """Sums over queries i in lo:hi and keys j ≤ i, per [B, H], of the terms in `want`. With
     s_ij = q_i·k_j/√d, m_i = max_{j≤i} s_ij, p_i = softmax_j(s_ij), p̂_ij = K̂_ij / Σ_j K̂_ij:
@@ -69,7 +59,8 @@ def chunk_terms(features, q, k, v, unit_k, top_k, lo: int, hi: int, want: set) -
     s = torch.where(causal, scores, -math.inf)  # [B, H, c, hi]
     m = s.amax(-1, keepdim=True)  # [B, H, c, 1]
     kern = torch.exp(s - m)  # [B, H, c, hi] teacher kernel over its row max, 0 above the diagonal
-    unit_q, top_q = unit_features(features, q[:, :, lo:hi], "q")  # [B, H, c, M], [B, H, c, 1]
+    log_q = features.log_features(q[:, :, lo:hi], "q")  # [B, H, c, M]
+    unit_q, top_q = unit_features(log_q)  # [B, H, c, M], [B, H, c, 1]
     dot = unit_q @ unit_k[:, :, :hi].mT  # [B, H, c, hi]
     seen = causal & (dot > 0)  # [B, H, c, hi]
     # log K̂ − top_q, −inf above the diagonal and where dot underflowed (log 1 keeps grads finite)
@@ -98,7 +89,7 @@ def layer_pass(features, q, k, v, want: set, chunk: int, train: bool = False, dt
     q, k = q.to(dtype), k.to(dtype)  # [B, H, T, d]
     v = None if v is None else v.to(dtype)  # [B, H, T, dv]
     B, H, T, _ = q.shape
-    unit_k, top_k = unit_features(features, k, "k")  # [B, H, T, M], [B, H, T, 1]
+    unit_k, top_k = unit_features(features.log_features(k, "k"))  # [B, H, T, M], [B, H, T, 1]
     keys = unit_k.detach().requires_grad_() if train else unit_k
     sums = {}
     for lo in range(0, T, chunk):
@@ -115,9 +106,8 @@ def layer_pass(features, q, k, v, want: set, chunk: int, train: bool = False, dt
 
 @dataclasses.dataclass
 class TrainState:
-    """Where a training stands, for a harness that saves and resumes it: the tensors
-    trained, Adam, the data order's generator, steps done, the loss curve [[step, mean
-    loss]] and the seconds trained."""
+    """Where a training stands, for a harness that saves and resumes it: the tensors trained,
+    Adam, the data order's generator, steps done, the loss curve [[step, mean loss]], seconds."""
 
     params: dict
     opt: torch.optim.Adam
@@ -128,12 +118,11 @@ class TrainState:
 
 
 def fit(student, step_fn, token_ids, what, s, log=print, resume=None, on_step=None):
-    """distill's and train_direct's loop: Adam over the student's trainable tensors
-    (`*.a` at s.lr_a, the rest at s.lr) on batches of windows drawn with s.data_seed;
-    step_fn(ids) back-propagates and returns per-layer losses (a non-finite one stops
-    training). resume(state) may restore a saved TrainState before the first step,
-    on_step(state) sees it after each. Returns the record {"train_seconds",
-    "loss_curve"}, seconds before a resume included."""
+    """distill's and train_direct's loop: Adam over the student's trainable tensors (`*.a` at
+    s.lr_a, the rest at s.lr) on batches of windows drawn with s.data_seed; step_fn(ids)
+    back-propagates and returns per-layer losses (a non-finite one stops training). resume(state)
+    may restore a saved TrainState before the first step, on_step(state) sees it after each.
+    Returns the record {"train_seconds", "loss_curve"}, seconds before a resume included."""
     if s.ctx > (n_ctx := student.config.n_ctx):
         raise ValueError(f"{what}: need ctx <= {n_ctx}; got ctx={s.ctx}")
     token_ids = student.token_ids(token_ids, s.ctx, what)
@@ -172,8 +161,7 @@ def fit(student, step_fn, token_ids, what, s, log=print, resume=None, on_step=No
             left = elapsed / (done - start) * (s.steps - done)
             text = " ".join(f"{x:.4g}" for x in mean)
             log(f"{what} {done}/{s.steps}: loss {text} ({elapsed:.0f}s, ~{left:.0f}s left)")
-    seconds = before + time.time() - t0
-    return {"train_seconds": seconds, "loss_curve": state.curve}
+    return {"train_seconds": before + time.time() - t0, "loss_curve": state.curve}
 
 
 def distill(teacher, dims, token_ids, settings=TrainSettings(), *, loss="softmax", **loop):
@@ -190,8 +178,7 @@ def distill(teacher, dims, token_ids, settings=TrainSettings(), *, loss="softmax
         losses = []
         for block, (q, k, _) in zip(student.blocks, teacher.capture(ids)):
             features = block.attn.features
-            want, chunk = {term}, settings.chunk
-            terms = layer_pass(features, q, k, None, want, chunk, True, dtype)
+            terms = layer_pass(features, q, k, None, {term}, settings.chunk, True, dtype)
             losses.append(terms[term].mean())
         return torch.stack(losses).tolist()  # one read from the device per step
 
@@ -199,9 +186,8 @@ def distill(teacher, dims, token_ids, settings=TrainSettings(), *, loss="softmax
 
 
 def train_direct(student, token_ids, settings=TrainSettings(), **loop):
-    """(The student, its record), trained in place by the direct baseline: its
-    next-token cross-entropy on positions 1..ctx-1 of each window, its own tensors
-    only. Arguments as for distill."""
+    """(The student, its record), trained in place by the direct baseline (arguments as distill's):
+    its next-token cross-entropy on positions 1..ctx-1 of each window, its own tensors only."""
 
     def step(ids):
         logits = student(ids[:, :-1])  # [B, T-1, V]

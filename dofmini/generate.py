@@ -23,9 +23,8 @@ def generate(model, prompt_ids, n: int, temperature=0.0, top_k=None, seed=None):
     home, flat = ids.device, ids.dim() == 1
     ids = ids[None] if flat else ids  # [B, T]
     if ids.dim() != 2 or ids.shape[1] < 1:
-        raise ValueError(
-            f"generate: need prompt_ids [B, T] or [T], T >= 1; got shape {tuple(ids.shape)}"
-        )
+        got = f"shape {tuple(ids.shape)}"
+        raise ValueError(f"generate: need prompt_ids [B, T] or [T], T >= 1; got {got}")
     (B, T), cfg = ids.shape, model.config
     ids = model.token_ids(ids.flatten(), 1, "generate").view(B, T)  # [B, T]
     if T + n > cfg.n_ctx:
@@ -35,9 +34,8 @@ def generate(model, prompt_ids, n: int, temperature=0.0, top_k=None, seed=None):
         got = f"temperature={temperature}, seed={seed}, top_k={top_k}"
         need = "temperature >= 0, an explicit seed when sampling, top_k >= 1"
         raise ValueError(f"generate: need {need}; got {got}")
-    device = next(model.parameters()).device
-    ids = ids.to(device)
-    gen = torch.Generator(device).manual_seed(seed) if temperature > 0 else None
+    ids = ids.to(next(model.parameters()).device)
+    gen = torch.Generator(ids.device).manual_seed(seed) if temperature > 0 else None
     caches = [block.attn.new_cache(B, T + n) for block in model.blocks]
     out = [ids]
     logits = model(ids, 0, caches)[:, -1]  # [B, V]

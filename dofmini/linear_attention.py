@@ -93,7 +93,6 @@ def log_chunks(q, k, v, S, c):
 
 def _exact_rows(q, k, v, inter, t, y, start, risen):
     """y, rows from a risen key on exact, in the chunks that `_reads_back` picks."""
-    B, H, N = q.shape[:3]
     need = risen.flatten()  # [B·H·N]
     every = torch.arange(len(need), device=need.device)
     i = need.nonzero()[:, 0] if _reads_back(q) else every
@@ -103,7 +102,7 @@ def _exact_rows(q, k, v, inter, t, y, start, risen):
     rows = rows.cummax(1).values > RISE  # from a risen key on
     exact, _ = _merge(*_log_intra(q, k, v), inter, t)
     y = y.flatten(0, 2).index_copy(0, i, torch.where(rows, exact, fast))
-    return y.unflatten(0, (B, H, N))
+    return y.unflatten(0, risen.shape[:3])
 
 
 def unit_features(log_phi):
@@ -299,12 +298,3 @@ class LinearAttention(CausalMixer):
     def feature_maps(self, q, k):
         log_q = self.features.log_features(q, "q")  # [B, H, T, M]
         return log_q, self.features.log_features(k, "k"), {"log_space": True}
-
-
-def replace_attention(model: nn.Module, dims, seed: int, orthogonal: bool = True) -> nn.Module:
-    """Swap block i's attn for LinearAttention, dims[i] features, seed + i, in place."""
-    if len(dims) != len(model.blocks):
-        raise ValueError(f"replace_attention: {len(dims)} dims for {len(model.blocks)} blocks")
-    for i, (block, M) in enumerate(zip(model.blocks, dims)):
-        block.attn = LinearAttention(block.attn, int(M), seed + i, orthogonal)
-    return model

@@ -175,22 +175,17 @@ class Model(nn.Module):
         return layers
 
     def token_ids(self, token_ids, need: int, what: str) -> torch.Tensor:
-        """as_token_ids against this model's vocabulary."""
-        return as_token_ids(token_ids, need, what, self.config.vocab_size)
-
-
-def as_token_ids(token_ids, need: int, what: str, vocab: int) -> torch.Tensor:
-    """token_ids as a 1-D CPU LongTensor of at least `need` ids in [0, vocab), or a named error
-    (a float or negative id would index the embedding silently wrong)."""
-    token_ids = torch.as_tensor(token_ids)
-    whole = token_ids.dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-    if token_ids.dim() != 1 or len(token_ids) < need or not whole:
-        got = f"{token_ids.dtype} {tuple(token_ids.shape)}"
-        raise ValueError(f"{what}: token_ids {got}; need 1-D integers, >= {need} tokens")
-    if len(token_ids) and not 0 <= token_ids.min() <= token_ids.max() < vocab:
-        span = f"{token_ids.min()}..{token_ids.max()}"
-        raise ValueError(f"{what}: token ids span {span}; expected ids in [0, {vocab})")
-    return token_ids.long().cpu().contiguous()
+        """token_ids as a 1-D CPU LongTensor of at least `need` ids in [0, vocab), or a named
+        error (a float or negative id would index the embedding silently wrong)."""
+        token_ids, vocab = torch.as_tensor(token_ids), self.config.vocab_size
+        whole = token_ids.dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+        if token_ids.dim() != 1 or len(token_ids) < need or not whole:
+            got = f"{token_ids.dtype} {tuple(token_ids.shape)}"
+            raise ValueError(f"{what}: token_ids {got}; need 1-D integers, >= {need} tokens")
+        if len(token_ids) and not 0 <= token_ids.min() <= token_ids.max() < vocab:
+            span = f"{token_ids.min()}..{token_ids.max()}"
+            raise ValueError(f"{what}: token ids span {span}; expected ids in [0, {vocab})")
+        return token_ids.long().cpu().contiguous()
 
 
 REAL = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)

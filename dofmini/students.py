@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from .checkpoint import CheckpointError
 from .dijiang import to_dijiang
 from .files import as_json, atomic_write
-from .linear_attention import replace_attention
+from .linear_attention import LinearAttention
 from .model import check_args
 
 KINDS = ("prf", "dijiang")
@@ -22,6 +22,15 @@ def sharing_copy(teacher):
     """A copy of the teacher sharing every tensor, its attention swappable."""
     shared = (*teacher.parameters(), *teacher.buffers())
     return copy.deepcopy(teacher, {id(t): t for t in shared})
+
+
+def replace_attention(model, dims, seed: int, orthogonal: bool = True):
+    """Swap block i's attn for LinearAttention, dims[i] features, seed + i, in place."""
+    if len(dims) != len(model.blocks):
+        raise ValueError(f"replace_attention: {len(dims)} dims for {len(model.blocks)} blocks")
+    for i, (block, M) in enumerate(zip(model.blocks, dims)):
+        block.attn = LinearAttention(block.attn, int(M), seed + i, orthogonal)
+    return model
 
 
 def make_student(teacher, kind: str, dims, feature_seed: int, orthogonal: bool = True):
@@ -71,9 +80,8 @@ def save_student(student, path, record=None):
 
 
 def load_student(teacher, path, expect=None):
-    """(A saved student rebuilt on `teacher`, its file's record). Refuses a
-    file of another teacher, with other tensors, or whose record differs
-    from `expect` (e.g. dims, loss)."""
+    """(A saved student rebuilt on `teacher`, its file's record). Refuses a file of another
+    teacher, with other tensors, or whose record differs from `expect` (e.g. dims, loss)."""
     stored, meta = read_tensors(path)
     if meta.get("teacher") != teacher.identity or meta.get("kind") not in KINDS:
         raise CheckpointError(

@@ -42,8 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from dofmini.generate import generate  # noqa: E402
 from dofmini.hub import load  # noqa: E402
-from dofmini.linear_attention import replace_attention  # noqa: E402
 from dofmini.model import Config, Model  # noqa: E402
+from dofmini.students import replace_attention  # noqa: E402
 
 STANDIN = REPO.parent / "shared" / "weights" / "standin-gpt2"
 WIKI = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.valid.raw"

@@ -11,8 +11,7 @@ import torch
 from dofmini import dof, hub
 from dofmini.distill import TrainSettings, distill, train_direct
 from dofmini.generate import generate
-from dofmini.linear_attention import replace_attention
-from dofmini.students import make_student, sharing_copy
+from dofmini.students import make_student, replace_attention, sharing_copy
 
 device = sys.argv[1] if len(sys.argv) > 1 else "cuda"
 teacher = hub.load(Path(__file__).parent / "fixtures" / "gpt2-tiny").to(device)

@@ -10,7 +10,8 @@ from conftest import FIXTURES, shared_path
 
 from dofmini import load, load_tokenizer
 from dofmini.generate import generate
-from dofmini.linear_attention import LinearAttention, LinearState, replace_attention
+from dofmini.linear_attention import LinearAttention, LinearState
+from dofmini.students import replace_attention
 
 
 def uncached_greedy(model, ids, n):

@@ -22,10 +22,10 @@ from dofmini.linear_attention import (
     LinearState,
     PRFFeatures,
     causal_linear_attention,
-    replace_attention,
     scan_chunks,
     unit_features,
 )
+from dofmini.students import replace_attention
 
 # Relative-RMS bounds, relative to the size of what is summed (`magnitudes`). All forms compute in
 # fp32 from the same inputs, so in fp32 they differ by summation order only: 1e-5 is ~100 fp32
