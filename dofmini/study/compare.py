@@ -41,7 +41,7 @@ def groups(students: dict) -> dict:
 def metric(student: dict, key: str, view):
     """One seed's value of a METRICS row; None where the student has no such error."""
     if view is None:
-        return student[key]
+        return student.get(key)  # a perplexity, or the end-to-end KL (None before it existed)
     errors = student["layer_error"][key]
     return None if None in errors else float(view(errors))
 

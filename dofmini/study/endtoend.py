@@ -70,7 +70,7 @@ def student_kl(run, spec) -> float:
     offset, count = offsets(run)[0]
 
     def compute():
-        student = load_student(run.teacher, spec.path(run.cfg.out))
+        student, _ = load_student(run.teacher, spec.path(run.cfg.out))
         return e2e_kl(run.teacher, [student], run.texts["heldout"], run.ctx, count, offset)[0]
 
     return runs.stage(*stage_file(run, spec), run.clock.timed(compute))
@@ -94,7 +94,7 @@ def swap_curves(run) -> dict:
     for spec in stages.curve_specs(run):
 
         def compute(spec=spec):
-            student = load_student(run.teacher, spec.path(cfg.out))
+            student, _ = load_student(run.teacher, spec.path(cfg.out))
             models = [swapped(run.teacher, student, i) for i in range(n_layer)]
             return e2e_kl(run.teacher, models, run.texts["heldout"], run.ctx, count, offset)
 
