@@ -107,18 +107,33 @@ def eval_key(run: Run) -> dict:
     """What an evaluation's numbers depend on besides the model."""
     cfg, inputs = run.cfg, run.inputs
     data = {k: v for k, v in inputs.items() if "/" in k}
-    return dict(ctx=run.ctx, eval_windows=cfg.eval_windows, limit=cfg.limit, data=data,
-                error_windows=cfg.error_windows, tokenizer=inputs["tokenizer"],
-                device=inputs["device"])  # fmt: skip
+    return dict(
+        ctx=run.ctx,
+        eval_windows=cfg.eval_windows,
+        limit=cfg.limit,
+        data=data,
+        error_windows=cfg.error_windows,
+        tokenizer=inputs["tokenizer"],
+        device=inputs["device"],
+    )
 
 
 def stage_files(run: Run) -> dict:
     """{stage name: (its file, its key)} of the teacher's evaluation, DoF and the sweep."""
     cfg, inputs, out = run.cfg, run.inputs, run.cfg.out
-    allocation = dict(teacher=inputs["teacher"], lam=run.lam, J=cfg.J, seed=cfg.seeds[0],
-                      ctx=run.ctx, normalize=not cfg.raw_gram, calib_windows=cfg.calib_windows,
-                      budgets=run.budgets, calib=inputs[CALIBRATION], device=inputs["device"],
-                      rules=ALLOCATIONS)  # fmt: skip
+    allocation = dict(
+        teacher=inputs["teacher"],
+        lam=run.lam,
+        J=cfg.J,
+        seed=cfg.seeds[0],
+        ctx=run.ctx,
+        normalize=not cfg.raw_gram,
+        calib_windows=cfg.calib_windows,
+        budgets=run.budgets,
+        calib=inputs[CALIBRATION],
+        device=inputs["device"],
+        rules=ALLOCATIONS,
+    )
     sweep = {k: v for k, v in allocation.items() if k not in ("lam", "J", "normalize")}
     teacher = {"teacher": inputs["teacher"], **eval_key(run)}
     return {
@@ -137,10 +152,18 @@ def settings(run: Run, seed: int) -> TrainSettings:
 def train_key(run: Run, spec: Student) -> dict:
     """What a student's tensors depend on."""
     inputs, corpus = run.inputs, {k: v for k, v in run.inputs.items() if k.startswith("corpus/")}
-    return dict(teacher=inputs["teacher"], variant=spec.variant, loss=spec.loss, dims=spec.dims,
-                seed=spec.seed, **settings(run, spec.seed).record(), train=corpus,
-                train_chars=run.cfg.train_chars, tokenizer=inputs["tokenizer"],
-                device=inputs["device"])  # fmt: skip
+    return dict(
+        teacher=inputs["teacher"],
+        variant=spec.variant,
+        loss=spec.loss,
+        dims=spec.dims,
+        seed=spec.seed,
+        **settings(run, spec.seed).record(),
+        train=corpus,
+        train_chars=run.cfg.train_chars,
+        tokenizer=inputs["tokenizer"],
+        device=inputs["device"],
+    )
 
 
 def student_file(run: Run, spec: Student, curve: bool = False) -> tuple:
