@@ -61,22 +61,27 @@ def _pm(mean, half, sign="") -> str:
 
 
 def students(grouped: dict, teacher: dict, out) -> tuple:
-    """The summary table (every metric, mean ± CI over seeds), and end-to-end and mean-layer KL
-    charted on budget."""
-    teacher_row = ["—" if view else f"{teacher[key]:.2f}" for _, key, view in METRICS]
-    rows, points = [["teacher", "—", "—", "—", *teacher_row, "—"]], {}
+    """The summary table (every metric as mean ± CI over seeds, and the end-to-end KL against Fix
+    seed by seed), and end-to-end and mean-layer KL charted on budget."""
+    teacher_cells = ["—" if view else f"{teacher[key]:.2f}" for _, key, view in METRICS]
+    rows = [["teacher", "—", "—", "—", teacher_cells[0], "—", "—", *teacher_cells[1:], "—"]]
+    points, e2e = {}, e2e_summary(grouped)
     for (variant, loss, budget), by_seed in grouped.items():
         values = [[metric(s, key, view) for s in by_seed.values()] for _, key, view in METRICS]
         cis = [None if None in v else stats.mean_ci(v) for v in values]
         cells = [_pm(*ci) if ci else "—" for ci in cis]
-        train = np.mean([s["train_seconds"] for s in by_seed.values()])
-        rows.append([variant, loss, budget, len(by_seed), *cells, f"{train:.0f}"])
+        diff = ["—", "—"]
+        if "minus_fix" in (vs := e2e[f"{variant}/{loss}/b{budget}"]):
+            diff = [_pm(*vs["minus_fix"], "+"), f"{100 * vs['relative']:+.1f}%"]
+        train = f"{np.mean([s['train_seconds'] for s in by_seed.values()]):.0f}"
+        rows.append([variant, loss, budget, len(by_seed), cells[0], *diff, *cells[1:], train])
         for name, ci in zip(("budget_e2e_kl", "budget_kl"), cis):
             if ci and variant != "performer":
-                points.setdefault(name, {}).setdefault(f"{variant}/{loss}", []).append(
-                    (budget, *ci)
-                )
-    table = md_table(["variant", "loss", "budget", "seeds", *next(zip(*METRICS)), "train s"], rows)
+                line = points.setdefault(name, {}).setdefault(f"{variant}/{loss}", [])
+                line.append((budget, *ci))
+    labels = [label for label, _, _ in METRICS]
+    header = ["variant", "loss", "budget", "seeds", labels[0], "− fix, paired", "relative"]
+    table = md_table([*header, *labels[1:], "train s"], rows)
     charts = []
     for name, by_label in points.items():
         series = {k: tuple(map(list, zip(*sorted(v)))) for k, v in by_label.items() if len(v) > 1}
@@ -101,7 +106,7 @@ def against_fix(fix: dict, other: dict) -> list:
 
 def comparisons(grouped: dict, teacher: dict) -> str:
     """Per loss and budget, DoF (and the oracle) against Fix in every metric, and the share of
-    Fix's perplexity degradation removed where Fix is worse than the teacher beyond noise."""
+    Fix's degradation removed where Fix is worse than the teacher beyond noise."""
     parts = []
     for (variant, loss, budget), by_seed in grouped.items():
         fix = grouped.get(("fix", loss, budget))
@@ -171,28 +176,17 @@ def training(grouped: dict, out) -> tuple:
 
 
 def curves_section(results: dict, out) -> str:
-    """The per-layer error curves with each layer's β, how well DoF predicts the features a layer
-    and a head need (per head, and per layer under both aggregations), and the oracle allocation."""
+    """The per-layer error curves of Fix students, how well DoF predicts the features a layer and a
+    head need, and the oracle allocation they imply."""
     curves = results.get("curves")
     if not curves:
         return ""
-    ms, mean, per_head = curves["dims"], curves["mean_kl"], results["dof"]["per_head"]
-    series = {f"layer {i}": (ms, e, None) for i, e in enumerate(mean)}
-    labels = "held-out KL per layer against its features", "features M", "KL"
-    chart = _chart(out, "curves_kl", series, labels, log_x=True, log_y=True)
-    found = needs(curves)
-    rows = [
-        [i, f"{max(h):.1f}", f"{np.mean(h):.1f}", *(f"{x:.4g}" for x in errs), f"{n:.1f}",
-         f"{b:.2f}", spaced(h, ".0f"), spaced(hn, ".0f")]
-        for i, (h, errs, n, b, hn) in enumerate(
-            zip(per_head, mean, found["layer"], found["beta"], found["head"]))
-    ]  # fmt: skip
-    header = ["layer", "DoF (max)", "DoF (mean)", *(f"M={m}" for m in ms)]
-    header += [f"M to KL {found['layer_target']:.3g}", "β", "head DoF"]
-    header.append(f"head M to KL {found['head_target']:.3g}")
-    evidence = evidence_table(ms, dof_views(per_head, found))
-    dof_dims = results["dof"]["dims"]
-    oracle = [[b, spaced(dof_dims[b]["dof"]), spaced(dims)] for b, dims in curves["oracle"].items()]
+    ms, dof = curves["dims"], results["dof"]
+    title = "held-out KL per layer against its features"
+    block = _curves_block(curves, dof["per_head"], out, "curves_kl", title)
+    oracle = [
+        [b, spaced(dof["dims"][b]["dof"]), spaced(dims)] for b, dims in curves["oracle"].items()
+    ]
     return f"""
 ## Per-layer error against features, DoF as a predictor, and the oracle allocation
 
@@ -200,23 +194,39 @@ Fix students at M = {", ".join(map(str, ms))} features in every layer, seeds
 {", ".join(curves["kl"])}; held-out KL on windows disjoint from those of the tables above, mean
 over seeds. β is each layer's power law, KL ≈ a·M^(−β), fitted through its points: the summed
 error is least with M ∝ a^(1/(1+β)), so a proportional rule ties Fix at best where β ≤ 1.
+Does DoF order the features needed, the M a layer (a head) needs to reach the common KL? Spearman's
+ρ with a two-sided permutation p ({PERMUTATIONS} orders drawn with seed {PERMUTATION_SEED}, or every
+order where there are fewer), and the log-log slope of M needed on DoF (1 where M needed ∝ DoF)
+over those that reached the target; one still above it at M = {ms[-1]} ranks last, one below it
+at M = {ms[0]} counts as {ms[0]}.
 
-{chart}
-
-{md_table(header, rows)}
-
-Does DoF order the features needed? The M a layer (a head) needs to reach the common KL in the
-table, against its DoF: Spearman's ρ with a two-sided permutation p (every order when there are
-at most {PERMUTATIONS}, else {PERMUTATIONS} drawn with seed {PERMUTATION_SEED}), and the log-log
-slope of M needed on DoF (1 where M needed ∝ DoF) over those that reached the target; one still
-above it at M = {ms[-1]} ranks last, one below it at M = {ms[0]} counts as {ms[0]}.
-
-{evidence}
+{block}
 
 The oracle allocation minimises the summed KL of these curves at each budget, each taken as the
 power of M through its measured points:
 
 {md_table(["budget", "DoF dims", "oracle dims"], oracle)}"""
+
+
+def _curves_block(curves: dict, per_head, out, name: str, title: str) -> str:
+    """A curves record's chart; per layer its DoF, seed-mean KL at each M, the M it needs to reach
+    the common KL and its β (and its heads' where the record has them); and how well DoF orders
+    the M needed."""
+    ms, mean, found = curves["dims"], curves["mean_kl"], needs(curves)
+    series = {f"layer {i}": (ms, e, None) for i, e in enumerate(mean)}
+    chart = _chart(out, name, series, (title, "features M", "KL"), log_x=True, log_y=True)
+    header = ["layer", "DoF (max)", *(f"M={m}" for m in ms)]
+    header += [f"M to KL {found['layer_target']:.3g}", "β"]
+    rows = [
+        [i, f"{max(h):.1f}", *(f"{x:.4g}" for x in errs), f"{n:.1f}", f"{b:.2f}"]
+        for i, (h, errs, n, b) in enumerate(zip(per_head, mean, found["layer"], found["beta"]))
+    ]
+    if "head" in found:
+        header += ["DoF (mean)", "head DoF", f"head M to KL {found['head_target']:.3g}"]
+        for row, h, head_needs in zip(rows, per_head, found["head"]):
+            row += [f"{np.mean(h):.1f}", spaced(h, ".0f"), spaced(head_needs, ".0f")]
+    evidence = evidence_table(ms, dof_views(per_head, found))
+    return "\n\n".join([chart, md_table(header, rows), evidence])
 
 
 def needs(curves: dict) -> dict:
@@ -239,9 +249,12 @@ def needs(curves: dict) -> dict:
 
 
 def dof_views(per_head, found: dict, label: str = "") -> list:
-    """The (level, DoF, M needed) of evidence_table: heads, and layers under both aggregations."""
-    return [
-        (f"{label}heads", np.ravel(per_head), np.ravel(found["head"])),
+    """The (level, DoF, M needed) of evidence_table: heads where `found` has them, and layers
+    under both aggregations."""
+    heads = (
+        [(f"{label}heads", np.ravel(per_head), np.ravel(found["head"]))] if "head" in found else []
+    )
+    return heads + [
         (f"{label}layers, DoF max over heads", [max(h) for h in per_head], found["layer"]),
         (f"{label}layers, DoF mean over heads", [np.mean(h) for h in per_head], found["layer"]),
     ]
@@ -250,11 +263,9 @@ def dof_views(per_head, found: dict, label: str = "") -> list:
 def evidence_table(ms, views) -> str:
     """For each (level, DoF values, M needed): Spearman's ρ, its permutation p, and the log-log
     slope of M needed on DoF. A curve still above the target at the largest M ranks last."""
-    rows = []
+    rows, cap = [], ms[-1] + 1
     for name, dof, needed in views:
-        rho, p, slope, used = stats.dof_predicts(
-            [float(d) for d in dof], needed, ms[-1] + 1, PERMUTATION_SEED, PERMUTATIONS
-        )
+        rho, p, slope, used = stats.dof_predicts(dof, needed, cap, PERMUTATION_SEED, PERMUTATIONS)
         rows.append([name, f"{rho:+.2f}", f"{p:.3g}", f"{slope:.2f}", f"{used} of {len(needed)}"])
     return md_table(["level", "Spearman ρ", "permutation p", "log-log slope", "points"], rows)
 
@@ -267,55 +278,28 @@ def e2e_summary(grouped: dict) -> dict:
     for (variant, loss, budget), by_seed in grouped.items():
         e2e = stats.mean_ci([s["e2e_kl"] for s in by_seed.values()])
         row = {"seeds": sorted(by_seed), "e2e_kl": as_json(*e2e)}
-        fix = grouped.get(("fix", loss, budget))
-        for label, _, _, diff, relative in against_fix(fix, by_seed) if fix else ():
-            if label == METRICS[0][0]:
-                row.update(minus_fix=as_json(*diff), relative=relative)
+        if fix := grouped.get(("fix", loss, budget)):
+            _, _, _, diff, relative = against_fix(fix, by_seed)[0]  # METRICS[0]: end-to-end KL
+            row.update(minus_fix=as_json(*diff), relative=relative)
         found[f"{variant}/{loss}/b{budget}"] = row
     return found
 
 
-def e2e_section(grouped: dict, results: dict, out) -> str:
-    """End-to-end KL of every variant against Fix, seed by seed; then each layer's end-to-end KL
-    with only it swapped for a Fix student's, what DoF says of it, and the oracle it implies."""
-    rows, summary = [], e2e_summary(grouped)
-    for (variant, loss, budget), by_seed in grouped.items():
-        found = summary[f"{variant}/{loss}/b{budget}"]
-        diff = ["—", "—"]
-        if "minus_fix" in found:
-            diff = [_pm(*found["minus_fix"], "+"), f"{100 * found['relative']:+.1f}%"]
-        kl = [[metric(r, "kl", view) for r in by_seed.values()] for view in (np.mean, max)]
-        layer = ["—" if None in v else _pm(*stats.mean_ci(v)) for v in kl]
-        rows.append([variant, loss, budget, len(by_seed), _pm(*found["e2e_kl"]), *diff, *layer])
-    header = ["variant", "loss", "budget", "seeds", "end-to-end KL", "− fix, paired", "relative"]
-    parts = [md_table(header + ["mean KL", "worst-layer KL"], rows)]
+def swap_section(results: dict, out) -> str:
+    """Each layer's end-to-end KL with only it swapped for a Fix student's, what DoF says of it,
+    and the end-to-end oracle it implies."""
     swap = (results.get("curves") or {}).get("e2e")
-    if swap:
-        per_head, ms = results["dof"]["per_head"], swap["dims"]
-        series = {f"layer {i}": (ms, e, None) for i, e in enumerate(swap["mean_kl"])}
-        labels = "end-to-end KL, one layer swapped, against its features", "features M", "KL"
-        found = needs(swap)
-        rows = [
-            [i, f"{max(h):.1f}", *(f"{x:.4g}" for x in errs), f"{n:.1f}", f"{b:.2f}"]
-            for i, (h, errs, n, b) in enumerate(
-                zip(per_head, swap["mean_kl"], found["layer"], found["beta"]))
-        ]  # fmt: skip
-        header = ["layer", "DoF (max)", *(f"M={m}" for m in ms)]
-        header += [f"M to KL {found['layer_target']:.3g}", "β"]
-        oracle = [[b, spaced(dims)] for b, dims in swap["oracle"].items()]
-        parts += [
-            f"""
+    if not swap:
+        return ""
+    title = "end-to-end KL, one layer swapped, against its features"
+    block = _curves_block(swap, results["dof"]["per_head"], out, "curves_e2e_kl", title)
+    oracle = [[b, spaced(dims)] for b, dims in swap["oracle"].items()]
+    return f"""
 Each layer's cost end to end: the teacher with only that layer swapped for the Fix student's at M
 features (seeds {", ".join(swap["kl"])}, mean), on {swap["windows"][1]} held-out windows from window
 {swap["windows"][0]}, disjoint from those of the table above, so the end-to-end oracle
 (`oracle_e2e`, least summed swap KL by the same exact DP as `oracle`) is scored out of sample.
 
-{_chart(out, "curves_e2e_kl", series, labels, log_x=True, log_y=True)}
-
-{md_table(header, rows)}
-
-{evidence_table(ms, dof_views(per_head, dict(found, head=[]))[1:])}
+{block}
 
 {md_table(["budget", "end-to-end oracle dims"], oracle)}"""
-        ]
-    return "\n".join(parts)

@@ -89,13 +89,14 @@ the stages took {results["timings"]["stages_seconds"]:.0f} s in all.
 Means over seeds with 95% Student-t intervals (± half width). An error is measured per layer; each
 seed's mean over layers and its worst layer are its two views.
 
-## End-to-end KL against the teacher, the metric to choose by
+## Students, by end-to-end KL against the teacher, the metric to choose by
 
 KL(teacher ‖ student) of the next-token distributions, mean per token, on held-out windows apart
 from all others; against Fix paired seed by seed. The layer errors feed each layer the teacher's
 own inputs and cannot weigh how a layer's error grows through the layers after it.
 
-{compare.e2e_section(grouped, results, out)}
+{summary}
+{compare.swap_section(results, out)}
 
 ## Feature dimensions per layer
 
@@ -104,10 +105,6 @@ own inputs and cannot weigh how a layer's error grows through the layers after i
 ![allocation](allocation.svg)
 
 {sweep_section(results)}
-## Students
-
-{summary}
-
 ## DoF and the oracle against Fix, seed by seed
 {compare.comparisons(grouped, teacher)}
 

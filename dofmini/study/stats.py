@@ -48,9 +48,7 @@ def mean_ci(values, level=0.95):
 
 def paired_diff(a, b, level=0.95):
     """mean_ci of a[s] − b[s] over paired seeds s."""
-    a, b = _finite("paired_diff: a", a), _finite("paired_diff: b", b)
-    if len(a) != len(b):
-        raise ValueError(f"paired_diff: a has {len(a)} seeds, b has {len(b)}; they must pair up")
+    a, b = _paired("paired_diff", a, b)
     return mean_ci([x - y for x, y in zip(a, b)], level)
 
 
@@ -60,9 +58,7 @@ def share_removed(teacher, fix, dof, level=0.95):
     fix_s − teacher and every seed's own gap lie above 0 (else a ratio divides by ~0 or flips
     sign). One seed has no interval, so never a ratio."""
     teacher = _finite("share_removed: teacher", [teacher])[0]
-    fix, dof = _finite("share_removed: fix", fix), _finite("share_removed: dof", dof)
-    if len(fix) != len(dof):
-        raise ValueError(f"share_removed: fix has {len(fix)} seeds, dof has {len(dof)}")
+    fix, dof = _paired("share_removed", fix, dof, names=("fix", "dof"))
     if len(fix) == 1:
         return None, "one seed: no interval, so Fix is not shown to be worse than the teacher"
     gap, gap_hw = mean_ci([f - teacher for f in fix], level)
@@ -79,9 +75,7 @@ def share_removed(teacher, fix, dof, level=0.95):
 def spearman(x, y):
     """Pearson's r of the ranks, tied values sharing their average rank; nan when either sequence
     is constant (its ranks have no spread)."""
-    x, y = _finite("spearman: x", x), _finite("spearman: y", y)
-    if len(x) != len(y) or len(x) < 2:
-        raise ValueError(f"spearman: x and y need equal lengths >= 2, got {len(x)} and {len(y)}")
+    x, y = _paired("spearman", x, y, names="xy", least=2, unit="values")
     mean = (len(x) + 1) / 2  # the mean of ranks 1..n, ties included
 
     def centred_ranks(values):  # 1-based ranks less their mean
@@ -115,12 +109,9 @@ def features_needed(ms, errors, target):
     """The M at which the curve errors[k] (measured at ms[k], strictly increasing) first reaches
     error <= target, the error linear in log M between the points around it; ms[0] when the first
     point already reaches it (read "ms[0] or fewer"); math.inf when no measured point does."""
-    ms, errors = _finite("features_needed: ms", ms), _finite("features_needed: errors", errors)
-    if len(ms) != len(errors) or ms[0] <= 0 or any(b <= a for a, b in zip(ms, ms[1:])):
-        raise ValueError(
-            f"features_needed: ms must be positive and strictly increasing, ms {ms} and errors "
-            f"{errors} of equal nonzero lengths"
-        )
+    ms, errors = _paired("features_needed", ms, errors, names=("ms", "errors"), unit="points")
+    if ms[0] <= 0 or any(b <= a for a, b in zip(ms, ms[1:])):
+        raise ValueError(f"features_needed: ms must be positive and strictly increasing: {ms}")
     target = _finite("features_needed: target", [target])[0]
     reached = next((k for k, e in enumerate(errors) if e <= target), None)
     if reached is None:
@@ -133,10 +124,8 @@ def features_needed(ms, errors, target):
 
 def loglog_slope(x, y):
     """The least-squares slope of log y on log x: 1 where y ∝ x, −β for errors y = a·x^(−β)."""
-    lx = [math.log(v) for v in _finite("loglog_slope: x", x)]
-    ly = [math.log(v) for v in _finite("loglog_slope: y", y)]
-    if len(lx) != len(ly) or len(lx) < 2:
-        raise ValueError(f"loglog_slope: x and y need equal lengths >= 2, got {len(lx)}, {len(ly)}")
+    x, y = _paired("loglog_slope", x, y, names="xy", least=2, unit="values")
+    lx, ly = [math.log(v) for v in x], [math.log(v) for v in y]
     mx, my = math.fsum(lx) / len(lx), math.fsum(ly) / len(ly)
     spread = math.fsum((a - mx) ** 2 for a in lx)
     return math.fsum((a - mx) * (b - my) for a, b in zip(lx, ly)) / spread if spread else math.nan
@@ -159,3 +148,12 @@ def _finite(name, values):
     if not values or not all(map(math.isfinite, values)):
         raise ValueError(f"{name} must be a nonempty sequence of finite numbers, got {values}")
     return values
+
+
+def _paired(caller, a, b, names="ab", least=1, unit="seeds"):
+    """a and b as lists of finite floats of one length >= least, or a ValueError naming them."""
+    a, b = _finite(f"{caller}: {names[0]}", a), _finite(f"{caller}: {names[1]}", b)
+    if len(a) != len(b) or len(a) < least:
+        sizes = f"{names[0]} has {len(a)} {unit}, {names[1]} has {len(b)}"
+        raise ValueError(f"{caller}: {sizes}; they must pair up (equal nonzero lengths >= {least})")
+    return a, b
