@@ -184,26 +184,21 @@ def curves_section(results: dict, out) -> str:
     ms, dof = curves["dims"], results["dof"]
     title = "held-out KL per layer against its features"
     block = _curves_block(curves, dof["per_head"], out, "curves_kl", title)
-    oracle = [
-        [b, spaced(dof["dims"][b]["dof"]), spaced(dims)] for b, dims in curves["oracle"].items()
-    ]
+    oracle = [[b, spaced(dof["dims"][b]["dof"]), spaced(m)] for b, m in curves["oracle"].items()]
     return f"""
 ## Per-layer error against features, DoF as a predictor, and the oracle allocation
 
-Fix students at M = {", ".join(map(str, ms))} features in every layer, seeds
-{", ".join(curves["kl"])}; held-out KL on windows disjoint from those of the tables above, mean
-over seeds. β is each layer's power law, KL ≈ a·M^(−β), fitted through its points: the summed
-error is least with M ∝ a^(1/(1+β)), so a proportional rule ties Fix at best where β ≤ 1.
-Does DoF order the features needed, the M a layer (a head) needs to reach the common KL? Spearman's
-ρ with a two-sided permutation p ({PERMUTATIONS} orders drawn with seed {PERMUTATION_SEED}, or every
-order where there are fewer), and the log-log slope of M needed on DoF (1 where M needed ∝ DoF)
-over those that reached the target; one still above it at M = {ms[-1]} ranks last, one below it
-at M = {ms[0]} counts as {ms[0]}.
+Fix students at M = {", ".join(map(str, ms))} in every layer, seeds {", ".join(curves["kl"])}:
+held-out KL (windows apart from the tables above), mean over seeds. β fits KL ≈ a·M^(−β) per
+layer; the summed error is least with M ∝ a^(1/(1+β)), so a proportional rule ties Fix at best
+where β ≤ 1. Does DoF order the M a layer (a head) needs to reach the common KL? Spearman's ρ, a
+two-sided permutation p ({PERMUTATIONS} orders drawn with seed {PERMUTATION_SEED}, or all where
+fewer), and the log-log slope of M needed on DoF (1 where M needed ∝ DoF) over those that reach
+it; one above it at M = {ms[-1]} ranks last, one below it at M = {ms[0]} counts as {ms[0]}. The
+oracle minimises the summed KL of these curves at each budget, each the power of M through its
+measured points.
 
 {block}
-
-The oracle allocation minimises the summed KL of these curves at each budget, each taken as the
-power of M through its measured points:
 
 {md_table(["budget", "DoF dims", "oracle dims"], oracle)}"""
 

@@ -1,8 +1,7 @@
 """End-to-end error: how far a student's next-token distribution is from the teacher's, KL(teacher
 ‖ student) per token on held-out windows, and what each layer alone costs end to end (the teacher
 with one layer's attention swapped for a Fix student's). The layerwise errors feed each layer the
-teacher's own inputs, so they cannot weigh how a layer's error grows through the layers after it
-(on the GPT-2 stand-in the lowest-DoF layer is the second most costly end to end).
+teacher's own inputs, so they cannot weigh how a layer's error grows through the layers after it.
 
 Held-out windows, in order: the layer errors' (error_windows), the error curves' (curve_windows),
 the students' end-to-end KL (e2e_windows), then the swap curves' (e2e_windows), so the end-to-end
@@ -54,9 +53,8 @@ def swapped(teacher, student, layer: int):
 
 def offsets(run) -> tuple:
     """(first window, windows) of the students' end-to-end KL and of the swap curves."""
-    cfg = run.cfg
-    start = cfg.error_windows + cfg.curve_windows
-    return (start, cfg.e2e_windows), (start + cfg.e2e_windows, cfg.e2e_windows)
+    start, count = run.cfg.error_windows + run.cfg.curve_windows, run.cfg.e2e_windows
+    return (start, count), (start + count, count)
 
 
 def stage_file(run, spec, swap: bool = False) -> tuple:
@@ -66,15 +64,19 @@ def stage_file(run, spec, swap: bool = False) -> tuple:
     return run.cfg.out / "eval" / f"{spec.stem}-{'swap' if swap else 'e2e'}.json", key
 
 
-def student_kl(run, spec) -> float:
-    """A trained student's end-to-end KL, saved as eval/<student>-e2e.json."""
-    offset, count = offsets(run)[0]
+def student_kl(run, spec, swap: bool = False):
+    """A trained student's end-to-end KL (eval/<student>-e2e.json), or with `swap` the teacher's
+    with each one of its layers swapped for the student's (a list, eval/<student>-swap.json)."""
+    offset, count = offsets(run)[swap]
 
     def compute():
         student, _ = load_student(run.teacher, spec.path(run.cfg.out))
-        return e2e_kl(run.teacher, [student], run.texts["heldout"], run.ctx, count, offset)[0]
+        layers = range(run.teacher.config.n_layer)
+        models = [swapped(run.teacher, student, i) for i in layers] if swap else [student]
+        found = e2e_kl(run.teacher, models, run.texts["heldout"], run.ctx, count, offset)
+        return found if swap else found[0]
 
-    return runs.stage(*stage_file(run, spec), run.clock.timed(compute))
+    return runs.stage(*stage_file(run, spec, swap), run.clock.timed(compute))
 
 
 def evaluate(run, spec) -> dict:
@@ -89,19 +91,12 @@ def swap_curves(run) -> dict:
     """Each layer's end-to-end KL with only that layer swapped for the Fix curve student's at each
     of curve_dims, every seed; their seed means ("mean_kl" [L][M]) and the end-to-end oracle dims
     at each budget (the exact DP of oracle_allocate on those means)."""
-    cfg, n_layer, (offset, count) = run.cfg, run.teacher.config.n_layer, offsets(run)[1]
     run.clock.begin(SWAP_STAGE)
     kl = {}
     for spec in stages.curve_specs(run):
-
-        def compute(spec=spec):
-            student, _ = load_student(run.teacher, spec.path(cfg.out))
-            models = [swapped(run.teacher, student, i) for i in range(n_layer)]
-            return e2e_kl(run.teacher, models, run.texts["heldout"], run.ctx, count, offset)
-
-        found = runs.stage(*stage_file(run, spec, swap=True), run.clock.timed(compute))
-        kl.setdefault(str(spec.seed), []).append(found)  # [M][layer]
-    return dict(seed_mean_oracle(kl, cfg.curve_dims, run.budgets), windows=[offset, count])
+        kl.setdefault(str(spec.seed), []).append(student_kl(run, spec, swap=True))  # [M][layer]
+    found = seed_mean_oracle(kl, run.cfg.curve_dims, run.budgets)
+    return dict(found, windows=list(offsets(run)[1]))
 
 
 def evaluate_students(run, allocation: dict, curves) -> tuple:

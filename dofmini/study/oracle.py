@@ -13,13 +13,10 @@ def oracle_allocate(curves, budget, ms=None):
     curves[l][k] is layer l's error (> 0) with ms[k] features (ms: K >= 2 strictly increasing
     integers >= 1; None: 1..K). Between measured points the error is the power of M through them
     (linear in log M and log error): measured curves fall by a near-constant factor per doubling,
-    and straight lines in M would overstate every error, pinning the optimum to the measured Ms
-    (with M = 8, 16, 32, ... uniform would win unless two layers' errors differ four-fold). The
-    minimum is exact, by dynamic programming over layers (the least summed error of layers 0..l for
-    every total), not a greedy on marginal gains, which needs convex curves; on exact ties the
-    earlier layers get the features. Cost: L·(ms[-1] − ms[0] + 1) vector steps of length
-    L·(budget − ms[0]) + 1.
-    """
+    and straight lines in M would overstate every error, pinning the optimum to the measured Ms.
+    The minimum is exact, by dynamic programming over layers (the least summed error of layers
+    0..l for every total), not a greedy on marginal gains, which needs convex curves; on exact
+    ties the earlier layers get the features."""
     try:
         errors = torch.as_tensor(curves, dtype=torch.float64)  # [L, K]
     except (TypeError, ValueError) as err:

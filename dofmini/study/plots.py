@@ -46,12 +46,9 @@ def _rule(x1, y1, x2, y2) -> str:
 def _y_axis(ticks, log, x, label, anchor):
     """A vertical axis at x, labelled on the side `anchor` names; its SVG and value -> pixel map."""
     y, side = _scale(ticks, log, H - BOTTOM, TOP), -1 if anchor == "end" else 1
-    parts = [_rule(x, TOP, x, H - BOTTOM)]
+    turn = f' transform="translate({x + 48 * side},{H / 2}) rotate(-90)"'
+    parts = [_rule(x, TOP, x, H - BOTTOM), _text(0, 0, escape(label), attrs=turn)]
     parts += [_text(x + 6 * side, f"{y(t) + 4:.1f}", f"{t:g}", anchor) for t in ticks]
-    parts.append(
-        f'<text transform="translate({x + 48 * side},{H / 2}) rotate(-90)" text-anchor="middle">'
-        f"{escape(label)}</text>"
-    )
     return parts, y
 
 
@@ -72,11 +69,9 @@ def _x_axis(xs, label, log=False, layers=False):
 
 def _svg(title, parts, width=W) -> str:
     size = f'width="{width:.0f}" height="{H}"'
-    head = (
-        f'<svg xmlns="http://www.w3.org/2000/svg" {size} font-family="sans-serif" font-size="11">'
-    )
+    svg = f'<svg xmlns="http://www.w3.org/2000/svg" {size} font-family="sans-serif" font-size="11">'
     title = _text(W / 2, TOP - 16, escape(title), attrs=' font-size="15"')
-    return "\n".join([head, f'<rect {size} fill="#fff"/>', *parts, title, "</svg>\n"])
+    return "\n".join([svg, f'<rect {size} fill="#fff"/>', *parts, title, "</svg>\n"])
 
 
 def allocation_chart(dims, per_head_dof, title) -> str:
