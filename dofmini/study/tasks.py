@@ -46,8 +46,7 @@ def _label(value, keys: tuple) -> int:
     return keys.index(value)
 
 
-def _lines(path: Path) -> list:
-    """(number from 1, line) of each non-blank line of `path`."""
+def _lines(path: Path) -> list:  # numbered from 1
     lines = enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
     return [(number, line) for number, line in lines if line.strip()]
 
@@ -66,8 +65,7 @@ def _parse(path: Path, records, build, expected: str, unit: str = "line") -> lis
 
 
 def _jsonl(relative: str, build, data_dir) -> list:
-    """The examples `build` makes of each line of a JSON-lines file; its docstring says what a
-    line must hold."""
+    """build(object) of each line of a JSON-lines file; its docstring says what a line holds."""
     path = _file(data_dir, relative)
     return _parse(path, _lines(path), lambda line: build(json.loads(line)), build.__doc__)
 
