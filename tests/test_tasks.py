@@ -111,21 +111,58 @@ def test_mmlu_scores_only_the_subjects_the_registry_pins(tmp_path):
     assert {e.group for e in before} == {"abstract_algebra", "astronomy"}
 
 
-# (task, its file in the fixtures, how one row is damaged): each of the seven formats
+# (task, its file in the fixtures, how one row is damaged, the row named, what is expected): each
+# of the seven formats
 MALFORMED = [
-    ("piqa", "piqa/valid.jsonl", lambda text: text.replace("}", "", 1)),  # not JSON
-    ("arc_easy", "arc/ARC-Easy-Test.jsonl", lambda text: text.replace('"answerKey"', '"x"', 1)),
-    ("winogrande", "winogrande/winogrande_1.1/dev.jsonl", lambda text: text.replace("_", " ", 1)),
-    ("wsc273", "wsc273/WSCollection.xml", lambda text: text[: len(text) // 2]),  # cut XML
-    ("mmlu", "mmlu/test/astronomy_test.csv", lambda text: "a question,A,B\n" + text),
-    ("logiqa", "logiqa/Test.txt", lambda text: text.replace("\nc\n", "\nz\n", 1)),  # not a..d
-    ("lambada", "lambada/lambada_openai.jsonl", lambda text: "[1, 2]\n" + text),
-]
+    ("piqa", "piqa/valid.jsonl", lambda text: text.replace("}", "", 1), "line 1", '"goal"'),
+    ("arc_easy", "arc/ARC-Easy-Test.jsonl", lambda text: text.replace('"answerKey"', '"x"', 1),
+     "line 1", '"answerKey"'),
+    ("winogrande", "winogrande/winogrande_1.1/dev.jsonl", lambda text: text.replace("_", " ", 1),
+     "line 1", 'one "_"'),
+    ("wsc273", "wsc273/WSCollection.xml", lambda text: text[: len(text) // 2], "line 8", "XML"),
+    ("mmlu", "mmlu/test/astronomy_test.csv", lambda text: "a question,A,B\n" + text, "row 1",
+     "options A..D"),
+    ("logiqa", "logiqa/Test.txt", lambda text: text + "\nb\nA passage.\n", "line 9",
+     "a blank line, a letter a..d and 6 lines"),
+    ("lambada", "lambada/lambada_openai.jsonl", lambda text: "[1, 2]\n" + text, "line 1",
+     '"context"'),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize("name, path, damage", MALFORMED)
-def test_a_malformed_task_file_is_one_error_naming_the_task(tmp_path, name, path, damage):
+@pytest.mark.parametrize("name, path, damage, row, expected", MALFORMED)
+def test_a_malformed_task_file_is_one_error_naming_the_file_and_row(
+    tmp_path, name, path, damage, row, expected
+):
     folder = shutil.copytree(FIXTURES / "tasks", tmp_path / "tasks")
     (folder / path).write_text(damage((folder / path).read_text()))
-    with pytest.raises(DataError, match=rf"a {name} file under {folder} is malformed: \w+"):
+    with pytest.raises(
+        DataError, match=rf"a {name} file under {folder} is malformed: \w+"
+    ) as raised:
         load_task(name, folder)
+    assert f"{row} of {folder / path}: expected " in str(raised.value)
+    assert expected in str(raised.value).split(": expected ", 1)[1]
+
+
+# (task, its file, the gold label changed to name no choice, the row named, the label)
+LABELS = [
+    ("piqa", "piqa/valid-labels.lst", lambda text: text.replace("1", "2"), "line 2", "2"),
+    ("arc_easy", "arc/ARC-Easy-Test.jsonl", lambda t: t.replace('Key": "B"', 'Key": "E"'), "line 1",
+     "E"),
+    ("winogrande", "winogrande/winogrande_1.1/dev.jsonl",
+     lambda text: text.replace('"answer": "1"', '"answer": "3"'), "line 1", "3"),
+    ("wsc273", "wsc273/WSCollection.xml", lambda text: text.replace(">B<", ">C<"), "schema 2", "C"),
+    ("mmlu", "mmlu/test/astronomy_test.csv", lambda text: text.replace(",C", ",E"), "row 1", "E"),
+    ("logiqa", "logiqa/Test.txt", lambda text: text.replace("\nc\n", "\ne\n", 1), "line 1", "e"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, path, change, row, label", LABELS)
+def test_a_label_that_names_no_choice_is_refused_not_scored(
+    tmp_path, name, path, change, row, label
+):
+    folder = shutil.copytree(FIXTURES / "tasks", tmp_path / "tasks")
+    (folder / path).write_text(change((folder / path).read_text()))
+    with pytest.raises(DataError, match=f"a {name} file under {folder} is malformed: ") as raised:
+        load_task(name, folder)
+    assert f"{row} of {folder / path}: expected " in str(raised.value)
+    assert f"the label {label!r} is not one of" in str(raised.value)

@@ -111,7 +111,6 @@ def source(f: DataFile) -> str:
 
 
 def missing(groups, root) -> list:
-    """The registry rows of `groups` with nothing at their path under `root`."""
     return [f for f in files(groups) if not (Path(root) / f.path).exists()]
 
 
@@ -223,28 +222,25 @@ def verify(path: Path, f: DataFile, advice: str) -> None:
         )
 
 
-def fetch(url: str, what: str, tmp: Path, bar: bool = True) -> None:
-    """Stream `url` into `tmp`, under a progress bar if `bar`; a DataError says whether to retry."""
+def fetch_verified(f: DataFile, tmp: Path, bar: bool = True) -> None:
+    """Stream `f` from its source into `tmp`, under a progress bar if `bar`, and verify it
+    (converting a Wikipedia source); a DataError says whether to retry."""
+    path, url = f.path, source(f)
     try:
         with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as out:
             length = int(response.headers.get("Content-Length") or 0) or None
             # on stdout, beside the log: stderr holds a failed run's one-line error alone
-            progress = dict(unit="B", unit_scale=True, desc=what, file=sys.stdout, disable=not bar)
+            progress = dict(unit="B", unit_scale=True, desc=path, file=sys.stdout, disable=not bar)
             with tqdm(total=length, **progress) as counter:
                 while block := response.read(1 << 16):
                     counter.update(out.write(block))
             received = out.tell()
     except urllib.error.HTTPError as err:
-        raise DataError(f"{what}: {url} answered HTTP {err.code} ({err.reason})") from None
+        raise DataError(f"{path}: {url} answered HTTP {err.code} ({err.reason})") from None
     except (OSError, http.client.HTTPException, ValueError) as err:  # ValueError: not a URL
         gone = isinstance(getattr(err, "reason", None), FileNotFoundError)  # file:// with no file
         retry = "" if gone else "; run again to retry"
-        raise DataError(f"{what}: fetching {url} failed ({err}){retry}") from None
+        raise DataError(f"{path}: fetching {url} failed ({err}){retry}") from None
     if length and received != length:
-        raise DataError(f"{what}: {url} stopped after {received} of {length} bytes; run again")
-
-
-def fetch_verified(f: DataFile, tmp: Path, bar: bool = True) -> None:
-    """Fetch `f` from its source into `tmp` and verify it (converting a Wikipedia source)."""
-    fetch(source(f), f.path, tmp, bar)
-    verify(tmp, f, f"nothing kept from {source(f)}")
+        raise DataError(f"{path}: {url} stopped after {received} of {length} bytes; run again")
+    verify(tmp, f, f"nothing kept from {url}")

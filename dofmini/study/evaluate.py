@@ -113,9 +113,8 @@ def score_examples(model, tokenizer, examples, what: str = "scoring") -> dict:
     ids = dict(zip(texts, (e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False))))
     scores = score_requests(model, [(ids[c], ids[x]) for c, x in pairs], what=what)
     if all(len(e.continuations) == 1 for e in examples):
-        ll = np.array([s[0] for s in scores])
-        acc = float(np.mean([s[1] for s in scores]))
-        return {"acc": acc, "ppl": float(np.exp(-ll.mean())), "n": len(examples)}
+        ll, greedy = np.array(scores, dtype=float).T  # [2, examples]
+        return {"acc": float(greedy.mean()), "ppl": float(np.exp(-ll.mean())), "n": len(examples)}
     hits, hits_norm, start = [], [], 0
     for e in examples:
         ll = np.array([s[0] for s in scores[start : start + len(e.continuations)]])

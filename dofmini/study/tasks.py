@@ -6,7 +6,7 @@ is one "choice": its continuation."""
 import csv
 import json
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -39,39 +39,64 @@ def _file(data_dir, relative: str) -> Path:
     return path
 
 
-def _jsonl(path: Path) -> list:
-    lines = path.read_text(encoding="utf-8").splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+def _label(value, keys: tuple) -> int:
+    """The gold answer's index among `keys`: a label that names none is refused, not scored."""
+    if value not in keys:
+        raise ValueError(f"the label {value!r} is not one of {', '.join(keys)}")
+    return keys.index(value)
+
+
+def _lines(path: Path) -> list:  # numbered from 1
+    lines = enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
+    return [(number, line) for number, line in lines if line.strip()]
+
+
+def _parse(path: Path, records, build, expected: str, unit: str = "line") -> list:
+    """build(record) of each (number, record) of `records`, read from `path`. A record `build`
+    cannot read is one ValueError naming `path`, the record's `unit` and number, and what was
+    `expected`: a malformed row, or a label that names no choice, is never an example."""
+    examples = []
+    for number, record in records:
+        try:
+            examples.append(build(record))
+        except (ValueError, LookupError, TypeError, AttributeError) as err:
+            raise ValueError(f"{unit} {number} of {path}: expected {expected} ({err!r})") from None
+    return examples
+
+
+def _jsonl(relative: str, build, data_dir) -> list:
+    """build(object) of each line of a JSON-lines file; its docstring says what a line holds."""
+    path = _file(data_dir, relative)
+    return _parse(path, _lines(path), lambda line: build(json.loads(line)), build.__doc__)
+
+
+def _piqa(d: dict) -> Example:
+    """a JSON object with "goal", "sol1" and "sol2" (the labels are in valid-labels.lst)"""
+    return _choices(f"Question: {d['goal']}\nAnswer:", [d["sol1"], d["sol2"]], 0)
 
 
 def load_piqa(data_dir) -> list:
-    docs = _jsonl(_file(data_dir, "piqa/valid.jsonl"))
-    labels = _file(data_dir, "piqa/valid-labels.lst").read_text().split()
-    if len(labels) != len(docs):
-        raise ValueError(f"piqa: {len(docs)} questions but {len(labels)} labels")
-    return [
-        _choices(f"Question: {d['goal']}\nAnswer:", [d["sol1"], d["sol2"]], int(y))
-        for d, y in zip(docs, labels)
-    ]
+    examples = _jsonl("piqa/valid.jsonl", _piqa, data_dir)
+    path = _file(data_dir, "piqa/valid-labels.lst")
+    labels = _parse(path, _lines(path), lambda y: _label(y.strip(), ("0", "1")), "0 or 1")
+    if len(labels) != len(examples):
+        raise ValueError(f"{path}: {len(labels)} labels for {len(examples)} questions")
+    return [replace(example, label=label) for example, label in zip(examples, labels)]
 
 
-def load_arc(subset: str, data_dir) -> list:
-    examples = []
-    for d in _jsonl(_file(data_dir, f"arc/ARC-{subset}-Test.jsonl")):
-        choices = d["question"]["choices"]
-        label = [c["label"] for c in choices].index(d["answerKey"])
-        context = f"Question: {d['question']['stem']}\nAnswer:"
-        examples.append(_choices(context, [c["text"] for c in choices], label))
-    return examples
+def _arc(d: dict) -> Example:
+    """a JSON object with "answerKey" and "question" ("stem", "choices" of "label", "text")"""
+    choices = d["question"]["choices"]
+    label = _label(d["answerKey"], tuple(c["label"] for c in choices))
+    context = f"Question: {d['question']['stem']}\nAnswer:"
+    return _choices(context, [c["text"] for c in choices], label)
 
 
-def load_winogrande(data_dir) -> list:
-    examples = []
-    for d in _jsonl(_file(data_dir, "winogrande/winogrande_1.1/dev.jsonl")):
-        before, after = d["sentence"].split("_", 1)  # the blank each option fills
-        options = [d["option1"], d["option2"]]
-        examples.append(_partial(before, options, after, int(d["answer"]) - 1))
-    return examples
+def _winogrande(d: dict) -> Example:
+    """a JSON object with "answer", "option1", "option2" and "sentence" (one "_" in it)"""
+    before, after = d["sentence"].split("_", 1)  # the blank each option fills
+    label = _label(d["answer"], ("1", "2"))
+    return _partial(before, [d["option1"], d["option2"]], after, label)
 
 
 # WSC273's normalisation, as the harness's: an option standing for one of these pronouns becomes
@@ -80,24 +105,41 @@ POSSESSIVES = ("my", "his", "her", "our", "their")
 LOWERCASED_MID_SENTENCE = ("A", "An", "The", "She", "He", "It", "They", "My", "His", "Her", "Their")
 
 
+def _wsc(schema) -> Example:
+    _clean = lambda s: " ".join((s or "").split())  # noqa: E731
+    text = schema.find("text")
+    left, pron, right = (_clean(text.findtext(t)) for t in ("txt1", "pron", "txt2"))
+    mid_sentence = bool(left) and not left.endswith(".")
+    options = []
+    for answer in schema.find("answers").findall("answer"):
+        option = _clean(answer.text) + ("'s" if pron.lower() in POSSESSIVES else "")
+        first, _, rest = option.partition(" ")
+        if mid_sentence and first in LOWERCASED_MID_SENTENCE:
+            option = " ".join(filter(None, (first.lower(), rest)))
+        options.append(option)
+    label = _label(_clean(schema.findtext("correctAnswer")).rstrip("."), ("A", "B"))
+    return _partial(left + " " if left else "", options, right, label)
+
+
 def load_wsc273(data_dir) -> list:
     """The first 273 schemas, rebuilt as the Hugging Face `winograd_wsc` set."""
-    clean = lambda s: " ".join((s or "").split())  # noqa: E731
-    examples = []
-    for schema in list(ET.parse(_file(data_dir, "wsc273/WSCollection.xml")).getroot())[:273]:
-        text = schema.find("text")
-        left, pron, right = (clean(text.findtext(t)) for t in ("txt1", "pron", "txt2"))
-        mid_sentence = bool(left) and not left.endswith(".")
-        options = []
-        for answer in schema.find("answers").findall("answer"):
-            option = clean(answer.text) + ("'s" if pron.lower() in POSSESSIVES else "")
-            first, _, rest = option.partition(" ")
-            if mid_sentence and first in LOWERCASED_MID_SENTENCE:
-                option = " ".join(filter(None, (first.lower(), rest)))
-            options.append(option)
-        label = int("B" in clean(schema.findtext("correctAnswer")))
-        examples.append(_partial(left + " " if left else "", options, right, label))
-    return examples
+    path = _file(data_dir, "wsc273/WSCollection.xml")
+    try:
+        schemas = list(ET.parse(path).getroot())[:273]
+    except ET.ParseError as err:
+        raise ValueError(f"line {err.position[0]} of {path}: expected XML ({err})") from None
+    expected = "a <schema> of <text> (txt1, pron, txt2), <answers> and <correctAnswer>"
+    return _parse(path, enumerate(schemas, start=1), _wsc, expected, "schema")
+
+
+def _mmlu(subject: str, row: list) -> Example:
+    question, a, b, c, d, answer = row
+    context = (
+        "The following are multiple choice questions (with answers) about "
+        f"{subject.replace('_', ' ')}.\n\n{question.strip()}\n"
+        f"A. {a}\nB. {b}\nC. {c}\nD. {d}\nAnswer:"
+    )
+    return _choices(context, list("ABCD"), _label(answer.strip(), tuple("ABCD")), subject)
 
 
 def load_mmlu(data_dir, per_subject=None, only=None) -> list:
@@ -106,48 +148,47 @@ def load_mmlu(data_dir, per_subject=None, only=None) -> list:
     folder = _file(data_dir, "mmlu/test/abstract_algebra_test.csv").parent
     examples, paths = [], sorted(folder.glob("*_test.csv"))
     for path in [p for p in paths if only is None or p.name in only]:
-        subject = path.name[: -len("_test.csv")]
         with open(path, newline="", encoding="utf-8") as f:
-            rows = list(csv.reader(f))[:per_subject]
-        for question, a, b, c, d, answer in rows:
-            context = (
-                "The following are multiple choice questions (with answers) about "
-                f"{subject.replace('_', ' ')}.\n\n{question.strip()}\n"
-                f"A. {a}\nB. {b}\nC. {c}\nD. {d}\nAnswer:"
-            )
-            examples.append(_choices(context, list("ABCD"), "ABCD".index(answer.strip()), subject))
+            rows = enumerate(list(csv.reader(f))[:per_subject], start=1)
+        build = partial(_mmlu, path.name[: -len("_test.csv")])
+        examples += _parse(path, rows, build, "a question, options A..D and its letter", "row")
     return examples
+
+
+def _logiqa(record: list) -> Example:
+    blank, answer, passage, question, *options = record
+    if blank or len(options) != 4:
+        raise ValueError("not a blank line and 7 lines")
+    norm = lambda s: s.replace(".", ". ").strip()  # noqa: E731
+    options = [norm(o[2:]) for o in options]
+    listed = "".join(f"{letter}. {o}\n" for letter, o in zip("ABCD", options))
+    context = f"Passage: {norm(passage)}\nQuestion: {norm(question)}\nChoices:\n{listed}Answer:"
+    return _choices(context, options, _label(answer.strip(), tuple("abcd")))
 
 
 def load_logiqa(data_dir) -> list:
     """Test.txt: records of 8 lines (blank, answer letter, passage, question, four "X." options),
     normalised like the harness: ". " after every period, the option's "X." prefix dropped."""
-    lines = _file(data_dir, "logiqa/Test.txt").read_text(encoding="utf-8").split("\n")
-    norm = lambda s: s.replace(".", ". ").strip()  # noqa: E731
-    examples = []
-    for i in range(0, len(lines) - 7, 8):
-        answer, passage, question, *options = lines[i + 1 : i + 8]
-        options = [norm(o[2:]) for o in options]
-        listed = "".join(f"{letter}. {o}\n" for letter, o in zip("ABCD", options))
-        context = f"Passage: {norm(passage)}\nQuestion: {norm(question)}\nChoices:\n{listed}Answer:"
-        examples.append(_choices(context, options, "abcd".index(answer.strip())))
-    return examples
+    path = _file(data_dir, "logiqa/Test.txt")
+    lines = path.read_text(encoding="utf-8").split("\n")
+    records = [(i + 1, lines[i : i + 8]) for i in range(0, len(lines) - 1, 8)]
+    return _parse(path, records, _logiqa, "a blank line, a letter a..d and 6 lines of text")
 
 
-def load_lambada(data_dir) -> list:
-    docs = _jsonl(_file(data_dir, "lambada/lambada_openai.jsonl"))
-    return [_choices(d["context"], [d["continuation"]], 0) for d in docs]
+def _lambada(d: dict) -> Example:
+    """a JSON object with "context" and "continuation" (its one "choice")"""
+    return _choices(d["context"], [d["continuation"]], 0)
 
 
 TASKS = {
     "piqa": load_piqa,
-    "arc_easy": partial(load_arc, "Easy"),
-    "arc_challenge": partial(load_arc, "Challenge"),
-    "winogrande": load_winogrande,
+    "arc_easy": partial(_jsonl, "arc/ARC-Easy-Test.jsonl", _arc),
+    "arc_challenge": partial(_jsonl, "arc/ARC-Challenge-Test.jsonl", _arc),
+    "winogrande": partial(_jsonl, "winogrande/winogrande_1.1/dev.jsonl", _winogrande),
     "wsc273": load_wsc273,
     "mmlu": load_mmlu,
     "logiqa": load_logiqa,
-    "lambada": load_lambada,
+    "lambada": partial(_jsonl, "lambada/lambada_openai.jsonl", _lambada),
 }
 
 
@@ -160,8 +201,8 @@ def load_task(name: str, data_dir, limit=None, only=None) -> list:
     per_subject = [limit and -(-limit // 57), only] if name == "mmlu" else []
     try:
         return TASKS[name](data_dir, *per_subject)[:limit]
-    except (ValueError, LookupError, TypeError, ET.ParseError) as err:  # a malformed row
-        raise DataError(f"a {name} file under {data_dir} is malformed: {err!r}") from None
+    except ValueError as err:  # a malformed row, named by _parse
+        raise DataError(f"a {name} file under {data_dir} is malformed: {err}") from None
 
 
 # Examples per task and tokens one example puts through the model (its choices summed; MMLU's four
