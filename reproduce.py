@@ -17,6 +17,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -95,71 +96,72 @@ ENVIRONMENT = """environment:
 
 
 def parse_args(argv) -> RunConfig:
+    """The flags over the profile's fields: each flag's dest is its RunConfig field, and a flag
+    left out is absent (argparse.SUPPRESS), so it never undoes what the profile sets."""
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog=ENVIRONMENT,
         formatter_class=argparse.RawTextHelpFormatter,
+        argument_default=argparse.SUPPRESS,
     )
     p.add_argument("model", help=f"a known name ({', '.join(hub.HUB_REPOS)}) or a folder\n"
                    "holding config.json, model.safetensors, tokenizer.json")  # fmt: skip
     p.add_argument("--profile", choices=PROFILES, default="default",
-                   help="quick: a smoke run; default (the default): one seed, one budget;\n"
+                   help="quick: a smoke run; default: one seed, one budget;\n"
                    "study: seeds 0-2, budgets 16/32/64, Fix, four DoF rules, oracle, sweep;\n"
                    "paper: the paper's sizes, meant for a GPU")  # fmt: skip
-    p.add_argument("--out", help="output folder (default runs/<model>-<profile>)")
+    p.add_argument("--out", type=partial(_arg, "--out", Path), help="default runs/MODEL-PROFILE")
     p.add_argument("--data", type=Path, help="data store (default $DOFMINI_DATA, else the cache)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--variants", help=f"comma-separated, from {', '.join(VARIANTS)}; none: only\n"
-                   "the teacher's evaluation and DoF")  # fmt: skip
-    p.add_argument("--loss", help=f"comma-separated losses for the PRF variants, from "
-                   f"{', '.join(LOSSES)};\nLOSS:B1/B2 runs LOSS at those budgets only")  # fmt: skip
-    p.add_argument("--seeds", help="comma-separated seeds (default 0)")
+    p.add_argument("--device", help="cpu (the default), cuda or cuda:N")
+    p.add_argument("--variants", type=partial(_arg, "--variants", _variants),
+                   help=f"from {', '.join(VARIANTS)};\nnone: only the teacher and DoF")  # fmt: skip
+    p.add_argument("--loss", dest="losses", type=partial(_arg, "--loss", _losses), metavar="LOSS",
+                   help=f"from {', '.join(LOSSES)}; LOSS:B1/B2 at those budgets only")  # fmt: skip
+    p.add_argument("--seeds", type=partial(_arg, "--seeds", _ints), help="e.g. 0,1,2 (default 0)")
     p.add_argument("--seed", type=int, help="one seed (same as --seeds N)")
-    p.add_argument("--budgets", help="comma-separated mean features per layer (default: head size)")
+    p.add_argument("--budgets", type=partial(_arg, "--budgets", _ints), help="mean features/layer")
     p.add_argument("--limit", type=int, help="first N examples per task (0: no tasks)")
     p.add_argument("--lam", type=float, help="DoF λ (default 2^-4 for GPT-2, 2^-8 for Pythia)")
     p.add_argument("--J", type=int, help="queries and keys sampled per head for DoF")
     p.add_argument("--raw-gram", action="store_true", help="DoF from the raw Gram G, not G/J")
     p.add_argument("--sweep", action="store_true", help="also sweep λ and J (sweep.md)")
-    p.add_argument("--plan-only", action="store_true",
-                   help="print the plan (downloads, stages, estimated times) and stop")  # fmt: skip
-    args = p.parse_args(argv)
-    for flag in ("out", "variants", "loss", "seeds", "budgets"):  # '' is not the default
-        if getattr(args, flag) == "":
-            _fail(f"--{flag} '': expected {'a folder' if flag == 'out' else 'a value'}, or no flag")
-    out = Path(args.out) if args.out else None
-    fields = dict(PROFILES[args.profile], model=args.model, profile=args.profile, out=out)
-    fields.update(data=args.data, device=args.device, raw_gram=args.raw_gram)
-    fields["sweep"] = args.sweep or fields.get("sweep", False)  # a profile may ask for the sweep
-    fields.update(plan_only=args.plan_only)
-    if args.variants:
-        fields["variants"] = () if args.variants == "none" else tuple(args.variants.split(","))
-    if args.loss:
-        fields["losses"] = tuple(_loss_spec(part) for part in args.loss.split(","))
-    if args.seeds is not None and args.seed is not None:
-        _fail(f"--seed {args.seed} and --seeds {args.seeds}: give one of them")
-    if args.seeds or args.seed is not None:
-        fields["seeds"] = _ints("--seeds", args.seeds) if args.seeds else (args.seed,)
-    if args.budgets:
-        fields["budgets"] = _ints("--budgets", args.budgets)
-    fields.update({k: v for k in ("limit", "lam", "J") if (v := getattr(args, k)) is not None})
-    return check(RunConfig(**fields))
+    p.add_argument("--plan-only", action="store_true", help="print the plan and stop")
+    given = vars(p.parse_args(argv))
+    if "seed" in given and "seeds" in given:
+        seeds = ",".join(map(str, given["seeds"]))
+        _fail(f"--seed {given['seed']} and --seeds {seeds}: give one of them")
+    if "seed" in given:
+        given["seeds"] = (given.pop("seed"),)
+    return check(RunConfig(**PROFILES[given["profile"]] | given))
 
 
 def _fail(message: str):
     raise SystemExit(f"reproduce.py: error: {message}")
 
 
-def _ints(flag: str, text: str) -> tuple:
+def _arg(flag: str, convert, text: str):
+    """`flag`'s argument `text` converted (argparse's type, partly applied); '' (no value) and
+    integers that do not parse refused in one line."""
+    if text == "":
+        _fail(f"{flag} '': expected {'a folder' if flag == '--out' else 'a value'}, or no flag")
     try:
-        return tuple(int(x) for x in text.split(","))
+        return convert(text)
     except ValueError:
         _fail(f"{flag} {text!r}: expected comma-separated integers")
 
 
-def _loss_spec(text: str):
-    loss, _, budgets = text.partition(":")
-    return loss, (_ints("--loss", budgets.replace("/", ",")) if budgets else None)
+def _ints(text: str, separator: str = ",") -> tuple:
+    return tuple(int(x) for x in text.split(separator))
+
+
+def _variants(text: str) -> tuple:
+    return () if text == "none" else tuple(text.split(","))
+
+
+def _losses(text: str) -> tuple:
+    """LOSS or LOSS:B1/B2 per comma: (loss, its budgets; None: every budget)."""
+    specs = [part.partition(":") for part in text.split(",")]
+    return tuple((loss, _ints(budgets, "/") if budgets else None) for loss, _, budgets in specs)
 
 
 def check(cfg: RunConfig) -> RunConfig:
@@ -191,10 +193,9 @@ def check(cfg: RunConfig) -> RunConfig:
     for budget in cfg.budgets or ():
         if not 1 <= budget <= MAX_FEATURES:
             _fail(f"--budgets {budget}: expected 1..{MAX_FEATURES} features per layer")
-    index = cfg.device.removeprefix("cuda:")
-    available = cfg.device == "cpu" or (cfg.device == "cuda" and torch.cuda.is_available())
-    if not available and not (index.isdigit() and int(index) < torch.cuda.device_count()):
-        seen = f"torch sees {torch.cuda.device_count()} CUDA device(s)"
+    count = torch.cuda.device_count()
+    if cfg.device not in {"cpu", *["cuda"] * bool(count), *(f"cuda:{i}" for i in range(count))}:
+        seen = f"torch sees {count} CUDA device(s)"
         _fail(f"--device {cfg.device} is not available here ({seen}); expected cpu, cuda, cuda:N")
     try:
         hub.locate(cfg.model)
@@ -217,7 +218,8 @@ def main(argv=None):
 
 
 def _main(cfg: RunConfig):
-    groups = data_groups(cfg)
+    tasks = [] if cfg.limit == 0 else list(evaluate.TASKS)
+    groups = ["wikitext2", "corpus", "heldout", *tasks]
     needed = {stages.CALIBRATION, *evaluate.PPL_TEXTS.values()}
     if unlisted := needed - {f.path for f in data.files(groups)}:
         _fail(f"the data registry has no row for {', '.join(sorted(unlisted))}; the run reads it")
@@ -250,11 +252,6 @@ def _main(cfg: RunConfig):
     show_generation(run, students)
 
 
-def data_groups(cfg: RunConfig) -> list:
-    tasks = [] if cfg.limit == 0 else list(evaluate.TASKS)
-    return ["wikitext2", "corpus", "heldout", *tasks]
-
-
 def load_teacher(cfg: RunConfig, hashes: dict) -> stages.Run:
     teacher = hub.load(cfg.model).to(cfg.device)
     tokenizer = hub.load_tokenizer(cfg.model)
@@ -272,8 +269,8 @@ def load_teacher(cfg: RunConfig, hashes: dict) -> stages.Run:
             _fail(f"{flag} {J} is more than the {pool} queries and keys per head that "
                   f"{cfg.calib_windows} calibration windows of {ctx} tokens give")  # fmt: skip
     tokenizer_hash = sha256_file(hub.locate(cfg.model) / "tokenizer.json")[:16]
-    inputs = dict(teacher=teacher.identity, tokenizer=tokenizer_hash, **hashes)
-    inputs["device"] = runs.device_name(teacher)
+    device = runs.device_name(teacher)
+    inputs = dict(teacher=teacher.identity, tokenizer=tokenizer_hash, device=device, **hashes)
     log(f"dofmini: {model_cfg.name} ({model_cfg.family}, {model_cfg.n_layer} layers x "
         f"{model_cfg.n_head} heads of {model_cfg.head_dim}), profile {cfg.profile}, ctx {ctx}, "
         f"seeds {list(cfg.seeds)}, budgets {list(budgets)}, out {cfg.out}")  # fmt: skip
@@ -302,8 +299,7 @@ def plan_run(run: stages.Run):
     done, e2e_left = done_stages(run)
     estimates = [("teacher evaluation", sizes["evaluation"] * costs["forward"])]
     estimates.append(("DoF estimate", cfg.calib_windows * costs["forward"] + costs["dof"]))
-    if cfg.sweep:  # one pass over the calibration text, then a DoF per Gram, λ and J: on 2 CPU
-        # cores one took 4.8× as long at J = 2048 as at 1024, nearer J² than the Cholesky's J³
+    if cfg.sweep:  # a calibration pass, then a DoF per Gram, λ and J: nearer J² than J³ in time
         grams = 2 * len(cfg.sweep_lams) * sum((J / cfg.J) ** 2 for J in cfg.sweep_Js)
         estimates.append(("DoF sweep", cfg.calib_windows * costs["forward"] + grams * costs["dof"]))
     e2e = cfg.e2e_windows * costs["forward"]  # a teacher and a student pass, or a swapped one
@@ -311,7 +307,7 @@ def plan_run(run: stages.Run):
         swaps = len(stages.curve_specs(run)) * (run.teacher.config.n_layer + 1)
         estimates.append((endtoend.SWAP_STAGE, swaps * e2e))
     for variant, loss, budget, seed in stages.student_keys(run):
-        step = 0 if variant == "performer" else costs["direct" if loss == "direct" else loss]
+        step = 0 if variant == "performer" else costs[loss]
         seconds = sizes["train_windows"] * step + sizes["error_windows"] * costs["softmax"]
         name = stages.Student(variant, loss, budget, seed, ()).name
         estimates.append((name, seconds + estimates[0][1] + 2 * e2e))
@@ -324,27 +320,24 @@ def done_stages(run: stages.Run) -> set:
     """The plan names of the stages already saved with this run's keys, and of the students among
     them whose end-to-end KL is still to do. A student's key needs its dims: DoF's come from a
     saved allocation, the oracle's from the saved curves."""
-    cfg = run.cfg
-    saved = {name: runs.saved(*files) for name, files in stages.stage_files(run).items()}
-    found = {
-        name for name, result in saved.items() if result and (cfg.sweep or name != "DoF sweep")
-    }
+    cfg, files = run.cfg, stages.stage_files(run)
+    saved = {name: runs.saved(*files[name]) for name in files if cfg.sweep or name != "DoF sweep"}
+    found = {name for name, result in saved.items() if result}
     errors, curves, e2e_left = {}, None, set()
     for spec in stages.curve_specs(run) if set(stages.ORACLES) & set(cfg.variants) else ():
         found_m = runs.saved(*stages.student_file(run, spec, curve=True))
         errors.setdefault(str(spec.seed), []).append(found_m)
+        if found_m and spec.budget not in run.budgets:  # a student of the curves only
+            found.add(spec.name)
     if errors and all(None not in by_m for by_m in errors.values()):
         curves = oracle.curves_record(errors, cfg.curve_dims, run.budgets, 0.0)
     swaps = [runs.saved(*endtoend.stage_file(run, s, swap=True)) for s in stages.curve_specs(run)]
     if "oracle_e2e" in cfg.variants and None not in swaps:
         found.add(endtoend.SWAP_STAGE)
-    for variant, loss, budget, seed in stages.student_keys(run):
-        dims = stages.dims_of(run, variant, budget, saved["DoF estimate"], curves)
-        spec = stages.Student(variant, loss, budget, seed, dims)
-        curve_only = variant == "fix" and budget not in run.budgets  # a student of the curves
-        if dims and runs.saved(*stages.student_file(run, spec, curve_only)):
+    for spec in stages.specs(run, saved["DoF estimate"], curves):
+        if spec.dims and runs.saved(*stages.student_file(run, spec)):
             found.add(spec.name)
-            if not curve_only and runs.saved(*endtoend.stage_file(run, spec)) is None:
+            if runs.saved(*endtoend.stage_file(run, spec)) is None:
                 e2e_left.add(spec.name)
     return found, e2e_left
 
@@ -354,18 +347,17 @@ def collect(run: stages.Run, teacher_result, allocation, sweep_rows, curves, stu
     config = {k: v for k, v in dataclasses.asdict(run.cfg).items() if k not in ("out", "data")}
     config.update(ctx=run.ctx, lam=run.lam, budgets=list(run.budgets))
     trainings = [s["train_seconds"] for s in students.values() if "same_training_as" not in s]
-    stages = teacher_result["eval_seconds"] + allocation["seconds"] + sum(trainings)
-    stages += sum(s["eval_seconds"] for s in students.values())
-    stages += curves["curve_only_train_seconds"] if curves else 0.0
+    seconds = teacher_result["eval_seconds"] + allocation["seconds"] + sum(trainings)
+    seconds += sum(s["eval_seconds"] for s in students.values())
+    seconds += curves["curve_only_train_seconds"] if curves else 0.0
     model_cfg = run.teacher.config
-    teacher = {"name": model_cfg.name, "identity": run.teacher.identity, **teacher_result}
-    teacher["e2e_kl"] = 0.0  # KL(teacher ‖ teacher)
-    teacher.update(head_dim=model_cfg.head_dim, n_layer=model_cfg.n_layer)
+    teacher = dict(teacher_result, name=model_cfg.name, identity=run.teacher.identity)
+    teacher.update(head_dim=model_cfg.head_dim, n_layer=model_cfg.n_layer, e2e_kl=0.0)
     found = dict(teacher=teacher, dof=allocation, sweep=sweep_rows, curves=curves)
     found.update(students=students, config=config, inputs=run.inputs)
     found["e2e"] = compare.e2e_summary(compare.groups(students))  # the metric to choose by
     # a resumed run skips finished stages, so its own wall time says little
-    timings = {"stages_seconds": stages, "this_invocation_seconds": time.time() - run.clock.t0}
+    timings = {"stages_seconds": seconds, "this_invocation_seconds": time.time() - run.clock.t0}
     return dict(found, provenance=runs.provenance(run.teacher), timings=timings)
 
 

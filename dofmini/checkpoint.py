@@ -97,9 +97,8 @@ def read_config(folder) -> Config:
         read_field(hf, file, key, (implemented, lambda v, only=only: v == only, repr), None)
     column = 1 if family == "gpt2" else 3  # of FIELDS' rows: this family's key; next, its default
     keys = {field: row[column] for field, row in FIELDS.items()}
-    values = {
-        f: read_field(hf, file, keys[f], row[0], row[column + 1]) for f, row in FIELDS.items()
-    }
+    defaults = {field: row[column + 1] for field, row in FIELDS.items()}
+    values = {f: read_field(hf, file, keys[f], row[0], defaults[f]) for f, row in FIELDS.items()}
     n_head, d_model = values["n_head"], values["d_model"]
     if d_model % n_head:
         split = f"{keys['d_model']!r} = {d_model} is not divisible by {keys['n_head']!r} = {n_head}"
@@ -163,13 +162,10 @@ def stored_names(stored, file: Path, cfg: Config) -> dict:
     neox = cfg.family == "neox"
     layers = 1 + max((int(m[1]) for n in stored.keys() if (m := LAYER.match(n))), default=-1)
     if layers != cfg.n_layer:
-        key = FIELDS["n_layer"][3 if neox else 1]
-        raise CheckpointError(
-            f"{file} holds {layers} layers; config.json's {key!r} says {cfg.n_layer}"
-        )
+        says = f"config.json's {FIELDS['n_layer'][3 if neox else 1]!r} says {cfg.n_layer}"
+        raise CheckpointError(f"{file} holds {layers} layers; {says}")
     with torch.device("meta"):  # nothing allocated; a tied head is wte, listed once
         params = dict(Model(cfg).named_parameters())
-    # NeoX stores Linear weights [out, in]
     theirs = {o: list((p.T if neox and o.endswith("_w") else p).shape) for o, p in params.items()}
     ours_of = {hf_name(ours, neox): ours for ours in params}
     # other spellings: transformers saves GPT-2 under "transformer." (the hub's gpt2 has none)

@@ -56,9 +56,8 @@ def resolve(path_or_name) -> Path:
     advice = f"Download each file by hand and put it at its path:{by_hand(needed)}"
     # the hub client retries for about 30 s when offline; a quick connect tells us first
     if down := unreachable([url for url, _ in needed]):
-        raise CheckpointError(
-            f"{name!r} is not in {folder} and the hub is unreachable ({', '.join(down)}). {advice}"
-        )
+        offline = f"the hub is unreachable ({', '.join(down)})"
+        raise CheckpointError(f"{name!r} is not in {folder} and {offline}. {advice}")
     folder.parent.mkdir(parents=True, exist_ok=True)
     try:
         # a file enters the folder only by a rename once whole: huggingface_hub writes in place
@@ -105,22 +104,18 @@ def load_tokenizer(path_or_name):
     try:
         tokenizer = Tokenizer.from_file(str(file))
     except Exception as err:  # tokenizers raises a bare Exception for any file it cannot read
-        raise CheckpointError(
-            f"{file} is not a valid tokenizer.json ({err}); expected the file saved by the "
-            "`tokenizers` package"
-        ) from None
+        expected = "expected the file saved by the `tokenizers` package"
+        raise CheckpointError(f"{file} is not a valid tokenizer.json ({err}); {expected}") from None
     largest = max(tokenizer.get_vocab(with_added_tokens=True).values())
     if largest >= cfg.vocab_size:
-        raise CheckpointError(
-            f"{file} has token ids up to {largest}, but {config} has vocab_size {cfg.vocab_size}; "
-            "expected every id below it (the tokenizer of this checkpoint)"
-        )
+        vocab = f"{config} has vocab_size {cfg.vocab_size}"
+        expected = "expected every id below it (the tokenizer of this checkpoint)"
+        raise CheckpointError(f"{file} has token ids up to {largest}, but {vocab}; {expected}")
     special = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
     for key in ("bos_token_id", "eos_token_id"):
         if getattr(cfg, key) not in (None, *special):
             listed = ", ".join(f"{t} = {i}" for i, t in special.items()) or "none"
-            raise CheckpointError(
-                f"{config} has {key} {getattr(cfg, key)}, but the special tokens of {file} are "
-                f"{listed}; expected the tokenizer of this checkpoint"
-            )
+            has = f"{config} has {key} {getattr(cfg, key)}"
+            theirs = f"the special tokens of {file} are {listed}"
+            raise CheckpointError(f"{has}, but {theirs}; expected the tokenizer of this checkpoint")
     return tokenizer
