@@ -20,6 +20,8 @@ decoding steps). One run prints:
   /proc/self/clear_refs) in a fresh subprocess with glibc told to map every allocation over 64 KiB
   on its own (MALLOC_MMAP_THRESHOLD_), so freed tensors go back at once and a reused heap cannot
   hide a peak (not for timing: every allocation then faults in fresh pages).
+- acceptance (issue 33): the largest log/plain over T per pass on the device's default way (CPU
+  parts, a GPU whole), time per token at the longest T over the shortest per way, log decoding.
 --cpu-time times by process CPU time, which on a busy shared machine leaves out the time other
 processes hold the cores (fair with --threads 1, the default).
 """
