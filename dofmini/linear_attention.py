@@ -45,35 +45,37 @@ def chunk_states(S, kv, A=None):
     return before, after[:, :, 0]
 
 
-def scan_chunks(X, A):
-    """P_n = Σ_{n'≤n} exp(A_n − A_n') X_n' along dim −3, A non-increasing, each factor ≤ 1
-    formed directly. Pairs merge, the half-length scan gives every second P: O(N) work."""
+def scan_chunks(X, A, block=32):
+    """P_n = Σ_{n'≤n} exp(A_n − A_n') X_n' along dim −3, A non-increasing: P_n = X_n +
+    exp(A_n − A_n−1) P_n−1, each factor ≤ 1 formed directly. Past `block` chunks: blocks
+    side by side (the last chunk repeated), then their ends: ~2√N steps."""
     N = X.shape[-3]
-    if N == 1:
-        return X
-    if N % 2:  # the first chunk reaches each later one through exp(A − A_0)
-        x, X = X.split([1, N - 1], -3)  # [..., 1 | N − 1, M, E]
-        a, A = A.split([1, N - 1], -3)
-        return torch.cat([x, scan_chunks(X, A) + torch.exp(A - a) * x], -3)
-    x0, x1 = X.unflatten(-3, (N // 2, 2)).unbind(-3)  # [..., N/2, M, E]
-    a0, a1 = A.unflatten(-3, (N // 2, 2)).unbind(-3)
-    odd = scan_chunks(x1 + torch.exp(a1 - a0) * x0, a1)  # P at chunks 1, 3, ...
-    decay = torch.exp(a0[..., 1:, :, :] - a1[..., :-1, :, :])
-    later = x0[..., 1:, :, :] + decay * odd[..., :-1, :, :]  # P at 2, 4, ...
-    even = torch.cat([x0[..., :1, :, :], later], -3)
-    return torch.stack([even, odd], -3).flatten(-4, -3)
+    if N > block:
+        held = torch.arange(-(-N // block) * block, device=X.device).clamp_max(N - 1)
+        X, A = (x.index_select(-3, held).unflatten(-3, (-1, block)) for x in (X, A))
+        P = scan_chunks(X, A)  # [..., N/b, b, M, E]
+        ends = scan_chunks(P[..., -1, :, :], A[..., -1, :, :])  # [..., N/b, M, E]
+        first, P = P.split([1, P.shape[-4] - 1], -4)
+        decay = torch.exp(A[..., 1:, :, :, :] - A[..., :-1, -1:, :, :])  # [.., b, ·, 1]
+        P = torch.cat([first, P + decay * ends[..., :-1, None, :, :]], -4)
+        return P.flatten(-4, -3)[..., :N, :, :]
+    decays = torch.exp(A[..., 1:, :, :] - A[..., :-1, :, :])  # [..., N−1, ·, 1]
+    P = [X[..., 0, :, :]]  # [..., M, E] each
+    for x, decay in zip(X.unbind(-3)[1:], decays.unbind(-3)):
+        P.append(x + decay * P[-1])
+    return torch.stack(P, -3)
 
 
-# Keys rise ≤ e^40 over `start`: L×L sums ≤ L·M·e^40 < 3e38; a row's terms ≥ e^−47 keep e^−87
+# Keys ≤ e^40 over `start`: L×L sums ≤ L·M·e^40 < 3e38; a row's terms ≥ e^−47 keep e^−87
 RISE = 40.0
 
 
 def log_chunks(q, k, v, S, c):
-    """The same four steps relative to running maxima, on log-features (PRF features leave
-    fp32 once ‖k‖ ≳ 5√d), S relative to c [B, H, M, 1]. Guarantee: no feature underflows at
-    any norm; each row's largest term is 1 (≤ e^RISE, else the row is exact); shifts only look
-    back and cancel in the normalised output. Steps 1-2 run relative to the keys' running
-    maximum (`refs`), 3-4 to `start`, that raised to the chunk's first key."""
+    """The four steps relative to running maxima, on log-features (PRF features leave fp32
+    once ‖k‖ ≳ 5√d), S relative to c [B, H, M, 1]. No feature underflows at any norm; each
+    row's largest term is 1 (≤ e^RISE, else the row is exact); shifts only look back and
+    cancel in the normalised output. Steps 1-2 run against the keys' running maximum
+    (`refs`), 3-4 against `start`, that raised to the chunk's first key."""
     key = k.detach()
     top = key.amax(3, keepdim=True)  # [B, H, N, 1, M] each chunk's largest
     refs = torch.cat([c.mT[:, :, None], top], 2).cummax(2).values
@@ -92,12 +94,10 @@ def log_chunks(q, k, v, S, c):
 
 
 def _exact_rows(q, k, v, inter, t, y, start, risen):
-    """y, rows from a risen key on exact, in the chunks that `_reads_back` picks."""
+    """y, rows from a risen key on exact, in the chunks `_reads_back` picks."""
     need = risen.flatten()  # [B·H·N]
-    every = torch.arange(len(need), device=need.device)
-    i = need.nonzero()[:, 0] if _reads_back(q) else every
-    x = [x.flatten(0, 2)[i] for x in (q, k, v, inter, t, y, start)]
-    q, k, v, inter, t, fast, start = x  # [n, L, ·]
+    i = need.nonzero()[:, 0] if _reads_back(q) else torch.arange(len(need), device=q.device)
+    q, k, v, inter, t, fast, start = (x.flatten(0, 2)[i] for x in (q, k, v, inter, t, y, start))
     rows = (k.detach() - start).amax(-1, keepdim=True)  # [n, L, 1]
     rows = rows.cummax(1).values > RISE  # from a risen key on
     exact, _ = _merge(*_log_intra(q, k, v), inter, t)
@@ -127,11 +127,11 @@ def _log_intra(log_q, log_k, v):
         a, t = unit_features(log_q + log_k)  # [..., 1, M], [..., 1, 1]
         return a.sum(-1, keepdim=True) * v, t
     if L % 2:
-        pad = [torch.cat([x, torch.zeros_like(x[..., :1, :])], -2) for x in (log_q, log_k, v)]
+        pad = [nn.functional.pad(x, (0, 0, 0, 1)) for x in (log_q, log_k, v)]
         return tuple(x[..., :L, :] for x in _log_intra(*pad))
     halves = [x.unflatten(-2, (2, L // 2)) for x in (log_q, log_k, v)]  # [..., 2, L/2, ·]
     y, t = _log_intra(*halves)  # [..., 2, L/2, E], [..., 2, L/2, 1]
-    # unbind, not indexing: its backward is one stack, an index's a zero-filled copy
+    # unbind: its backward is a stack (an index's: a zero-filled copy)
     (_, second_q), (first_k, _), (first_v, _) = (x.unbind(-3) for x in halves)
     r = first_k.detach().amax(-2, keepdim=True)  # [..., 1, M]
     a, u = unit_features(second_q + r)  # [..., L/2, M], [..., L/2, 1]
@@ -142,13 +142,14 @@ def _log_intra(log_q, log_k, v):
     return torch.cat([y1, y2], -2), torch.cat([t1, t2], -2)
 
 
-SEGMENT = 1024  # tokens per part on the host: cache-sized temporaries
+# Tokens per part, by device: cache-sized on CPU; a GPU takes one part
+SEGMENT = {"cpu": 1024}
 
 
 def _reads_back(x) -> bool:
-    """The one device choice. CPU: reading back is free, so parts of SEGMENT tokens, exact rows
-    where needed. A device: it stalls the queue, so one part, both paths (torch.where)."""
-    return x.is_cpu
+    """The one device rule: a flag (a key rose?) comes back, exact rows run only where
+    needed; on meta (no values) both run (torch.where)."""
+    return not x.is_meta
 
 
 @dataclass
@@ -166,7 +167,7 @@ def causal_linear_attention(
 ) -> torch.Tensor:
     """[B, H, T, M] x2, [B, H, T, dv] -> [B, H, T, dv] in v's dtype: one token a
     `recurrent_step`, more `chunked_attention` (`log_chunks` with log_space; or `form`) on the
-    whole chunks, part by part (`_reads_back`), then on the rest as one chunk."""
+    whole chunks, part by part (`SEGMENT`), then on the rest as one chunk."""
     fits = phi_q.dim() == 4 == v.dim() and phi_q.shape == phi_k.shape
     if not fits or v.shape[:3] != phi_q.shape[:3] or phi_q.shape[2] == 0 or chunk < 1:
         shapes = [tuple(x.shape) for x in (phi_q, phi_k, v)]
@@ -177,11 +178,10 @@ def causal_linear_attention(
     f = torch.promote_types(torch.promote_types(phi_q.dtype, v.dtype), torch.float32)
     B, H, T, M = phi_q.shape
     E = v.shape[-1] + normalize
-    S = None if state is None else state.S
-    c = None if state is None else state.c
+    S, c = (None, None) if state is None else (state.S, state.c)
     if S is None:
         S = v.new_zeros(B, H, M, E, dtype=f)
-        # the lowest finite value, not −inf: an empty state weighs exp(−huge) = 0, never NaN
+        # the lowest finite value, not −inf: an empty state weighs exp(−huge) = 0, not NaN
         c = v.new_full((B, H, M, 1), torch.finfo(f).min, dtype=f) if log_space else None
     got = (tuple(S.shape), None if c is None else tuple(c.shape))
     if got != ((B, H, M, E), (B, H, M, 1) if log_space else None):
@@ -196,7 +196,7 @@ def causal_linear_attention(
     else:
         form = form or (log_chunks if log_space else chunked_attention)
         whole = T - T % chunk
-        step = max(SEGMENT // chunk, 1) * chunk if _reads_back(q) else max(whole, 1)
+        step = max(SEGMENT.get(q.device.type, T) // chunk, 1) * chunk
         sizes = [min(step, whole - lo) for lo in range(0, whole, step)]
         sizes += [T % chunk] if T % chunk else []  # the rest, one shorter chunk
         ys = []

@@ -20,6 +20,8 @@ decoding steps). One run prints:
   /proc/self/clear_refs) in a fresh subprocess with glibc told to map every allocation over 64 KiB
   on its own (MALLOC_MMAP_THRESHOLD_), so freed tensors go back at once and a reused heap cannot
   hide a peak (not for timing: every allocation then faults in fresh pages).
+- acceptance (issue 33): the largest log/plain over T per pass on the device's default way (CPU
+  parts, a GPU whole), time per token at the longest T over the shortest per way, log decoding.
 --cpu-time times by process CPU time, which on a busy shared machine leaves out the time other
 processes hold the cores (fair with --threads 1, the default).
 """
@@ -41,16 +43,16 @@ H, D, CHUNK = 12, 64, 64
 FORMS = ("plain", "log")
 
 
-def load(path, name, way):
+def load(path, name, way=None):
     """linear_attention.py at path as a fresh module, set to run `way`: whole (one part on any
-    device) or parts (SEGMENT tokens at a time on any device)."""
+    device), parts (SEGMENT tokens at a time on any device) or None (its own device rule)."""
     spec = importlib.util.spec_from_file_location(f"{name}_{way}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if way == "whole":
-        module.SEGMENT = 1 << 40
-    elif hasattr(module, "_reads_back"):  # versions before it decide parts by device alone
-        module._reads_back = lambda x: True
+        module.SEGMENT = {}
+    elif way == "parts":
+        module.SEGMENT = dict.fromkeys(("cpu", "cuda"), module.SEGMENT["cpu"])
     return module
 
 
@@ -158,6 +160,27 @@ def decoding(module, rounds, steps, device, clock, prefill=256):
     print(f"\n## decoding (T = 1 from a state of {prefill} tokens, H = {H}, M = {D}): µs/token "
           f"plain {best['plain']:.0f}, log {best['log']:.0f}, "
           f"log/plain {best['log'] / best['plain']:.2f}")  # fmt: skip
+    return best
+
+
+def acceptance(best, lengths, default, decode):
+    """Issue 33's figures in one place: the largest log/plain over T per pass (default way), the
+    growth of time per token from the shortest T to the longest per way, log decoding."""
+    print(f"\n## acceptance (log/plain on the {default} way; growth: ms per 1K tokens at "
+          f"T = {lengths[-1]} over T = {lengths[0]})")  # fmt: skip
+    short, long = lengths[0], lengths[-1]
+    for what in ("fwd", "fwd+bwd"):
+        ms = {(T, f): best[T, what, default, f] for T in lengths for f in FORMS}
+        ratio = {T: ms[T, "log"] / ms[T, "plain"] for T in lengths}
+        worst = max(ratio, key=ratio.get)
+        print(f"- log/plain {what}: at most {ratio[worst]:.2f} (T = {worst})")
+    for what in ("fwd", "fwd+bwd"):
+        for way in ("whole", "parts"):
+            growth = [best[long, what, way, f] / best[short, what, way, f] for f in FORMS]
+            growth = " / ".join(f"{g * short / long:.2f}" for g in growth)
+            print(f"- growth {what} {way}, plain / log: {growth}")
+    ratio = decode["log"] / decode["plain"]
+    print(f"- decoding, log: {decode['log']:.0f} µs per token, {ratio:.2f} x the plain step")
 
 
 def rss_kb(field):
@@ -228,15 +251,14 @@ def main():
           f"B=1 H={H} d=M={D} fp32, chunk {CHUNK}")  # fmt: skip
     modules = {way: load(path, "new", way) for way in ("whole", "parts")}
     if a.old:
-        spec = importlib.util.spec_from_file_location("old", old_path(a.old))
-        modules["old"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(modules["old"])
+        modules["old"] = load(old_path(a.old), "old")
     default = "parts" if a.device == "cpu" else "whole"
     clock = Clock(a.device, a.cpu_time)
     best = training(modules, lengths, rounds, a.device, clock)
     training_tables(best, lengths, list(modules), default)
-    decoding(modules[default], rounds, 50 if a.quick else 200, a.device, clock)
+    decode = decoding(modules[default], rounds, 50 if a.quick else 200, a.device, clock)
     memory_table(lengths, a)
+    acceptance(best, lengths, default, decode)
 
 
 if __name__ == "__main__":
