@@ -1,8 +1,5 @@
-"""dofmini: softmax attention distilled into positive-random-feature linear attention.
-
-Per-layer feature dimensions are chosen from the degrees of freedom of each layer's attention
-kernel (arXiv 2507.03340).
-"""
+"""dofmini: softmax attention distilled into positive-random-feature linear attention, each
+layer's feature dimension chosen from the degrees of freedom of its kernel (arXiv 2507.03340)."""
 
 from .checkpoint import CheckpointError
 from .generate import generate

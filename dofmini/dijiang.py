@@ -14,11 +14,10 @@ from .linear_attention import CausalMixer, chunk_states
 
 
 def decayed_chunks(q, k, v, S, c, log_g):
-    """linear_attention.chunked_attention with every term weighed by γ^(t−s), γ per head (log_g =
-    log γ [H, 1, 1]): the state decays by γ per token (the released code is quadratic). A chunk's
-    keys weigh γ^(L−1−j) (their age at its end), the states before the chunks shrink by γ^L per
-    chunk (a scan), a token reads the state before its chunk with γ^(i+1) (i its place in it), the
-    L×L product takes γ^(i−j): each a power of γ ≤ 1 computed directly, never a ratio."""
+    """chunked_attention with each term weighed by γ^(t−s) (log_g = log γ [H, 1, 1]; the released
+    code is quadratic). Keys weigh γ^(L−1−j) (their age at the chunk's end), states shrink by γ^L
+    per chunk (a scan), token i reads the state before its chunk with γ^(i+1), the L×L product
+    takes γ^(i−j): each a power of γ ≤ 1 computed directly, never a ratio."""
     (_, H, N, L, _), log_g = q.shape, log_g.to(q.dtype)
     if log_g.shape != (H, 1, 1):
         raise ValueError(f"decay must be [H={H}]; got shape {tuple(log_g.shape[:1])}")
@@ -33,8 +32,7 @@ def decayed_chunks(q, k, v, S, c, log_g):
 
 
 def decay_form(decay: torch.Tensor):
-    """causal_linear_attention's `form` for a given decay γ [H] in (0, 1], checked here, once (every
-    value is read back to the host)."""
+    """causal_linear_attention's `form` for decay γ [H] in (0, 1], checked once (a host read)."""
     if decay.dim() != 1 or not bool(((decay > 0) & (decay <= 1)).all()):
         got = f"shape {tuple(decay.shape)}, range [{decay.min().item()}, {decay.max().item()}]"
         raise ValueError(f"decay must be [H] with values in (0, 1]; got {got}")
@@ -56,10 +54,8 @@ def dijiang_projection(d: int, gen: torch.Generator) -> torch.Tensor:
 
 
 class DiJiangAttention(CausalMixer):
-    """Drop-in for a teacher attention layer, as LinearAttention: teacher q, k, v and output
-    projection frozen; trainable decay_logit [H] (γ = sigmoid: in (0, 1)), norm (GroupNorm, one
-    group per head), gate [D, D] (W_G = gate / √D). No PRF `features`, so no per-layer output
-    error: the gate needs the block input, not only q, k, v."""
+    """Drop-in for a teacher attention layer, as LinearAttention; trains decay_logit [H] (γ =
+    sigmoid), norm and gate. No PRF `features`, so no per-layer error: the gate reads x too."""
 
     def __init__(self, base: nn.Module, seed: int, chunk: int = 64):
         super().__init__()
@@ -69,8 +65,7 @@ class DiJiangAttention(CausalMixer):
         self.register_buffer("proj", dijiang_projection(d, gen).float())  # [d, d]
         ends = math.log(1 / 32), math.log(1 / 512)
         log_1mg = torch.linspace(*ends, H, dtype=torch.float64)  # [H] log(1 − γ)
-        logit = torch.log1p(-log_1mg.exp()) - log_1mg  # [H] logit γ
-        self.decay_logit = nn.Parameter(logit.float())  # [H]
+        self.decay_logit = nn.Parameter((torch.log1p(-log_1mg.exp()) - log_1mg).float())  # logit γ
         self.norm = nn.GroupNorm(H, H * d)
         # W_G = gate / √D: an Adam step of ~lr per entry moves x W_G by ~lr·√D, not lr·D. Init: the
         # released code's Xavier-uniform W_G with gain 2^−2.5, i.e. bound 2^−2.5·√(6/2D)·√D on gate.
@@ -95,10 +90,3 @@ class DiJiangAttention(CausalMixer):
         o = F.group_norm(flat, H, norm.weight.to(f), norm.bias.to(f), norm.eps)  # each head alone
         o = F.silu(x.to(f) @ self.gate.to(f) / math.sqrt(H * d)) * o.view(B, T, H * d)  # [B, T, D]
         return o.view(B, T, H, d).transpose(1, 2).to(x.dtype)  # [B, H, T, d]
-
-
-def to_dijiang(model: nn.Module, seed: int) -> nn.Module:
-    """Swap every model.blocks[i].attn for DiJiangAttention (seed + i), in place, on its device."""
-    for i, block in enumerate(model.blocks):
-        block.attn = DiJiangAttention(block.attn, seed + i)
-    return model

@@ -39,10 +39,9 @@ class TrainSettings:
         low = {"steps": 1, "batch": 1, "ctx": 2, "chunk": 1, "save_every": 1, "log_every": 1}
         bad = [f"{n}={v}" for n, m in low.items() if (v := getattr(self, n)) is not None and v < m]
         if bad or self.dtype not in DTYPES:
-            raise ValueError(
-                f"TrainSettings: need ctx >= 2, the other counts >= 1, dtype in {list(DTYPES)}; "
-                f"got {', '.join(bad)} dtype={self.dtype!r}"
-            )
+            need = f"ctx >= 2, the other counts >= 1, dtype in {list(DTYPES)}"
+            got = f"{', '.join(bad)} dtype={self.dtype!r}"
+            raise ValueError(f"TrainSettings: need {need}; got {got}")
 
     def record(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if not k.endswith("_every")}
@@ -106,8 +105,7 @@ def layer_pass(features, q, k, v, want: set, chunk: int, train: bool = False, dt
 
 @dataclasses.dataclass
 class TrainState:
-    """Where a training stands, for a harness that saves and resumes it: the tensors trained,
-    Adam, the data order's generator, steps done, the loss curve [[step, mean loss]], seconds."""
+    """A training's state, for a harness that saves and resumes it; curve: [[step, mean loss]]."""
 
     params: dict
     opt: torch.optim.Adam
@@ -118,11 +116,10 @@ class TrainState:
 
 
 def fit(student, step_fn, token_ids, what, s, log=print, resume=None, on_step=None):
-    """distill's and train_direct's loop: Adam over the student's trainable tensors (`*.a` at
-    s.lr_a, the rest at s.lr) on batches of windows drawn with s.data_seed; step_fn(ids)
-    back-propagates and returns per-layer losses (a non-finite one stops training). resume(state)
-    may restore a saved TrainState before the first step, on_step(state) sees it after each.
-    Returns the record {"train_seconds", "loss_curve"}, seconds before a resume included."""
+    """distill's and train_direct's loop: Adam over the trainable tensors (`*.a` at s.lr_a, the rest
+    at s.lr) on windows drawn with s.data_seed; step_fn(ids) back-propagates and returns per-layer
+    losses (a non-finite one stops training). resume(state) may restore a saved TrainState first,
+    on_step(state) sees it after each step. Returns {"train_seconds" (all runs), "loss_curve"}."""
     if s.ctx > (n_ctx := student.config.n_ctx):
         raise ValueError(f"{what}: need ctx <= {n_ctx}; got ctx={s.ctx}")
     token_ids = student.token_ids(token_ids, s.ctx, what)
@@ -139,8 +136,7 @@ def fit(student, step_fn, token_ids, what, s, log=print, resume=None, on_step=No
     every = s.log_every or max(1, s.steps // 10)
     device = next(student.parameters()).device
     for done in range(start + 1, s.steps + 1):
-        last = len(token_ids) - s.ctx + 1
-        first = torch.randint(0, last, (s.batch, 1), generator=gen)  # [b, 1]
+        first = torch.randint(0, len(token_ids) - s.ctx + 1, (s.batch, 1), generator=gen)  # [b, 1]
         ids = token_ids[first + torch.arange(s.ctx)]  # [batch, ctx]
         losses = step_fn(ids.to(device))  # per layer
         if not all(map(math.isfinite, losses)):
@@ -165,9 +161,8 @@ def fit(student, step_fn, token_ids, what, s, log=print, resume=None, on_step=No
 
 
 def distill(teacher, dims, token_ids, settings=TrainSettings(), *, loss="softmax", **loop):
-    """(A PRF student, its record): dims[i] features in layer i, seed feature_seed + i
-    (default 0), each layer trained with `loss` ("l2" or "softmax") on the teacher's
-    q, k for windows of token_ids (1-D); `loop`: fit's log, resume and on_step."""
+    """(A PRF student, its record): dims[i] features in layer i, seed feature_seed + i (default 0),
+    each trained by `loss` ("l2" or "softmax") on the teacher's q, k; `loop`: fit's keywords."""
     if loss not in ("l2", "softmax"):
         raise ValueError(f"distill: loss {loss!r}; expected 'l2' or 'softmax'")
     student = make_student(teacher, "prf", dims, loop.pop("feature_seed", 0))
@@ -177,8 +172,7 @@ def distill(teacher, dims, token_ids, settings=TrainSettings(), *, loss="softmax
     def step(ids):
         losses = []
         for block, (q, k, _) in zip(student.blocks, teacher.capture(ids)):
-            features = block.attn.features
-            terms = layer_pass(features, q, k, None, {term}, settings.chunk, True, dtype)
+            terms = layer_pass(block.attn.features, q, k, None, {term}, settings.chunk, True, dtype)
             losses.append(terms[term].mean())
         return torch.stack(losses).tolist()  # one read from the device per step
 
@@ -190,9 +184,8 @@ def train_direct(student, token_ids, settings=TrainSettings(), **loop):
     its next-token cross-entropy on positions 1..ctx-1 of each window, its own tensors only."""
 
     def step(ids):
-        logits = student(ids[:, :-1])  # [B, T-1, V]
-        logits, targets = logits.flatten(0, 1).float(), ids[:, 1:].flatten()
-        nll = F.cross_entropy(logits, targets)
+        logits = student(ids[:, :-1]).flatten(0, 1).float()  # [B * (T-1), V]
+        nll = F.cross_entropy(logits, ids[:, 1:].flatten())
         nll.backward()
         return [nll.item()]
 

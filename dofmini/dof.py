@@ -1,6 +1,5 @@
-"""Degrees of freedom of attention kernels and the per-layer feature
-budget (Algorithm 1). Vendorable: torch and the standard library only; a teacher is any module
-with `config`, `capture(ids)` and `token_ids(ids, need, what)`, as model.Model has."""
+"""Degrees of freedom of attention kernels and the per-layer feature budget (Algorithm 1); torch
+only. A teacher is any module with `config`, `capture(ids)` and `token_ids(ids, need, what)`."""
 
 import math
 import numbers
@@ -9,29 +8,18 @@ from fractions import Fraction
 import torch
 
 
-def dof_by_definition(x, lam, normalize=True):
-    """DoF [...] by its definition, the reference: tr Σ̂(Σ̂+λI)⁻¹ = Σᵢ eᵢ/(eᵢ+λ)
-    over Σ̂'s eigenvalues eᵢ; Σ̂ = G/J (or G), G_ij = exp(xᵢᵀxⱼ/√d), x [..., J, d]."""
-    J, d = x.shape[-2:]
-    gram = torch.exp(x.double() @ x.double().mT / math.sqrt(d))  # [..., J, J]
-    e = torch.linalg.eigvalsh(gram / J if normalize else gram).clamp(min=0)  # [..., J]
-    return (e / (e + lam)).sum(-1)  # eigenvalues below 0 are rounding
-
-
 def degrees_of_freedom(x, lam, normalize=True):
-    """dof_by_definition's DoF [...] float64 of x [..., J, d], computed where G overflows
-    and its small eigenvalues drown in rounding (the paper's theory and numbers use Σ̂ = G/J;
-    its text the raw G, normalize=False)."""
+    """DoF [...] float64 of x [..., J, d], tr Σ̂(Σ̂+λI)⁻¹ with G_ij = exp(xᵢᵀxⱼ/√d), Σ̂ = G/J
+    (the paper's theory and numbers; its text the raw G, normalize=False), computed where G
+    overflows and its small eigenvalues drown in rounding."""
     finite = lam > 0 and math.isfinite(lam) and x.isfinite().all()
     if x.dim() < 2 or 0 in x.shape[-2:] or not finite:
-        raise ValueError(
-            "degrees_of_freedom: need finite x [..., J, d] with J, d >= 1 and lam positive "
-            f"and finite; got shape {tuple(x.shape)}, lam={lam}"
-        )
+        got = f"shape {tuple(x.shape)}, lam={lam}"
+        raise ValueError(f"degrees_of_freedom: need finite x [..., J>0, d>0], lam > 0; got {got}")
     *batch, J, d = x.shape
     heads = x.detach().reshape(-1, J, d).double()  # [N, J, d]
     out = heads.new_empty(len(heads))  # [N]
-    step = max(1, 2**24 // (J * J))  # heads at a time: 2^24 float64 entries, 128 MiB
+    step = max(1, 2**24 // (J * J))  # heads at a time: 128 MiB of float64
     eps = torch.finfo(torch.float64).eps
     log_ridge = math.log(lam) + (math.log(J) if normalize else 0.0)
     for i in range(0, len(heads), step):
@@ -40,8 +28,6 @@ def degrees_of_freedom(x, lam, normalize=True):
         sq = mat.diagonal(0, -2, -1).clone()  # [n, J] ‖x‖²/√d
         # G = D C D, D = diag(e^(sq/2)), C_ij = exp(-‖xᵢ-xⱼ‖²/2√d) in (0, 1]:
         # DoF = tr C(C+R)⁻¹, R = λ·J·D⁻² (λ·D⁻² raw), each point at its own scale
-        # (G over its largest entry alone gave DoF 84, not 95.9, on a Pythia
-        # stand-in head, J = 96, against an 80-digit reference).
         mat.mul_(-2).add_(sq[:, :, None]).add_(sq[:, None, :])  # ‖xᵢ-xⱼ‖²/√d
         mat.clamp_(min=0).mul_(-0.5).exp_()  # [n, J, J] C
         # C's eigenvalues below J·d·eps·max sq are rounding; a ridge

@@ -1,7 +1,7 @@
 """Students: a teacher with linear attention swapped in, and their files. A student
-shares the teacher's frozen tensors and owns only its trainable ones (PRF z and
-a = log α, or DiJiang's decay, norm and gate); its file holds just those, with its
-record (kind, dims, seed, training, the teacher's identity) as sorted JSON."""
+shares the teacher's frozen tensors; its file holds only its trainable ones (PRF z
+and a = log α, or DiJiang's decay, norm and gate) and its record (kind, dims, seed,
+training, the teacher's identity) as sorted JSON."""
 
 import copy
 import json
@@ -10,18 +10,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .checkpoint import CheckpointError
-from .dijiang import to_dijiang
+from .dijiang import DiJiangAttention
 from .files import as_json, atomic_write
 from .linear_attention import LinearAttention
 from .model import check_args
 
 KINDS = ("prf", "dijiang")
-
-
-def sharing_copy(teacher):
-    """A copy of the teacher sharing every tensor, its attention swappable."""
-    shared = (*teacher.parameters(), *teacher.buffers())
-    return copy.deepcopy(teacher, {id(t): t for t in shared})
 
 
 def replace_attention(model, dims, seed: int, orthogonal: bool = True):
@@ -34,31 +28,33 @@ def replace_attention(model, dims, seed: int, orthogonal: bool = True):
 
 
 def make_student(teacher, kind: str, dims, feature_seed: int, orthogonal: bool = True):
-    """An untrained student: "dijiang", or "prf" with dims[i] PRF features in layer i,
-    seed feature_seed + i (FAVOR+ orthogonal blocks unless orthogonal=False)."""
+    """An untrained student sharing the teacher's tensors: "dijiang", or "prf" with dims[i]
+    PRF features in layer i, seed feature_seed + i (FAVOR+ unless orthogonal=False)."""
     check_args("make_student", "an integer >= 1", **{f"dims[{i}]": m for i, m in enumerate(dims)})
     dims, n_layer = [int(m) for m in dims], teacher.config.n_layer
     if len(dims) != n_layer:
         raise ValueError(f"make_student: {len(dims)} dims for {n_layer} layers")
     if kind not in KINDS:
         raise ValueError(f"make_student: kind {kind!r}; expected one of {KINDS}")
-    student = sharing_copy(teacher)
-    # what rebuilds this untrained student; its file records it
+    shared = (*teacher.parameters(), *teacher.buffers())
+    student = copy.deepcopy(teacher, {id(t): t for t in shared})
+    # what rebuilds this untrained student, for its file
     student.draw = {"kind": kind, "dims": dims, "feature_seed": feature_seed}
-    if kind == "dijiang":
-        return to_dijiang(student, feature_seed)
-    student.draw["orthogonal"] = orthogonal
-    return replace_attention(student, dims, feature_seed, orthogonal)
+    if kind == "prf":
+        student.draw["orthogonal"] = orthogonal
+        return replace_attention(student, dims, feature_seed, orthogonal)
+    for i, block in enumerate(student.blocks):
+        block.attn = DiJiangAttention(block.attn, feature_seed + i)
+    return student
 
 
 def trainable(model) -> dict:
-    """{name: tensor} of the tensors training may change (requires_grad)."""
+    """{name: tensor} of the tensors that train (requires_grad)."""
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
 def save_tensors(tensors: dict, path, metadata: dict):
-    """A safetensors file written atomically, `metadata` as sorted JSON
-    under the key "dofmini"."""
+    """A safetensors file written atomically, `metadata` as sorted JSON under "dofmini"."""
     tensors = {n: t.detach().cpu().contiguous() for n, t in sorted(tensors.items())}
     meta = {"dofmini": json.dumps(metadata, sort_keys=True)}
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), meta))
@@ -91,11 +87,11 @@ def load_student(teacher, path, expect=None):
     for field, value in as_json(expect or {}).items():  # tuples as lists
         if meta.get(field) != value:
             raise CheckpointError(f"{path}: {field} is {meta.get(field)!r}; expected {value!r}")
-    kind, dims, seed = (meta.get(k) for k in ("kind", "dims", "feature_seed"))
-    student = make_student(teacher, kind, dims, seed, meta.get("orthogonal", True))
+    drawn = [meta.get(k) for k in ("kind", "dims", "feature_seed")]
+    student = make_student(teacher, *drawn, meta.get("orthogonal", True))
     shapes = [{n: tuple(t.shape) for n, t in d.items()} for d in (stored, trainable(student))]
     for name in sorted(shapes[0].keys() | shapes[1].keys()):
         if (got := shapes[0].get(name)) != (want := shapes[1].get(name)):
             raise CheckpointError(f"{path}: tensor {name!r} is {got}, the student's {want}")
-    student.load_state_dict(stored, strict=False)  # the trainable ones, checked
+    student.load_state_dict(stored, strict=False)  # checked above
     return student, meta

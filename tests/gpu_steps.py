@@ -3,6 +3,7 @@ pass, DoF sampling, one distillation step of each loss and one direct step, a st
 public replace_attention, and a prefill with recurrent decoding. tests/test_gpu.py runs it under
 ../shared/tools/simcuda_run.py, which checks every op against CUDA's device rules."""
 
+import copy
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 from dofmini import dof, hub
 from dofmini.distill import TrainSettings, distill, train_direct
 from dofmini.generate import generate
-from dofmini.students import make_student, replace_attention, sharing_copy
+from dofmini.students import make_student, replace_attention
 
 device = sys.argv[1] if len(sys.argv) > 1 else "cuda"
 teacher = hub.load(Path(__file__).parent / "fixtures" / "gpt2-tiny").to(device)
@@ -24,7 +25,7 @@ dims = [8] * teacher.config.n_layer
 for loss in ("softmax", "l2"):
     distill(teacher, dims, tokens, settings, loss=loss, log=lambda _: None)
 train_direct(make_student(teacher, "prf", dims, 0), tokens, settings, log=lambda _: None)
-student = replace_attention(sharing_copy(teacher), dims, seed=0)
+student = replace_attention(copy.deepcopy(teacher), dims, seed=0)
 placed = {p.device.type for p in student.parameters()}
 assert placed == {torch.device(device).type}, f"replace_attention left parameters on {placed}"
 generated = generate(student, tokens[:16].tolist(), 8)  # a prefill, then 8 recurrent steps

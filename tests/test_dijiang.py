@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import FIXTURES
 
 from dofmini import load
-from dofmini.dijiang import DiJiangAttention, dct_matrix, dijiang_projection, to_dijiang
+from dofmini.dijiang import DiJiangAttention, dct_matrix, dijiang_projection
 from dofmini.distill import TrainSettings, train_direct
 from dofmini.students import load_student, make_student, save_student
 
@@ -158,10 +158,10 @@ def test_causal_and_only_the_new_tensors_train():
 
 
 def test_built_on_the_teachers_device_and_its_forward_reads_nothing_back():
-    """to_dijiang on a model on the 'meta' device (no data: a value read back to the host, as the
-    old per-forward decay check did, fails there): every tensor lands on 'meta' and a forward pass
-    and a decoding step run through."""
-    model = to_dijiang(load(FIXTURES / "gpt2-tiny").to("meta"), 0)
+    """A DiJiang student of a model on the 'meta' device (no data: a value read back to the host,
+    as the old per-forward decay check did, fails there): every tensor lands on 'meta' and a
+    forward pass and a decoding step run through."""
+    model = make_dijiang(load(FIXTURES / "gpt2-tiny").to("meta"), 0)
     assert {t.device.type for t in (*model.parameters(), *model.buffers())} == {"meta"}
     ids = torch.zeros(1, 9, dtype=torch.long, device="meta")
     caches = [b.attn.new_cache(1, 10) for b in model.blocks]
