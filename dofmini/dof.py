@@ -8,10 +8,22 @@ from fractions import Fraction
 import torch
 
 
+def dof_by_definition(x, lam, normalize=True):
+    """DoF [...] of x [..., J, d] by its definition: tr Σ̂(Σ̂+λI)⁻¹,
+    the sum of e/(e+λ) over Σ̂'s eigenvalues e, where Σ̂ = G/J (or G)
+    and G_ij = exp(xᵢᵀxⱼ/√d). The reference for the stable form."""
+    J, d = x.shape[-2:]
+    x = x.double()
+    gram = torch.exp(x @ x.mT / math.sqrt(d))  # [..., J, J]
+    sigma = gram / J if normalize else gram  # [..., J, J]
+    e = torch.linalg.eigvalsh(sigma).clamp(min=0)  # [..., J]
+    return (e / (e + lam)).sum(-1)  # eigenvalues below 0 are rounding
+
+
 def degrees_of_freedom(x, lam, normalize=True):
-    """DoF [...] float64 of x [..., J, d], tr Σ̂(Σ̂+λI)⁻¹ with G_ij = exp(xᵢᵀxⱼ/√d), Σ̂ = G/J
-    (the paper's theory and numbers; its text the raw G, normalize=False), computed where G
-    overflows and its small eigenvalues drown in rounding."""
+    """dof_by_definition's DoF [...] float64 of x [..., J, d], computed where G overflows and
+    its small eigenvalues drown in rounding (Σ̂ = G/J: the paper's theory and numbers; its text
+    the raw G, normalize=False)."""
     finite = lam > 0 and math.isfinite(lam) and x.isfinite().all()
     if x.dim() < 2 or 0 in x.shape[-2:] or not finite:
         got = f"shape {tuple(x.shape)}, lam={lam}"
