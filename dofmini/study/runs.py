@@ -1,13 +1,7 @@
-"""What a long run needs besides the method: stages saved with the settings that made them, token
-caches, trainings kept on disk, one lock per output folder, and the record of what made the results.
-
-A stage is reused only when the settings and inputs it was made from (its key) match exactly;
-otherwise it is recomputed and a line names what changed. Every file goes through
-files.atomic_write, so a kill at any moment leaves a stage either whole or absent. A training saves
-its progress beside the student's file every save_every steps; one of the same record, settings
-and tokens resumes from it exactly (tensors, Adam, the data order, the loss curve; its seconds add
-up), and the student's file is written once, at the end.
-"""
+"""What a long run needs besides the method: stages saved with their key (the settings and inputs
+that made them; reused only on an exact match, else a line names what changed), token caches,
+resumable trainings, one lock per output folder, and the record of what made the results. Every
+file goes through files.atomic_write, so a kill leaves a stage either whole or absent."""
 
 import contextlib
 import fcntl
@@ -53,24 +47,19 @@ def _why_redo(path: Path, old, key: dict) -> str:
     return f"redo: {path}: {changed_settings(old, as_json(key))} changed"
 
 
-def _result(stored: dict, key: dict):
-    """The result in a stage's record, if the record was made with `key`; else None."""
-    return stored.get("result") if stored.get("key") == as_json(key) else None
-
-
 def saved(path: Path, key: dict):
     """The result a stage saved at `path`, if it was made with `key`; else None."""
-    return _result(_stored(path), key)
+    stored = _stored(path)
+    return stored.get("result") if stored.get("key") == as_json(key) else None
 
 
 def stage(path: Path, key: dict, compute):
     """compute() unless `path` holds a result made with the same `key` (settings and inputs)."""
-    stored = _stored(path)
-    if (result := _result(stored, key)) is not None:
+    if (result := saved(path, key)) is not None:
         log(f"skip: {path} done")
         return result
     if path.exists():
-        log(_why_redo(path, stored.get("key"), key))
+        log(_why_redo(path, _stored(path).get("key"), key))
     result = compute()
     write_text(path, json.dumps({"key": as_json(key), "result": result}, indent=1, sort_keys=True))
     return result
@@ -102,8 +91,10 @@ def token_ids(path: Path, key: dict, texts, tokenizer, max_chars) -> torch.Tenso
 
 def train_into(path, record: dict, settings, token_ids, train, log) -> dict:
     """The record {"train_seconds", "loss_curve"} of train(log=, resume=, on_step=) -> (student,
-    record) (distill or train_direct, partly applied); the student goes to `path` with `record`
-    and that as "info", its progress to `<path>.progress` meanwhile."""
+    record) (distill or train_direct, partly applied). Its progress goes to `<path>.progress` every
+    save_every steps, and one of the same record, settings and tokens resumes from it exactly
+    (tensors, Adam, the data order, the loss curve; its seconds add up); the student goes to `path`
+    once, at the end, with `record` and that as "info"."""
     tokens = hashlib.sha256(torch.as_tensor(token_ids).long().cpu().numpy().tobytes()).hexdigest()
     keep = as_json({**record, **settings.record(), "tokens": tokens[:16]})  # as a file gives back
     progress = Path(f"{path}.progress")
@@ -117,19 +108,16 @@ def train_into(path, record: dict, settings, token_ids, train, log) -> dict:
             meta = dict(settings=keep, step=state.step, seconds=state.seconds)
             save_tensors(tensors, progress, {**meta, "loss_curve": state.curve})
 
-    def resume(state):
-        if progress.exists() and _resume(progress, keep, state, log):
-            log(f"resuming from {progress} at step {state.step}/{settings.steps}")
-
+    resume = lambda state: progress.exists() and _resume(progress, keep, state, log, settings.steps)
     student, info = train(log=log, resume=resume, on_step=save)
     save_student(student, path, {**record, "info": info})
     progress.unlink(missing_ok=True)
     return info
 
 
-def _resume(path: Path, keep: dict, state, log) -> bool:
-    """Whether `state` was restored from a progress file of the settings `keep`; one of other
-    settings, or that cannot be read, is named and set aside."""
+def _resume(path: Path, keep: dict, state, log, steps: int):
+    """Restore `state` from a progress file of the settings `keep`; one of other settings, or that
+    cannot be read, is named and set aside."""
     try:
         stored, meta = read_tensors(path)
         changed = changed_settings(meta.get("settings", {}), keep)
@@ -138,12 +126,11 @@ def _resume(path: Path, keep: dict, state, log) -> bool:
         why = f"unreadable ({err})"
     if why:
         log(f"{path}: {why}; starting over")
-        path.unlink()
-        return False
+        return path.unlink()
     with torch.no_grad():
         for n, p in state.params.items():
             p.copy_(stored[f"param.{n}"])
-    adam = {"state": {}, "param_groups": state.opt.state_dict()["param_groups"]}
+    adam = state.opt.state_dict()  # its "state" empty: no step is taken before a resume
     for name, t in stored.items():
         if name.startswith("adam."):  # adam.{index}.{exp_avg, exp_avg_sq, step}
             _, index, key = name.split(".")
@@ -152,7 +139,7 @@ def _resume(path: Path, keep: dict, state, log) -> bool:
     state.gen.set_state(stored["rng"])
     state.step, state.seconds = int(meta["step"]), float(meta["seconds"])
     state.curve = meta["loss_curve"]
-    return True
+    log(f"resuming from {path} at step {state.step}/{steps}")
 
 
 def check_writable(out: Path, flag: str, fail) -> None:
