@@ -6,9 +6,11 @@ file goes through files.atomic_write, so a kill leaves a stage either whole or a
 import contextlib
 import fcntl
 import hashlib
+import io
 import json
 import os
 import platform
+import signal
 import subprocess
 from pathlib import Path
 
@@ -65,14 +67,10 @@ def stage(path: Path, key: dict, compute):
     return result
 
 
-def _save_npy(path: Path, array: np.ndarray):
-    with open(path, "wb") as f:  # a file object: given a name, np.save would append ".npy"
-        np.save(f, array)
-
-
-def token_ids(path: Path, key: dict, texts, tokenizer, max_chars) -> torch.Tensor:
+def token_ids(path: Path, key: dict, texts, tokenizer, max_chars, keep=True) -> torch.Tensor:
     """Token ids of text files, encoded once and cached as .npy (no pickle) beside a key file that
-    also holds the cache's sha256, so a cache replaced or damaged since is encoded again."""
+    also holds the cache's sha256, so a cache replaced or damaged since is encoded again; `keep`
+    False (a plan) reads a cache but writes none."""
     key_path = path.with_suffix(".json")
     stored = _stored(key_path)
     if stored.get("key") == as_json(key) and path.is_file():
@@ -82,10 +80,11 @@ def token_ids(path: Path, key: dict, texts, tokenizer, max_chars) -> torch.Tenso
     elif key_path.exists() or path.exists():
         log(_why_redo(path, stored.get("key"), key))
     text = "".join(Path(f).read_text(encoding="utf-8") for f in texts)[:max_chars]
-    ids = np.array(tokenizer.encode(text).ids, dtype=np.int64)
-    atomic_write(path, lambda tmp: _save_npy(tmp, ids))
-    record = {"key": as_json(key), "sha256": sha256_file(path)}
-    write_text(key_path, json.dumps(record, sort_keys=True))
+    ids, npy = np.array(tokenizer.encode(text).ids, dtype=np.int64), io.BytesIO()
+    np.save(npy, ids)  # to bytes: given a file name, np.save would append ".npy"
+    if keep:
+        atomic_write(path, lambda tmp: tmp.write_bytes(npy.getvalue()))
+        write_text(key_path, json.dumps({"key": as_json(key), "sha256": sha256_file(path)}))
     return torch.from_numpy(ids)
 
 
@@ -151,20 +150,35 @@ def check_writable(out: Path, flag: str, fail) -> None:
         fail(f"{flag} {out} cannot be created: {parent} is not a writable folder")
 
 
+def _stop(number, frame):
+    """SIGINT and SIGTERM end the run alike, unwinding (temporaries removed, the lock released);
+    later ones are ignored: a second Ctrl-C ms later would break that off with a traceback."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    raise KeyboardInterrupt(signal.Signals(number).name)
+
+
 @contextlib.contextmanager
 def one_line_errors(fail):
     """Every failure a user can cause as one line through fail(message), never a traceback: a bad
     checkpoint, data file or setting, a full disk or a read-only folder (atomic_write names the
-    file), and Ctrl-C (finished stages and saved progress stay; the same command resumes)."""
+    file), and Ctrl-C or SIGTERM (finished stages and saved progress stay; the same command
+    resumes)."""
+    # not a signal ignored from the start (`nohup`, a shell's `&`): the user asked to keep running
+    kept = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) != signal.SIG_IGN]
+    before = {sig: signal.signal(sig, _stop) for sig in kept}
     try:
         yield
     except (CheckpointError, data.DataError, RunError) as err:
         fail(str(err))
-    except KeyboardInterrupt:
-        fail("interrupted; run the same command again to resume")
+    except KeyboardInterrupt as err:
+        stopped = "terminated" if err.args == ("SIGTERM",) else "interrupted"
+        fail(f"{stopped}; run the same command again to resume")
     except OSError as err:  # atomic_write's own message names the file already
         named = err.filename and str(err.filename) not in (err.strerror or "")
         fail(f"{err.filename}: {err.strerror}" if named else err.strerror or str(err))
+    for sig, handler in before.items():  # not after a failure: its exit ignores them still
+        signal.signal(sig, handler)
 
 
 @contextlib.contextmanager
@@ -183,8 +197,7 @@ def locked(out: Path, fail):
             pid = f.read().strip() or "?"
             busy = f"--out {out} is in use by another run (PID {pid})"
             fail(f"{busy}; wait for it to finish or choose another --out")
-        f.seek(0)
-        f.truncate()
+        f.truncate(0)  # in "a+" mode the write then starts at 0
         f.write(str(os.getpid()))
         f.flush()
         try:
