@@ -426,9 +426,9 @@ def test_results_and_the_evaluation_key_list_every_file_read_in_order(tmp_path):
     """Every data file the run opens after verifying the store, in the order opened, is in
     results.json's inputs ("read" gives the order) and in the teacher evaluation's key; files
     listed but never opened (Winogrande's labels) are pinned inputs the run verifies."""
-    (model, _), store, out = tiny_store(tmp_path), data_path(), tmp_path / "o"
-    args = [model, "--profile", "quick", "--variants", "none", "--data", store, "--out", out]
-    args = [str(a) for a in args]
+    model, store, out = shared_path("weights", "standin-gpt2"), data_path(), tmp_path / "o"
+    args = [model, "--profile", "quick", "--variants", "none", "--limit", "1", "--data", store]
+    args = [str(a) for a in [*args, "--out", out]]
     code = (
         "import sys, reproduce; opened = []; store = sys.argv[1]\n"
         "sys.addaudithook(lambda event, a: event == 'open' and str(a[0]).startswith(store + '/')"
@@ -436,7 +436,7 @@ def test_results_and_the_evaluation_key_list_every_file_read_in_order(tmp_path):
         "reproduce.main(sys.argv[2:]); print('OPENED', *opened)"
     )
     command = [sys.executable, "-c", code, str(store), *args]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=3600)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     inputs, opened = results["inputs"], done.stdout.split("OPENED ")[1].split()
