@@ -213,6 +213,8 @@ def check(cfg: RunConfig) -> RunConfig:
 def main(argv=None):
     with runs.one_line_errors(_fail):  # also a path the system refuses (too long) in parse_args
         cfg = parse_args(argv)
+        if cfg.plan_only:  # it writes nothing into --out, so it takes no lock
+            return _main(cfg)
         with runs.locked(cfg.out, _fail):
             return _main(cfg)
 
@@ -279,14 +281,13 @@ def load_teacher(cfg: RunConfig, hashes: dict) -> stages.Run:
 
 def encode_texts(run: stages.Run):
     """calib (WikiText-2 valid, for DoF), wikitext2 (test), heldout and train token ids."""
-    cfg, corpus = run.cfg, sorted(f.path for f in data.files("corpus"))  # not the rows' order
-    texts = {name: [path] for name, path in evaluate.PPL_TEXTS.items()}
-    for name, relative in dict(calib=[stages.CALIBRATION], **texts, train=corpus).items():
+    cfg, keep = run.cfg, not run.cfg.plan_only  # a plan leaves no cache
+    for name, relative in run.texts_read().items():
         max_chars = cfg.train_chars if name == "train" else None
         files = {r: run.inputs[r] for r in relative}
         key = dict(tokenizer=run.inputs["tokenizer"], max_chars=max_chars, files=files)
         path, paths = cfg.out / f"tokens-{name}.npy", [cfg.data / r for r in relative]
-        run.texts[name] = runs.token_ids(path, key, paths, run.tokenizer, max_chars)
+        run.texts[name] = runs.token_ids(path, key, paths, run.tokenizer, max_chars, keep)
     run.texts["calib"] = run.texts["calib"][: cfg.calib_windows * run.ctx]
 
 
@@ -345,6 +346,7 @@ def done_stages(run: stages.Run) -> set:
 def collect(run: stages.Run, teacher_result, allocation, sweep_rows, curves, students) -> dict:
     """results.json: every number, the settings, the inputs' hashes and what made them."""
     config = {k: v for k, v in dataclasses.asdict(run.cfg).items() if k not in ("out", "data")}
+    inputs = dict(run.inputs, read=run.files_read())  # the data files in the order read
     config.update(ctx=run.ctx, lam=run.lam, budgets=list(run.budgets))
     trainings = [s["train_seconds"] for s in students.values() if "same_training_as" not in s]
     seconds = teacher_result["eval_seconds"] + allocation["seconds"] + sum(trainings)
@@ -354,7 +356,7 @@ def collect(run: stages.Run, teacher_result, allocation, sweep_rows, curves, stu
     teacher = dict(teacher_result, name=model_cfg.name, identity=run.teacher.identity)
     teacher.update(head_dim=model_cfg.head_dim, n_layer=model_cfg.n_layer, e2e_kl=0.0)
     found = dict(teacher=teacher, dof=allocation, sweep=sweep_rows, curves=curves)
-    found.update(students=students, config=config, inputs=run.inputs)
+    found.update(students=students, config=config, inputs=inputs)
     found["e2e"] = compare.e2e_summary(compare.groups(students))  # the metric to choose by
     # a resumed run skips finished stages, so its own wall time says little
     timings = {"stages_seconds": seconds, "this_invocation_seconds": time.time() - run.clock.t0}

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -460,9 +461,14 @@ def probe_all(root: Path, only: str = "") -> list:
         probe("runs", label, damaged_run(name, change),
               expect_ok=lambda d: strip(same(d)) == strip(results["students"]))  # fmt: skip
 
-    interrupts = [(signal.SIGINT, "[3/"), (signal.SIGKILL, "[4/"), (signal.SIGTERM, "[5/")]
-    for sig, at in interrupts if not only else []:
-        case = root / f"interrupt-{sig.name}"
+    probe("runs", "--plan-only leaves no --out behind", args=["--plan-only"],
+          expect_ok=lambda d: not Path(d.args[d.args.index("--out") + 1]).exists())  # fmt: skip
+    twice = [signal.SIGINT] * 10  # 2 ms apart: some land during the first's unwinding and exit
+    interrupts = [([signal.SIGINT], "[3/"), (twice, "[3/"), ([signal.SIGKILL], "[4/")]
+    interrupts.append(([signal.SIGTERM], "[5/"))
+    for sigs, at in interrupts if not only else []:
+        sig, name = sigs[0], f"{sigs[0].name} x{len(sigs)}"
+        case = root / f"interrupt-{name}"
         case.mkdir()
         command = [sys.executable, str(REPO / "reproduce.py"), str(model), "--profile", "quick"]
         command += ["--limit", "0", "--variants", "fix,dof", "--out", str(case / "out")]
@@ -471,20 +477,24 @@ def probe_all(root: Path, only: str = "") -> list:
         )
         for line in run.stdout:
             if line.startswith(at):
-                run.send_signal(sig)
+                for each in sigs:
+                    run.send_signal(each)
+                    time.sleep(0.002)
                 break
         _, err = run.communicate(timeout=300)
         # a kill leaves no message by nature; what counts is that the rerun is whole
         verdict = classify(subprocess.CompletedProcess([], run.returncode, "", err))
-        verdict = "as expected" if sig != signal.SIGINT and not err else verdict
-        rows.append(("runs", f"{sig.name} at stage {at[1:-1]}", verdict, err.strip()[:140]))
+        verdict = "as expected" if sig == signal.SIGKILL and not err else verdict
+        if sig != signal.SIGKILL and list((case / "out").rglob(".*.tmp")):
+            verdict = "silent wrong"  # a temporary left behind
+        rows.append(("runs", f"{name} at stage {at[1:-1]}", verdict, err.strip()[:140]))
         again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
         resumed = again.returncode == 0 and strip(
             json.loads((case / "out" / "results.json").read_text())["students"]
         ) == strip(results["students"])
         verdict = "as expected" if resumed else "silent wrong"
         rows.append(
-            ("runs", f"rerun after {sig.name} equals an uninterrupted run", verdict, "(exit 0)")
+            ("runs", f"rerun after {name} equals an uninterrupted run", verdict, "(exit 0)")
         )
 
     print("| class | probe | verdict | what it said |\n|---|---|---|---|")

@@ -31,6 +31,7 @@ STUDY = tuple(
         "runs",
         "plan",
         "oracle",
+        "keys",
         "stages",
         "endtoend",
         "stats",

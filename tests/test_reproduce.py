@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 
 import numpy as np
@@ -355,6 +356,101 @@ def test_ctrl_c_says_how_to_resume(tmp_path):
     _, err = run.communicate(timeout=600)
     assert run.returncode != 0 and "Traceback" not in err
     assert "interrupted; run the same command again to resume" in err
+
+
+def interrupted_twice_or_terminated(tmp_path, signals, stage="[1/"):
+    """A quick run on the tiny store, sent `signals` (2 ms apart) once `stage` begins; then the
+    same command again: (the interrupted run's stderr, its return code, the rerun)."""
+    model, env = tiny_store(tmp_path)
+    args = [sys.executable, str(REPO / "reproduce.py"), str(model), "--profile", "quick"]
+    args += ["--limit", "0", "--variants", "fix", "--out", str(tmp_path / "o")]
+    # as from a terminal, even when the tests run in the background (where SIGINT is ignored)
+    default = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default)
+    run = subprocess.Popen(args, env=env, **pipes)
+    for line in run.stdout:
+        if line.startswith(stage):
+            for sig in signals:
+                run.send_signal(sig)
+                time.sleep(0.002)
+            break
+    _, err = run.communicate(timeout=600)
+    return err, run.returncode, subprocess.run(args, env=env, capture_output=True, text=True)
+
+
+def test_ctrl_c_repeated_ms_apart_ends_in_one_line_and_the_run_resumes(tmp_path):
+    """Ten in 20 ms: before, one landing in the exit's atexit callbacks printed a traceback."""
+    err, code, again = interrupted_twice_or_terminated(tmp_path, [signal.SIGINT] * 10)
+    assert code != 0 and "Traceback" not in err and "Exception ignored" not in err, err
+    assert err.strip() == "reproduce.py: error: interrupted; run the same command again to resume"
+    assert again.returncode == 0 and (tmp_path / "o" / "results.json").is_file(), again.stderr
+
+
+def test_sigterm_ends_the_run_like_ctrl_c_leaving_no_temporary(tmp_path):
+    err, code, again = interrupted_twice_or_terminated(tmp_path, [signal.SIGTERM], stage="[2/")
+    assert err.strip() == "reproduce.py: error: terminated; run the same command again to resume"
+    assert code != 0 and again.returncode == 0, again.stderr
+    assert "redo:" not in again.stdout and "skip: " in again.stdout  # finished stages stayed
+    assert not list((tmp_path / "o").rglob(".*.tmp"))
+
+
+def test_sigterm_inside_a_write_removes_its_temporary(tmp_path):
+    """Sent while atomic_write fills its temporary: the write unwinds (the temporary removed),
+    and the run ends in one line, as a Ctrl-C does."""
+    code = (
+        "import os, signal, sys; from pathlib import Path; from dofmini.files import atomic_write; "
+        "from dofmini.study.runs import one_line_errors\n"
+        "def write(tmp):\n tmp.write_text('half'); os.kill(os.getpid(), signal.SIGTERM)\n"
+        f" sys.exit('not stopped')\nwith one_line_errors(sys.exit):\n"
+        f" atomic_write(Path({str(tmp_path / 'x.json')!r}), write)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == "terminated; run the same command again to resume"
+    assert list(tmp_path.iterdir()) == []  # neither x.json nor .x.json.PID.tmp
+
+
+def test_plan_only_leaves_no_cache_and_no_lock(tmp_path):
+    model, env = tiny_store(tmp_path)
+    kept, fresh = tmp_path / "kept", tmp_path / "fresh"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    for out in (kept, fresh):
+        args = ["--profile", "quick", "--limit", "0", "--plan-only", "--out", out]
+        result = reproduce(model, *args, env=env)
+        assert result.returncode == 0 and "plan (probe" in result.stdout, result.stderr
+    assert [p.name for p in kept.iterdir()] == ["notes.txt"] and not fresh.exists()
+
+
+def test_results_and_the_evaluation_key_list_every_file_read_in_order(tmp_path):
+    """Every data file the run opens after verifying the store, in the order opened, is in
+    results.json's inputs ("read" gives the order) and in the teacher evaluation's key; files
+    listed but never opened (Winogrande's labels) are pinned inputs the run verifies."""
+    model, store, out = shared_path("weights", "standin-gpt2"), data_path(), tmp_path / "o"
+    args = [model, "--profile", "quick", "--variants", "none", "--limit", "1", "--data", store]
+    args = [str(a) for a in [*args, "--out", out]]
+    code = (
+        "import sys, reproduce; opened = []; store = sys.argv[1]\n"
+        "sys.addaudithook(lambda event, a: event == 'open' and str(a[0]).startswith(store + '/')"
+        " and opened.append(str(a[0])[len(store) + 1 :]))\n"
+        "reproduce.main(sys.argv[2:]); print('OPENED', *opened)"
+    )
+    command = [sys.executable, "-c", code, str(store), *args]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=3600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    inputs, opened = results["inputs"], done.stdout.split("OPENED ")[1].split()
+    opened = opened[len([k for k in inputs if "/" in k]) :]  # after each file's verification
+    assert "piqa/valid-labels.lst" in opened and "mmlu/test/virology_test.csv" in opened
+    assert [p for p in inputs["read"] if p in opened] == opened == list(dict.fromkeys(opened))
+    key = dict(json.loads((out / "teacher.json").read_text())["key"]["data"])
+    assert all(inputs[p] == sha for p, sha in key.items())
+    assert [p for p in key if p in opened] == [p for p in opened if p in key]
+    texts_only = {p for p in opened if p not in key}  # read for DoF and training, not evaluation
+    assert texts_only == {
+        "wikitext-2-raw/wiki.valid.raw",
+        *(p for p in inputs if "/wikipedia/" in p),
+    }
 
 
 def test_a_profile_setting_is_not_undone_by_an_absent_flag(tmp_path):

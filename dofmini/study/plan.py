@@ -73,15 +73,8 @@ def stage_sizes(cfg, ctx: int, corpus: list) -> dict:
     tasks = [] if cfg.limit == 0 else list(TASK_SIZES)
     task_tokens = sum(min(cfg.limit or n, n) * size for n, size in map(TASK_SIZES.get, tasks))
     steps = cfg.steps or _tokens_in(corpus) // ctx // cfg.batch
-    evaluation = sum(texts) + task_tokens / ctx
-    train_windows = steps * cfg.batch
-    return dict(
-        texts=texts,
-        tasks=len(tasks),
-        evaluation=evaluation,
-        train_windows=train_windows,
-        error_windows=cfg.error_windows,
-    )
+    found = dict(texts=texts, tasks=len(tasks), evaluation=sum(texts) + task_tokens / ctx)
+    return dict(found, train_windows=steps * cfg.batch, error_windows=cfg.error_windows)
 
 
 def duration(seconds: float) -> str:

@@ -1,20 +1,16 @@
-"""What a long run needs besides the method: stages saved with the settings that made them, token
-caches, trainings kept on disk, one lock per output folder, and the record of what made the results.
-
-A stage is reused only when the settings and inputs it was made from (its key) match exactly;
-otherwise it is recomputed and a line names what changed. Every file goes through
-files.atomic_write, so a kill at any moment leaves a stage either whole or absent. A training saves
-its progress beside the student's file every save_every steps; one of the same record, settings
-and tokens resumes from it exactly (tensors, Adam, the data order, the loss curve; its seconds add
-up), and the student's file is written once, at the end.
-"""
+"""What a long run needs besides the method: stages saved with their key (the settings and inputs
+that made them; reused only on an exact match, else a line names what changed), token caches,
+resumable trainings, one lock per output folder, and the record of what made the results. Every
+file goes through files.atomic_write, so a kill leaves a stage either whole or absent."""
 
 import contextlib
 import fcntl
 import hashlib
+import io
 import json
 import os
 import platform
+import signal
 import subprocess
 from pathlib import Path
 
@@ -53,37 +49,28 @@ def _why_redo(path: Path, old, key: dict) -> str:
     return f"redo: {path}: {changed_settings(old, as_json(key))} changed"
 
 
-def _result(stored: dict, key: dict):
-    """The result in a stage's record, if the record was made with `key`; else None."""
-    return stored.get("result") if stored.get("key") == as_json(key) else None
-
-
 def saved(path: Path, key: dict):
     """The result a stage saved at `path`, if it was made with `key`; else None."""
-    return _result(_stored(path), key)
+    stored = _stored(path)
+    return stored.get("result") if stored.get("key") == as_json(key) else None
 
 
 def stage(path: Path, key: dict, compute):
     """compute() unless `path` holds a result made with the same `key` (settings and inputs)."""
-    stored = _stored(path)
-    if (result := _result(stored, key)) is not None:
+    if (result := saved(path, key)) is not None:
         log(f"skip: {path} done")
         return result
     if path.exists():
-        log(_why_redo(path, stored.get("key"), key))
+        log(_why_redo(path, _stored(path).get("key"), key))
     result = compute()
     write_text(path, json.dumps({"key": as_json(key), "result": result}, indent=1, sort_keys=True))
     return result
 
 
-def _save_npy(path: Path, array: np.ndarray):
-    with open(path, "wb") as f:  # a file object: given a name, np.save would append ".npy"
-        np.save(f, array)
-
-
-def token_ids(path: Path, key: dict, texts, tokenizer, max_chars) -> torch.Tensor:
+def token_ids(path: Path, key: dict, texts, tokenizer, max_chars, keep=True) -> torch.Tensor:
     """Token ids of text files, encoded once and cached as .npy (no pickle) beside a key file that
-    also holds the cache's sha256, so a cache replaced or damaged since is encoded again."""
+    also holds the cache's sha256, so a cache replaced or damaged since is encoded again; `keep`
+    False (a plan) reads a cache but writes none."""
     key_path = path.with_suffix(".json")
     stored = _stored(key_path)
     if stored.get("key") == as_json(key) and path.is_file():
@@ -93,17 +80,20 @@ def token_ids(path: Path, key: dict, texts, tokenizer, max_chars) -> torch.Tenso
     elif key_path.exists() or path.exists():
         log(_why_redo(path, stored.get("key"), key))
     text = "".join(Path(f).read_text(encoding="utf-8") for f in texts)[:max_chars]
-    ids = np.array(tokenizer.encode(text).ids, dtype=np.int64)
-    atomic_write(path, lambda tmp: _save_npy(tmp, ids))
-    record = {"key": as_json(key), "sha256": sha256_file(path)}
-    write_text(key_path, json.dumps(record, sort_keys=True))
+    ids, npy = np.array(tokenizer.encode(text).ids, dtype=np.int64), io.BytesIO()
+    np.save(npy, ids)  # to bytes: given a file name, np.save would append ".npy"
+    if keep:
+        atomic_write(path, lambda tmp: tmp.write_bytes(npy.getvalue()))
+        write_text(key_path, json.dumps({"key": as_json(key), "sha256": sha256_file(path)}))
     return torch.from_numpy(ids)
 
 
 def train_into(path, record: dict, settings, token_ids, train, log) -> dict:
     """The record {"train_seconds", "loss_curve"} of train(log=, resume=, on_step=) -> (student,
-    record) (distill or train_direct, partly applied); the student goes to `path` with `record`
-    and that as "info", its progress to `<path>.progress` meanwhile."""
+    record) (distill or train_direct, partly applied). Its progress goes to `<path>.progress` every
+    save_every steps, and one of the same record, settings and tokens resumes from it exactly
+    (tensors, Adam, the data order, the loss curve; its seconds add up); the student goes to `path`
+    once, at the end, with `record` and that as "info"."""
     tokens = hashlib.sha256(torch.as_tensor(token_ids).long().cpu().numpy().tobytes()).hexdigest()
     keep = as_json({**record, **settings.record(), "tokens": tokens[:16]})  # as a file gives back
     progress = Path(f"{path}.progress")
@@ -117,19 +107,16 @@ def train_into(path, record: dict, settings, token_ids, train, log) -> dict:
             meta = dict(settings=keep, step=state.step, seconds=state.seconds)
             save_tensors(tensors, progress, {**meta, "loss_curve": state.curve})
 
-    def resume(state):
-        if progress.exists() and _resume(progress, keep, state, log):
-            log(f"resuming from {progress} at step {state.step}/{settings.steps}")
-
+    resume = lambda state: progress.exists() and _resume(progress, keep, state, log, settings.steps)
     student, info = train(log=log, resume=resume, on_step=save)
     save_student(student, path, {**record, "info": info})
     progress.unlink(missing_ok=True)
     return info
 
 
-def _resume(path: Path, keep: dict, state, log) -> bool:
-    """Whether `state` was restored from a progress file of the settings `keep`; one of other
-    settings, or that cannot be read, is named and set aside."""
+def _resume(path: Path, keep: dict, state, log, steps: int):
+    """Restore `state` from a progress file of the settings `keep`; one of other settings, or that
+    cannot be read, is named and set aside."""
     try:
         stored, meta = read_tensors(path)
         changed = changed_settings(meta.get("settings", {}), keep)
@@ -138,12 +125,11 @@ def _resume(path: Path, keep: dict, state, log) -> bool:
         why = f"unreadable ({err})"
     if why:
         log(f"{path}: {why}; starting over")
-        path.unlink()
-        return False
+        return path.unlink()
     with torch.no_grad():
         for n, p in state.params.items():
             p.copy_(stored[f"param.{n}"])
-    adam = {"state": {}, "param_groups": state.opt.state_dict()["param_groups"]}
+    adam = state.opt.state_dict()  # its "state" empty: no step is taken before a resume
     for name, t in stored.items():
         if name.startswith("adam."):  # adam.{index}.{exp_avg, exp_avg_sq, step}
             _, index, key = name.split(".")
@@ -152,7 +138,7 @@ def _resume(path: Path, keep: dict, state, log) -> bool:
     state.gen.set_state(stored["rng"])
     state.step, state.seconds = int(meta["step"]), float(meta["seconds"])
     state.curve = meta["loss_curve"]
-    return True
+    log(f"resuming from {path} at step {state.step}/{steps}")
 
 
 def check_writable(out: Path, flag: str, fail) -> None:
@@ -164,20 +150,35 @@ def check_writable(out: Path, flag: str, fail) -> None:
         fail(f"{flag} {out} cannot be created: {parent} is not a writable folder")
 
 
+def _stop(number, frame):
+    """SIGINT and SIGTERM end the run alike, unwinding (temporaries removed, the lock released);
+    later ones are ignored: a second Ctrl-C ms later would break that off with a traceback."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    raise KeyboardInterrupt(signal.Signals(number).name)
+
+
 @contextlib.contextmanager
 def one_line_errors(fail):
     """Every failure a user can cause as one line through fail(message), never a traceback: a bad
     checkpoint, data file or setting, a full disk or a read-only folder (atomic_write names the
-    file), and Ctrl-C (finished stages and saved progress stay; the same command resumes)."""
+    file), and Ctrl-C or SIGTERM (finished stages and saved progress stay; the same command
+    resumes)."""
+    # not a signal ignored from the start (`nohup`, a shell's `&`): the user asked to keep running
+    kept = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) != signal.SIG_IGN]
+    before = {sig: signal.signal(sig, _stop) for sig in kept}
     try:
         yield
     except (CheckpointError, data.DataError, RunError) as err:
         fail(str(err))
-    except KeyboardInterrupt:
-        fail("interrupted; run the same command again to resume")
+    except KeyboardInterrupt as err:
+        stopped = "terminated" if err.args == ("SIGTERM",) else "interrupted"
+        fail(f"{stopped}; run the same command again to resume")
     except OSError as err:  # atomic_write's own message names the file already
         named = err.filename and str(err.filename) not in (err.strerror or "")
         fail(f"{err.filename}: {err.strerror}" if named else err.strerror or str(err))
+    for sig, handler in before.items():  # not after a failure: its exit ignores them still
+        signal.signal(sig, handler)
 
 
 @contextlib.contextmanager
@@ -196,8 +197,7 @@ def locked(out: Path, fail):
             pid = f.read().strip() or "?"
             busy = f"--out {out} is in use by another run (PID {pid})"
             fail(f"{busy}; wait for it to finish or choose another --out")
-        f.seek(0)
-        f.truncate()
+        f.truncate(0)  # in "a+" mode the write then starts at 0
         f.write(str(os.getpid()))
         f.flush()
         try:

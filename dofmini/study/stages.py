@@ -1,80 +1,37 @@
 """The stages of reproduce.py's comparison, one function each: the teacher's evaluation, DoF, the
 sweep, the error curves and the oracle, each student's training and evaluation. Each saves its
-result with the key of the settings and inputs that made it (runs.stage), built here once each."""
+result under the file and key keys.py gives it (runs.stage)."""
 
 import dataclasses
 import functools
 import itertools
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from .. import dof
 from ..checkpoint import CheckpointError
-from ..distill import TrainSettings, distill, train_direct
+from ..distill import distill, train_direct
 from ..files import as_json
 from ..students import load_student, make_student, read_tensors, save_tensors
-from . import evaluate, plan, runs
+from . import evaluate, runs
+from .keys import (
+    ALLOCATIONS,
+    CALIBRATION,
+    Run,
+    Student,
+    eval_key,
+    settings,
+    stage_files,
+    student_file,
+    train_key,
+)
 from .oracle import curves_record
 from .runs import log
 
-# DoF's allocations (dof.allocate): (rule, how a layer's heads combine, capped at the head size,
-# each layer's floor as a share of the budget; None: 1 feature).
-ALLOCATIONS = {
-    "dof": ("proportional", "max", False, None),
-    "dof_clip": ("proportional", "max", True, None),
-    "dof_mean": ("proportional", "mean", False, None),
-    "dof_sqrt": ("power:0.5", "max", False, None),
-    "dof_sqrt_mean": ("power:0.5", "mean", False, None),
-    "dof_floor": ("proportional", "max", False, 0.5),
-    "dof_inv_sqrt": ("power:-0.5", "max", False, None),
-    "dof_inv": ("power:-1", "max", False, None),
-}
 ORACLES = ("oracle", "oracle_e2e")  # least summed layer KL; least summed one-layer-swap e2e KL
 TRAINED_PRF = ("fix", *ALLOCATIONS, *ORACLES)  # variants whose draw is trained
-CALIBRATION = "wikitext-2-raw/wiki.valid.raw"  # DoF calibration text, in the data store
-
-
-@dataclass(frozen=True)
-class Student:
-    variant: str
-    loss: str
-    budget: int
-    seed: int
-    dims: tuple
-
-    @property
-    def name(self) -> str:
-        return f"{self.variant}/{self.loss}/b{self.budget}/s{self.seed}"
-
-    @property
-    def stem(self) -> str:
-        return self.name.replace("/", "-")
-
-    def path(self, out: Path) -> Path:  # its tensors, with its key and record as metadata
-        return out / "students" / f"{self.stem}.safetensors"
-
-
-@dataclass
-class Run:
-    """What the stages share: the settings (reproduce.RunConfig), the teacher, the texts, the
-    inputs every key holds (teacher, tokenizer, device, data file hashes) and the clock."""
-
-    cfg: object
-    teacher: object
-    tokenizer: object
-    ctx: int
-    lam: float
-    budgets: tuple
-    inputs: dict
-    texts: dict = field(default_factory=dict)  # name -> token ids
-    clock: plan.Clock = field(default_factory=lambda: plan.Clock([]))
-
-    def stage(self, name: str, path: Path, key: dict, compute):  # runs.stage, on the clock
-        self.clock.begin(name)
-        return runs.stage(path, key, self.clock.timed(compute))
 
 
 def student_keys(run: Run) -> list:
@@ -103,82 +60,9 @@ def dims_of(run: Run, variant: str, budget: int, allocation, curves=None):
     return (budget,) * run.teacher.config.n_layer
 
 
-def eval_key(run: Run) -> dict:
-    """What an evaluation's numbers depend on besides the model."""
-    cfg, inputs = run.cfg, run.inputs
-    data = {k: v for k, v in inputs.items() if "/" in k}
-    return dict(
-        ctx=run.ctx,
-        eval_windows=cfg.eval_windows,
-        limit=cfg.limit,
-        data=data,
-        error_windows=cfg.error_windows,
-        tokenizer=inputs["tokenizer"],
-        device=inputs["device"],
-    )
-
-
-def stage_files(run: Run) -> dict:
-    """{stage name: (its file, its key)} of the teacher's evaluation, DoF and the sweep."""
-    cfg, inputs, out = run.cfg, run.inputs, run.cfg.out
-    allocation = dict(
-        teacher=inputs["teacher"],
-        lam=run.lam,
-        J=cfg.J,
-        seed=cfg.seeds[0],
-        ctx=run.ctx,
-        normalize=not cfg.raw_gram,
-        calib_windows=cfg.calib_windows,
-        budgets=run.budgets,
-        calib=inputs[CALIBRATION],
-        device=inputs["device"],
-        rules=ALLOCATIONS,
-    )
-    sweep = {k: v for k, v in allocation.items() if k not in ("lam", "J", "normalize")}
-    teacher = {"teacher": inputs["teacher"], **eval_key(run)}
-    return {
-        "teacher evaluation": (out / "teacher.json", teacher),
-        "DoF estimate": (out / "allocation.json", allocation),
-        "DoF sweep": (out / "sweep.json", dict(sweep, lams=cfg.sweep_lams, Js=cfg.sweep_Js)),
-    }
-
-
-def settings(run: Run, seed: int) -> TrainSettings:
-    cfg = run.cfg
-    steps = cfg.steps or max(1, len(run.texts["train"]) // (cfg.batch * run.ctx))
-    return TrainSettings(steps, cfg.batch, run.ctx, cfg.lr, cfg.lr_a, data_seed=seed)
-
-
-def train_key(run: Run, spec: Student) -> dict:
-    """What a student's tensors depend on."""
-    inputs, corpus = run.inputs, {k: v for k, v in run.inputs.items() if k.startswith("corpus/")}
-    return dict(
-        teacher=inputs["teacher"],
-        variant=spec.variant,
-        loss=spec.loss,
-        dims=spec.dims,
-        seed=spec.seed,
-        **settings(run, spec.seed).record(),
-        train=corpus,
-        train_chars=run.cfg.train_chars,
-        tokenizer=inputs["tokenizer"],
-        device=inputs["device"],
-    )
-
-
-def student_file(run: Run, spec: Student, curve: bool = False) -> tuple:
-    """(file, key) of a student's evaluation, or with `curve` of its errors for the error curves,
-    on the windows after the reported ones."""
-    key = {"student": train_key(run, spec), **eval_key(run)}
-    if curve:
-        key["windows"] = run.cfg.curve_windows
-    return run.cfg.out / "eval" / f"{spec.stem}{'-curve' * curve}.json", key
-
-
 def evaluate_model(run: Run, model) -> dict:
     cfg, texts = run.cfg, {name: run.texts[name] for name in evaluate.PPL_TEXTS}
-    tasks = () if cfg.limit == 0 else tuple(evaluate.TASKS)
-    options = (cfg.data, cfg.eval_windows, cfg.limit, tasks)
+    options = (cfg.data, cfg.eval_windows, cfg.limit, run.tasks())
     return evaluate.evaluate_model(model, run.tokenizer, texts, run.ctx, *options)
 
 
@@ -201,10 +85,8 @@ def estimate_allocation(run: Run) -> dict:
         dims = {str(b): {"fix": [b] * n_layer} for b in run.budgets}
         for b, variant in itertools.product(dims, ALLOCATIONS):
             rule, aggregate, clip, share = ALLOCATIONS[variant]
-            floor = max(1, int(int(b) * (share or 0)))
-            dims[b][variant] = dof.allocate(
-                per_head, int(b), rule, clip and cap or None, aggregate, floor
-            )
+            floor, most = max(1, int(int(b) * (share or 0))), clip and cap or None
+            dims[b][variant] = dof.allocate(per_head, int(b), rule, most, aggregate, floor)
         found = dict(lam=run.lam, J=cfg.J, seed=seed, normalize=normalize, dims=dims)
         found["calibration"] = f"{CALIBRATION}: first {len(calib)} tokens, ctx {run.ctx}"
         found.update(per_head=per_head.tolist(), warning=dof.saturation_warning(per_head, cfg.J))
@@ -288,11 +170,9 @@ def fitting(run: Run, spec: Student):
 
 def curve_specs(run: Run) -> list:
     """The Fix students of the error curves, seed by seed, M by M."""
-    n_layer = run.teacher.config.n_layer
+    n_layer, cfg = run.teacher.config.n_layer, run.cfg
     return [
-        Student("fix", "softmax", m, s, (m,) * n_layer)
-        for s in run.cfg.seeds
-        for m in run.cfg.curve_dims
+        Student("fix", "softmax", m, s, (m,) * n_layer) for s in cfg.seeds for m in cfg.curve_dims
     ]
 
 

@@ -1,0 +1,129 @@
+"""What a run is made of: its shared state (Run), a student (Student), the data files it reads,
+and each stage's file and key: the settings and inputs its result depends on (runs.stage reuses a
+result only for the same key). stages.py computes the stages."""
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..distill import TrainSettings
+from . import data, evaluate, plan, runs
+
+# DoF's allocations (dof.allocate): (rule, how a layer's heads combine, capped at the head size,
+# each layer's floor as a share of the budget; None: 1 feature).
+ALLOCATIONS = {
+    "dof": ("proportional", "max", False, None),
+    "dof_clip": ("proportional", "max", True, None),
+    "dof_mean": ("proportional", "mean", False, None),
+    "dof_sqrt": ("power:0.5", "max", False, None),
+    "dof_sqrt_mean": ("power:0.5", "mean", False, None),
+    "dof_floor": ("proportional", "max", False, 0.5),
+    "dof_inv_sqrt": ("power:-0.5", "max", False, None),
+    "dof_inv": ("power:-1", "max", False, None),
+}
+CALIBRATION = "wikitext-2-raw/wiki.valid.raw"  # DoF calibration text, in the data store
+
+
+@dataclass(frozen=True)
+class Student:
+    variant: str
+    loss: str
+    budget: int
+    seed: int
+    dims: tuple
+
+    @property
+    def name(self) -> str:
+        return f"{self.variant}/{self.loss}/b{self.budget}/s{self.seed}"
+
+    @property
+    def stem(self) -> str:
+        return self.name.replace("/", "-")
+
+    def path(self, out: Path) -> Path:  # its tensors, with its key and record as metadata
+        return out / "students" / f"{self.stem}.safetensors"
+
+
+@dataclass
+class Run:
+    """What the stages share: the settings (reproduce.RunConfig), the teacher, the texts, the
+    inputs every key holds (teacher, tokenizer, device, data file hashes) and the clock."""
+
+    cfg: object
+    teacher: object
+    tokenizer: object
+    ctx: int
+    lam: float
+    budgets: tuple
+    inputs: dict
+    texts: dict = field(default_factory=dict)  # name -> token ids
+    clock: plan.Clock = field(default_factory=lambda: plan.Clock([]))
+
+    def stage(self, name: str, path: Path, key: dict, compute):  # runs.stage, on the clock
+        self.clock.begin(name)
+        return runs.stage(path, key, self.clock.timed(compute))
+
+    def texts_read(self) -> dict:
+        """{text: its data files, in the order read}: DoF's calibration text, the perplexity
+        texts and the training corpus, joined in path order, not the registry's row order."""
+        corpus = sorted(f.path for f in data.files("corpus"))
+        texts = {name: [path] for name, path in evaluate.PPL_TEXTS.items()}
+        return dict(calib=[CALIBRATION], **texts, train=corpus)
+
+    def tasks(self) -> tuple:
+        return () if self.cfg.limit == 0 else tuple(evaluate.TASKS)
+
+    def files_read(self, evaluation: bool = False) -> list:
+        """The data files the run reads, in the order read: the texts, then each task's files
+        (with `evaluation`, only the evaluation's: the perplexity texts and the tasks')."""
+        every = itertools.chain(*self.texts_read().values())
+        texts = evaluate.PPL_TEXTS.values() if evaluation else every
+        return [*texts, *(f.path for task in self.tasks() for f in data.files(task))]
+
+
+def eval_key(run: Run) -> dict:
+    """What an evaluation's numbers depend on besides the model: the files it reads, in order."""
+    cfg, inputs = run.cfg, run.inputs
+    data_read = [[path, inputs[path]] for path in run.files_read(evaluation=True)]
+    key = dict(ctx=run.ctx, eval_windows=cfg.eval_windows, limit=cfg.limit, data=data_read)
+    key.update(error_windows=cfg.error_windows, tokenizer=inputs["tokenizer"])
+    return dict(key, device=inputs["device"])
+
+
+def stage_files(run: Run) -> dict:
+    """{stage name: (its file, its key)} of the teacher's evaluation, DoF and the sweep."""
+    cfg, inputs, out = run.cfg, run.inputs, run.cfg.out
+    sweep = dict(teacher=inputs["teacher"], seed=cfg.seeds[0], ctx=run.ctx, budgets=run.budgets)
+    sweep.update(calib_windows=cfg.calib_windows, calib=inputs[CALIBRATION], rules=ALLOCATIONS)
+    sweep["device"] = inputs["device"]
+    allocation = dict(sweep, lam=run.lam, J=cfg.J, normalize=not cfg.raw_gram)
+    teacher = {"teacher": inputs["teacher"], **eval_key(run)}
+    return {
+        "teacher evaluation": (out / "teacher.json", teacher),
+        "DoF estimate": (out / "allocation.json", allocation),
+        "DoF sweep": (out / "sweep.json", dict(sweep, lams=cfg.sweep_lams, Js=cfg.sweep_Js)),
+    }
+
+
+def settings(run: Run, seed: int) -> TrainSettings:
+    cfg = run.cfg
+    steps = cfg.steps or max(1, len(run.texts["train"]) // (cfg.batch * run.ctx))
+    return TrainSettings(steps, cfg.batch, run.ctx, cfg.lr, cfg.lr_a, data_seed=seed)
+
+
+def train_key(run: Run, spec: Student) -> dict:
+    """What a student's tensors depend on."""
+    inputs, corpus = run.inputs, {k: v for k, v in run.inputs.items() if k.startswith("corpus/")}
+    key = dict(teacher=inputs["teacher"], variant=spec.variant, loss=spec.loss, dims=spec.dims)
+    key.update(seed=spec.seed, **settings(run, spec.seed).record(), train=corpus)
+    key.update(train_chars=run.cfg.train_chars, tokenizer=inputs["tokenizer"])
+    return dict(key, device=inputs["device"])
+
+
+def student_file(run: Run, spec: Student, curve: bool = False) -> tuple:
+    """(file, key) of a student's evaluation, or with `curve` of its errors for the error curves,
+    on the windows after the reported ones."""
+    key = {"student": train_key(run, spec), **eval_key(run)}
+    if curve:
+        key["windows"] = run.cfg.curve_windows
+    return run.cfg.out / "eval" / f"{spec.stem}{'-curve' * curve}.json", key
