@@ -73,21 +73,26 @@ class Run:
     def tasks(self) -> tuple:
         return () if self.cfg.limit == 0 else tuple(evaluate.TASKS)
 
-    def files_read(self, evaluation: bool = False) -> list:
-        """The data files the run reads, in the order read: the texts, then each task's files
-        (with `evaluation`, only the evaluation's: the perplexity texts and the tasks')."""
-        every = itertools.chain(*self.texts_read().values())
-        texts = evaluate.PPL_TEXTS.values() if evaluation else every
+    def files_read(self) -> list:
+        """The data files the run reads, in the order read: the texts, then each task's files."""
+        texts = itertools.chain(*self.texts_read().values())
         return [*texts, *(f.path for task in self.tasks() for f in data.files(task))]
 
 
 def eval_key(run: Run) -> dict:
-    """What an evaluation's numbers depend on besides the model: the files it reads, in order."""
+    """What an evaluation's numbers depend on besides the model. `data` pins every data file the
+    run verified (a superset of what an evaluation reads: a change to any of them redoes it);
+    results.json's inputs["read"] gives the order they are read in."""
     cfg, inputs = run.cfg, run.inputs
-    data_read = [[path, inputs[path]] for path in run.files_read(evaluation=True)]
-    key = dict(ctx=run.ctx, eval_windows=cfg.eval_windows, limit=cfg.limit, data=data_read)
-    key.update(error_windows=cfg.error_windows, tokenizer=inputs["tokenizer"])
-    return dict(key, device=inputs["device"])
+    return dict(
+        ctx=run.ctx,
+        eval_windows=cfg.eval_windows,
+        limit=cfg.limit,
+        data={k: v for k, v in inputs.items() if "/" in k},
+        error_windows=cfg.error_windows,
+        tokenizer=inputs["tokenizer"],
+        device=inputs["device"],
+    )
 
 
 def stage_files(run: Run) -> dict:
