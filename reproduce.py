@@ -4,12 +4,14 @@ report.md and SVG charts.
 
     python reproduce.py gpt2                        # a named model, downloaded once into weights/
     python reproduce.py path/to/checkpoint --profile quick
+    torchrun --nproc-per-node 4 reproduce.py gpt2 --device cuda --precision bf16  # 4 GPUs
 
 Every setting of a run is one field of RunConfig below. Each stage saves its result under --out with
 the settings and inputs that made it; running again reuses a stage only when they match.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -26,7 +28,7 @@ from dofmini import hub
 from dofmini.checkpoint import CheckpointError
 from dofmini.distill import TrainSettings
 from dofmini.files import sha256_file, unreachable, write_text
-from dofmini.study import compare, data, endtoend, evaluate, oracle, plan, report, runs, stages
+from dofmini.study import compare, data, devices, endtoend, evaluate, plan, report, runs, stages
 from dofmini.study.runs import log
 
 VARIANTS = ("performer", "dijiang", "fix", *stages.ALLOCATIONS, *stages.ORACLES)
@@ -55,6 +57,8 @@ class RunConfig:
     out: Path | None = None  # default runs/<model>-<profile>
     data: Path | None = None  # the data store; default DOFMINI_DATA or the user cache
     device: str = "cpu"
+    precision: str = "fp32"  # the teacher's forward passes: fp32, or bf16 autocast (devices)
+    batch_per_device: int | None = None  # windows a device holds at once; None: its whole share
     variants: tuple = ("performer", "dijiang", "fix", "dof", "dof_clip")
     losses: tuple = (("softmax", None),)  # (loss, budgets it runs at; None: every budget)
     seeds: tuple = (0,)  # each sets the feature draw and the data order; Fix and DoF share it
@@ -108,7 +112,9 @@ def parse_args(argv) -> RunConfig:
                    "paper: the paper's sizes, meant for a GPU")  # fmt: skip
     p.add_argument("--out", help="output folder (default runs/<model>-<profile>)")
     p.add_argument("--data", type=Path, help="data store (default $DOFMINI_DATA, else the cache)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (torchrun: each rank's)")
+    p.add_argument("--precision", choices=devices.PRECISIONS, help="the teacher's: bf16 autocast")
+    p.add_argument("--batch-per-device", type=int, help="windows a device takes at once")
     p.add_argument("--variants", help=f"comma-separated, from {', '.join(VARIANTS)}; none: only\n"
                    "the teacher's evaluation and DoF")  # fmt: skip
     p.add_argument("--loss", help=f"comma-separated losses for the PRF variants, from "
@@ -142,12 +148,14 @@ def parse_args(argv) -> RunConfig:
         fields["seeds"] = _ints("--seeds", args.seeds) if args.seeds else (args.seed,)
     if args.budgets:
         fields["budgets"] = _ints("--budgets", args.budgets)
-    fields.update({k: v for k in ("limit", "lam", "J") if (v := getattr(args, k)) is not None})
+    named = ("limit", "lam", "J", "precision", "batch_per_device")
+    fields.update({k: v for k in named if (v := getattr(args, k)) is not None})
     return check(RunConfig(**fields))
 
 
 def _fail(message: str):
-    raise SystemExit(f"reproduce.py: error: {message}")
+    rank = f"rank {devices.rank()} of {devices.world()}: " if devices.world() > 1 else ""
+    raise SystemExit(f"reproduce.py: error: {rank}{message}")
 
 
 def _ints(flag: str, text: str) -> tuple:
@@ -181,6 +189,8 @@ def check(cfg: RunConfig) -> RunConfig:
         _fail(f"--limit {cfg.limit}: expected 0 (no tasks) or more")
     if cfg.J < 2:
         _fail(f"--J {cfg.J}: expected 2 or more samples per head")
+    if (cfg.batch_per_device or 1) < 1 or cfg.batch < (ranks := devices.world()):
+        _fail(f"--batch-per-device {cfg.batch_per_device}: expected >= 1, {ranks} ranks <= batch")
     for seed in cfg.seeds:
         if not 0 <= seed <= SEED_LIMIT - 1000:
             _fail(f"--seeds {seed}: expected 0..{SEED_LIMIT - 1000}")
@@ -210,9 +220,10 @@ def check(cfg: RunConfig) -> RunConfig:
 
 
 def main(argv=None):
+    devices.start()
     with runs.one_line_errors(_fail):  # also a path the system refuses (too long) in parse_args
         cfg = parse_args(argv)
-        with runs.locked(cfg.out, _fail):
+        with runs.locked(cfg.out, _fail) if devices.is_writer() else contextlib.nullcontext():
             return _main(cfg)
 
 
@@ -231,8 +242,8 @@ def _main(cfg: RunConfig):
         _fail(runs.missing_listing(weights, absent, cfg.data, f"{', '.join(hosts)} took no "
               "connection; put each missing file at its path (a Wikipedia file as served), "
               "or point --data or DOFMINI_DATA_MIRROR at a copy of the store:"))  # fmt: skip
-    run = load_teacher(cfg, data.ensure(groups, cfg.data, log=log))
-    encode_texts(run)
+    run = devices.writer_first(lambda: load_teacher(cfg, data.ensure(groups, cfg.data, log=log)))
+    devices.writer_first(lambda: encode_texts(run))  # the others read its token caches
     plan_run(run)
     if cfg.plan_only:
         return
@@ -273,7 +284,7 @@ def load_teacher(cfg: RunConfig, hashes: dict) -> stages.Run:
                   f"{cfg.calib_windows} calibration windows of {ctx} tokens give")  # fmt: skip
     tokenizer_hash = sha256_file(hub.locate(cfg.model) / "tokenizer.json")[:16]
     inputs = dict(teacher=teacher.identity, tokenizer=tokenizer_hash, **hashes)
-    inputs["device"] = runs.device_name(teacher)
+    inputs["device"] = runs.device_name(teacher) + devices.teacher_precision(teacher, cfg.precision)
     log(f"dofmini: {model_cfg.name} ({model_cfg.family}, {model_cfg.n_layer} layers x "
         f"{model_cfg.n_head} heads of {model_cfg.head_dim}), profile {cfg.profile}, ctx {ctx}, "
         f"seeds {list(cfg.seeds)}, budgets {list(budgets)}, out {cfg.out}")  # fmt: skip
@@ -334,7 +345,7 @@ def done_stages(run: stages.Run) -> set:
         found_m = runs.saved(*stages.student_file(run, spec, curve=True))
         errors.setdefault(str(spec.seed), []).append(found_m)
     if errors and all(None not in by_m for by_m in errors.values()):
-        curves = oracle.curves_record(errors, cfg.curve_dims, run.budgets, 0.0)
+        curves = stages.curves_record(errors, cfg.curve_dims, run.budgets, 0.0)
     swaps = [runs.saved(*endtoend.stage_file(run, s, swap=True)) for s in stages.curve_specs(run)]
     if "oracle_e2e" in cfg.variants and None not in swaps:
         found.add(endtoend.SWAP_STAGE)

@@ -7,6 +7,7 @@ import math
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from .linear_attention import unit_features
@@ -14,6 +15,7 @@ from .model import check_args
 from .students import make_student, trainable
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+SETUP = ("_every", "per_device")  # TrainSettings fields that leave the result as it is
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +35,7 @@ class TrainSettings:
     dtype: str = "float32"
     save_every: int = 50
     log_every: int | None = None
+    per_device: int | None = None  # windows a device takes at once (shared_step); None: all
 
     def __post_init__(self):
         check_args("TrainSettings", "a positive finite number", lr=self.lr, lr_a=self.lr_a)
@@ -45,7 +48,7 @@ class TrainSettings:
             )
 
     def record(self) -> dict:
-        return {k: v for k, v in dataclasses.asdict(self).items() if not k.endswith("_every")}
+        return {k: v for k, v in dataclasses.asdict(self).items() if not k.endswith(SETUP)}
 
 
 def chunk_terms(features, q, k, v, unit_k, top_k, lo: int, hi: int, want: set) -> dict:
@@ -142,7 +145,7 @@ def fit(student, step_fn, token_ids, what, s, log=print, resume=None, on_step=No
         last = len(token_ids) - s.ctx + 1
         first = torch.randint(0, last, (s.batch, 1), generator=gen)  # [b, 1]
         ids = token_ids[first + torch.arange(s.ctx)]  # [batch, ctx]
-        losses = step_fn(ids.to(device))  # per layer
+        losses = shared_step(step_fn, ids.to(device), list(params.values()), s.per_device)
         if not all(map(math.isfinite, losses)):
             raise FloatingPointError(f"{what}: per-layer losses {losses} at step {done}")
         opt.step()
@@ -162,6 +165,27 @@ def fit(student, step_fn, token_ids, what, s, log=print, resume=None, on_step=No
             text = " ".join(f"{x:.4g}" for x in mean)
             log(f"{what} {done}/{s.steps}: loss {text} ({elapsed:.0f}s, ~{left:.0f}s left)")
     return {"train_seconds": before + time.time() - t0, "loss_curve": state.curve}
+
+
+def shared_step(step_fn, ids, params: list, per_device=None) -> list:
+    """step_fn(ids)'s per-layer losses, and gradients in `params`, of the batch ids [B, ctx] taken
+    per_device windows at a time; under torch.distributed each rank (at most B) takes every
+    world-th window and their B-weighted sums are summed: every rank steps as one process would."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if world == 1 and (per_device or len(ids)) >= len(ids):
+        return step_fn(ids)  # exactly the one-process step
+    grads, losses = [torch.zeros_like(p) for p in params], 0.0
+    for part in ids[rank::world].split(per_device or len(ids)):  # [b, ctx]
+        weight = len(part) / len(ids)
+        losses = losses + weight * torch.tensor(step_fn(part), dtype=torch.float64)  # [L]
+        for p, grad in zip(params, grads):
+            grad += weight * p.grad
+            p.grad = None
+    for tensor in (*grads, losses) if world > 1 else ():
+        dist.all_reduce(tensor)
+    for p, grad in zip(params, grads):
+        p.grad = grad
+    return losses.tolist()
 
 
 def distill(teacher, dims, token_ids, settings=TrainSettings(), *, loss="softmax", **loop):

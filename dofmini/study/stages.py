@@ -16,7 +16,7 @@ from ..checkpoint import CheckpointError
 from ..distill import TrainSettings, distill, train_direct
 from ..files import as_json
 from ..students import load_student, make_student, read_tensors, save_tensors
-from . import evaluate, plan, runs
+from . import devices, evaluate, plan, runs
 from .oracle import curves_record
 from .runs import log
 
@@ -72,9 +72,9 @@ class Run:
     texts: dict = field(default_factory=dict)  # name -> token ids
     clock: plan.Clock = field(default_factory=lambda: plan.Clock([]))
 
-    def stage(self, name: str, path: Path, key: dict, compute):  # runs.stage, on the clock
+    def stage(self, name: str, path: Path, key: dict, compute, split=False):  # on the clock
         self.clock.begin(name)
-        return runs.stage(path, key, self.clock.timed(compute))
+        return runs.stage(path, key, self.clock.timed(compute), split)
 
 
 def student_keys(run: Run) -> list:
@@ -146,7 +146,8 @@ def stage_files(run: Run) -> dict:
 def settings(run: Run, seed: int) -> TrainSettings:
     cfg = run.cfg
     steps = cfg.steps or max(1, len(run.texts["train"]) // (cfg.batch * run.ctx))
-    return TrainSettings(steps, cfg.batch, run.ctx, cfg.lr, cfg.lr_a, data_seed=seed)
+    per_device = cfg.batch_per_device
+    return TrainSettings(steps, cfg.batch, run.ctx, cfg.lr, cfg.lr_a, seed, per_device=per_device)
 
 
 def train_key(run: Run, spec: Student) -> dict:
@@ -184,7 +185,8 @@ def evaluate_model(run: Run, model) -> dict:
 
 def evaluate_teacher(run: Run) -> dict:
     name = "teacher evaluation"
-    result = run.stage(name, *stage_files(run)[name], lambda: evaluate_model(run, run.teacher))
+    compute = lambda: evaluate_model(run, run.teacher)
+    result = run.stage(name, *stage_files(run)[name], compute, split=True)
     log(f"teacher: WikiText-2 perplexity {result['wikitext2_ppl']:.2f} (ctx {run.ctx})")
     return result
 
@@ -268,6 +270,7 @@ def train_student(run: Run, spec: Student):
         # a resumed training's seconds include those before the interruption, as the stage's
         # estimate does: this invocation's seconds alone would make the pace look fast
         run.clock.count(info["train_seconds"])
+    devices.barrier()  # the writer has saved it
     student, meta = load_student(run.teacher, path, {"key": key})
     return student, meta["info"]
 
@@ -324,7 +327,7 @@ def train_and_evaluate(run: Run, spec: Student) -> dict:
     """One student's training record, layer errors before and after training, perplexity, tasks."""
     student, info = train_student(run, spec)
     compute = lambda: {"layer_error": layer_errors(run, student), **evaluate_model(run, student)}
-    result = {**run.stage(spec.name, *student_file(run, spec), compute), **info}
+    result = {**run.stage(spec.name, *student_file(run, spec), compute, split=True), **info}
     result.update(dataclasses.asdict(spec), dims=list(spec.dims))
     if spec.variant in TRAINED_PRF:  # the draw training started from (a Performer of these dims)
         key = {"teacher": run.inputs["teacher"], "dims": spec.dims, "seed": spec.seed}
