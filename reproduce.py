@@ -4,7 +4,6 @@ report.md and SVG charts.
 
     python reproduce.py gpt2                        # a named model, downloaded once into weights/
     python reproduce.py path/to/checkpoint --profile quick
-    torchrun --nproc-per-node 4 reproduce.py gpt2 --device cuda --precision bf16  # 4 GPUs
 
 Every setting of a run is one field of RunConfig below. Each stage saves its result under --out with
 the settings and inputs that made it; running again reuses a stage only when they match.
@@ -58,7 +57,7 @@ class RunConfig:
     data: Path | None = None  # the data store; default DOFMINI_DATA or the user cache
     device: str = "cpu"
     precision: str = "fp32"  # the teacher's forward passes: fp32, or bf16 autocast (devices)
-    batch_per_device: int | None = None  # windows a device holds at once; None: its whole share
+    per_device: int | None = None  # windows a device takes at once; None: its share of a batch
     variants: tuple = ("performer", "dijiang", "fix", "dof", "dof_clip")
     losses: tuple = (("softmax", None),)  # (loss, budgets it runs at; None: every budget)
     seeds: tuple = (0,)  # each sets the feature draw and the data order; Fix and DoF share it
@@ -113,8 +112,8 @@ def parse_args(argv) -> RunConfig:
     p.add_argument("--out", help="output folder (default runs/<model>-<profile>)")
     p.add_argument("--data", type=Path, help="data store (default $DOFMINI_DATA, else the cache)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (torchrun: each rank's)")
-    p.add_argument("--precision", choices=devices.PRECISIONS, help="the teacher's: bf16 autocast")
-    p.add_argument("--batch-per-device", type=int, help="windows a device takes at once")
+    p.add_argument("--precision", choices=("fp32", "bf16"), help="the teacher's: bf16 autocast")
+    p.add_argument("--batch-per-device", type=int, dest="per_device", help="windows a device takes")
     p.add_argument("--variants", help=f"comma-separated, from {', '.join(VARIANTS)}; none: only\n"
                    "the teacher's evaluation and DoF")  # fmt: skip
     p.add_argument("--loss", help=f"comma-separated losses for the PRF variants, from "
@@ -148,7 +147,7 @@ def parse_args(argv) -> RunConfig:
         fields["seeds"] = _ints("--seeds", args.seeds) if args.seeds else (args.seed,)
     if args.budgets:
         fields["budgets"] = _ints("--budgets", args.budgets)
-    named = ("limit", "lam", "J", "precision", "batch_per_device")
+    named = ("limit", "lam", "J", "precision", "per_device")
     fields.update({k: v for k in named if (v := getattr(args, k)) is not None})
     return check(RunConfig(**fields))
 
@@ -189,8 +188,8 @@ def check(cfg: RunConfig) -> RunConfig:
         _fail(f"--limit {cfg.limit}: expected 0 (no tasks) or more")
     if cfg.J < 2:
         _fail(f"--J {cfg.J}: expected 2 or more samples per head")
-    if (cfg.batch_per_device or 1) < 1 or cfg.batch < (ranks := devices.world()):
-        _fail(f"--batch-per-device {cfg.batch_per_device}: expected >= 1, {ranks} ranks <= batch")
+    if (cfg.per_device or 1) < 1 or cfg.batch < (ranks := devices.world()):
+        _fail(f"--batch-per-device {cfg.per_device}: expected >= 1, {ranks} ranks <= batch")
     for seed in cfg.seeds:
         if not 0 <= seed <= SEED_LIMIT - 1000:
             _fail(f"--seeds {seed}: expected 0..{SEED_LIMIT - 1000}")

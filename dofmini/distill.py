@@ -15,7 +15,6 @@ from .model import check_args
 from .students import make_student, trainable
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
-SETUP = ("_every", "per_device")  # TrainSettings fields that leave the result as it is
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +34,6 @@ class TrainSettings:
     dtype: str = "float32"
     save_every: int = 50
     log_every: int | None = None
-    per_device: int | None = None  # windows a device takes at once (shared_step); None: all
 
     def __post_init__(self):
         check_args("TrainSettings", "a positive finite number", lr=self.lr, lr_a=self.lr_a)
@@ -48,7 +46,7 @@ class TrainSettings:
             )
 
     def record(self) -> dict:
-        return {k: v for k, v in dataclasses.asdict(self).items() if not k.endswith(SETUP)}
+        return {k: v for k, v in dataclasses.asdict(self).items() if not k.endswith("_every")}
 
 
 def chunk_terms(features, q, k, v, unit_k, top_k, lo: int, hi: int, want: set) -> dict:
@@ -120,11 +118,14 @@ class TrainState:
     seconds: float = 0.0
 
 
-def fit(student, step_fn, token_ids, what, s, log=print, resume=None, on_step=None):
+def fit(
+    student, step_fn, token_ids, what, s, log=print, resume=None, on_step=None, per_device=None
+):
     """distill's and train_direct's loop: Adam over the student's trainable tensors (`*.a` at
     s.lr_a, the rest at s.lr) on batches of windows drawn with s.data_seed; step_fn(ids)
-    back-propagates and returns per-layer losses (a non-finite one stops training). resume(state)
-    may restore a saved TrainState before the first step, on_step(state) sees it after each.
+    back-propagates and returns per-layer losses (a non-finite one stops training), per_device
+    windows at a time (shared_step). resume(state) may restore a saved TrainState before the first
+    step, on_step(state) sees it after each.
     Returns the record {"train_seconds", "loss_curve"}, seconds before a resume included."""
     if s.ctx > (n_ctx := student.config.n_ctx):
         raise ValueError(f"{what}: need ctx <= {n_ctx}; got ctx={s.ctx}")
@@ -145,7 +146,7 @@ def fit(student, step_fn, token_ids, what, s, log=print, resume=None, on_step=No
         last = len(token_ids) - s.ctx + 1
         first = torch.randint(0, last, (s.batch, 1), generator=gen)  # [b, 1]
         ids = token_ids[first + torch.arange(s.ctx)]  # [batch, ctx]
-        losses = shared_step(step_fn, ids.to(device), list(params.values()), s.per_device)
+        losses = shared_step(step_fn, ids.to(device), list(params.values()), per_device)
         if not all(map(math.isfinite, losses)):
             raise FloatingPointError(f"{what}: per-layer losses {losses} at step {done}")
         opt.step()
@@ -191,7 +192,7 @@ def shared_step(step_fn, ids, params: list, per_device=None) -> list:
 def distill(teacher, dims, token_ids, settings=TrainSettings(), *, loss="softmax", **loop):
     """(A PRF student, its record): dims[i] features in layer i, seed feature_seed + i
     (default 0), each layer trained with `loss` ("l2" or "softmax") on the teacher's
-    q, k for windows of token_ids (1-D); `loop`: fit's log, resume and on_step."""
+    q, k for windows of token_ids (1-D); `loop`: fit's log, resume, on_step and per_device."""
     if loss not in ("l2", "softmax"):
         raise ValueError(f"distill: loss {loss!r}; expected 'l2' or 'softmax'")
     student = make_student(teacher, "prf", dims, loop.pop("feature_seed", 0))

@@ -15,7 +15,6 @@ import torch.distributed as dist
 from .. import files
 
 TIMEOUT = datetime.timedelta(hours=1)
-PRECISIONS = ("fp32", "bf16")
 
 
 def world() -> int:

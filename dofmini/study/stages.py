@@ -146,8 +146,7 @@ def stage_files(run: Run) -> dict:
 def settings(run: Run, seed: int) -> TrainSettings:
     cfg = run.cfg
     steps = cfg.steps or max(1, len(run.texts["train"]) // (cfg.batch * run.ctx))
-    per_device = cfg.batch_per_device
-    return TrainSettings(steps, cfg.batch, run.ctx, cfg.lr, cfg.lr_a, seed, per_device=per_device)
+    return TrainSettings(steps, cfg.batch, run.ctx, cfg.lr, cfg.lr_a, data_seed=seed)
 
 
 def train_key(run: Run, spec: Student) -> dict:
@@ -184,8 +183,7 @@ def evaluate_model(run: Run, model) -> dict:
 
 
 def evaluate_teacher(run: Run) -> dict:
-    name = "teacher evaluation"
-    compute = lambda: evaluate_model(run, run.teacher)
+    name, compute = "teacher evaluation", lambda: evaluate_model(run, run.teacher)
     result = run.stage(name, *stage_files(run)[name], compute, split=True)
     log(f"teacher: WikiText-2 perplexity {result['wikitext2_ppl']:.2f} (ctx {run.ctx})")
     return result
@@ -282,11 +280,11 @@ def fitting(run: Run, spec: Student):
         untrained = {"train_seconds": 0.0, "loss_curve": []}
         return lambda **_: (performer(run, spec), untrained)
     if spec.loss != "direct":
-        options = dict(loss=spec.loss, feature_seed=spec.seed)
+        options = dict(loss=spec.loss, feature_seed=spec.seed, per_device=run.cfg.per_device)
         return functools.partial(distill, run.teacher, spec.dims, tokens, train, **options)
     kind = "dijiang" if spec.variant == "dijiang" else "prf"
     start = make_student(run.teacher, kind, spec.dims, spec.seed)
-    return functools.partial(train_direct, start, tokens, train)
+    return functools.partial(train_direct, start, tokens, train, per_device=run.cfg.per_device)
 
 
 def curve_specs(run: Run) -> list:
