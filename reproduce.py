@@ -112,7 +112,7 @@ def parse_args(argv) -> RunConfig:
     p.add_argument("--out", help="output folder (default runs/<model>-<profile>)")
     p.add_argument("--data", type=Path, help="data store (default $DOFMINI_DATA, else the cache)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (torchrun: each rank's)")
-    p.add_argument("--precision", choices=("fp32", "bf16"), help="the teacher's: bf16 autocast")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast")
     p.add_argument("--batch-per-device", type=int, dest="per_device", help="windows a device takes")
     p.add_argument("--variants", help=f"comma-separated, from {', '.join(VARIANTS)}; none: only\n"
                    "the teacher's evaluation and DoF")  # fmt: skip
@@ -136,7 +136,7 @@ def parse_args(argv) -> RunConfig:
     fields = dict(PROFILES[args.profile], model=args.model, profile=args.profile, out=out)
     fields.update(data=args.data, device=args.device, raw_gram=args.raw_gram)
     fields["sweep"] = args.sweep or fields.get("sweep", False)  # a profile may ask for the sweep
-    fields.update(plan_only=args.plan_only)
+    fields.update(plan_only=args.plan_only, precision=args.precision, per_device=args.per_device)
     if args.variants:
         fields["variants"] = () if args.variants == "none" else tuple(args.variants.split(","))
     if args.loss:
@@ -147,8 +147,7 @@ def parse_args(argv) -> RunConfig:
         fields["seeds"] = _ints("--seeds", args.seeds) if args.seeds else (args.seed,)
     if args.budgets:
         fields["budgets"] = _ints("--budgets", args.budgets)
-    named = ("limit", "lam", "J", "precision", "per_device")
-    fields.update({k: v for k in named if (v := getattr(args, k)) is not None})
+    fields.update({k: v for k in ("limit", "lam", "J") if (v := getattr(args, k)) is not None})
     return check(RunConfig(**fields))
 
 

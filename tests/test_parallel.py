@@ -74,7 +74,7 @@ def test_a_killed_rank_leaves_progress_that_another_number_of_ranks_resumes(tmp_
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     whole, cut = tmp_path / "whole.safetensors", tmp_path / "cut.safetensors"
     assert run([script, whole, 0], env=env).returncode == 0
-    killed = run([script, cut, 4], ranks=2, env=env)
+    killed = run([script, cut, 5], ranks=2, env=env)  # after the progress of step 4
     assert killed.returncode != 0 and not cut.exists() and Path(f"{cut}.progress").is_file()
     resumed = run([script, cut, 0], env=env)
     assert "resuming from" in resumed.stdout and "at step 4/6" in resumed.stdout, resumed.stderr
@@ -84,10 +84,8 @@ def test_a_killed_rank_leaves_progress_that_another_number_of_ranks_resumes(tmp_
 
 
 def test_a_device_taking_one_window_at_a_time_steps_as_the_whole_batch(tiny, tiny_ids):
-    students = [
-        distill(tiny, [8, 8], tiny_ids, TrainSettings(steps=3, batch=4, ctx=16, per_device=per))
-        for per in (None, 1)
-    ]
+    settings = TrainSettings(steps=3, batch=4, ctx=16)
+    students = [distill(tiny, [8, 8], tiny_ids, settings, per_device=n) for n in (None, 1)]
     (a, record_a), (b, record_b) = students
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-7)
