@@ -187,8 +187,10 @@ def check(cfg: RunConfig) -> RunConfig:
         _fail(f"--limit {cfg.limit}: expected 0 (no tasks) or more")
     if cfg.J < 2:
         _fail(f"--J {cfg.J}: expected 2 or more samples per head")
-    if (cfg.per_device or 1) < 1 or cfg.batch < (ranks := devices.world()):
-        _fail(f"--batch-per-device {cfg.per_device}: expected >= 1, {ranks} ranks <= batch")
+    if cfg.per_device is not None and cfg.per_device < 1:
+        _fail(f"--batch-per-device {cfg.per_device}: expected 1 or more windows")
+    if cfg.batch < devices.world():
+        _fail(f"{devices.world()} ranks: expected at most the profile's {cfg.batch} windows a step")
     for seed in cfg.seeds:
         if not 0 <= seed <= SEED_LIMIT - 1000:
             _fail(f"--seeds {seed}: expected 0..{SEED_LIMIT - 1000}")

@@ -1,9 +1,8 @@
-"""How a run uses its devices: data-parallel ranks under `torchrun`, and the teacher's precision.
-Without torchrun's environment (WORLD_SIZE > 1) every function here is a no-op. Under it, rank 0
-alone writes (files.WRITES is off elsewhere), logs (the others' stdout is discarded) and holds the
---out lock; training and evaluation share each batch's windows and sum what the ranks found
-(distill.shared_step, evaluate); any other stage the writer computes while the rest wait, then
-read its file (runs.stage). A rank waits at most TIMEOUT, which such a stage must not outlast."""
+"""How a run uses its devices: data-parallel ranks under `torchrun` (without it, no-ops), and the
+teacher's precision. Rank 0 alone writes (files.WRITES is off on the rest), logs (their stdout is
+discarded) and holds the --out lock. Training and evaluation share each batch's windows and sum
+what the ranks found (distill.shared_step, evaluate); any other stage the writer computes while
+the rest wait, then read its file (runs.stage): it must not outlast TIMEOUT."""
 
 import datetime
 import os
@@ -30,8 +29,7 @@ def is_writer() -> bool:
 
 
 def start():
-    """Join torchrun's process group (gloo for CPU tensors; NCCL for CUDA ones where CUDA is, the
-    device "cuda" then meaning this rank's GPU, cuda:LOCAL_RANK)."""
+    """Join torchrun's group: gloo for CPU tensors, NCCL for CUDA ("cuda" is cuda:LOCAL_RANK)."""
     if int(os.environ.get("WORLD_SIZE", 1)) == 1 or dist.is_initialized():
         return
     cuda = torch.cuda.is_available()
