@@ -97,7 +97,7 @@ def print_plan(plan: list, costs: dict, sizes: dict, cfg, ctx: int, done: set):
     )
     log(
         f"  each student: {sizes['train_windows'] // cfg.batch} steps of {cfg.batch} windows = "
-        f"{sizes['train_windows'] * ctx:,} tokens; evaluation on "
+        f"{sizes['train_windows'] * ctx:,} tokens over {devices.world()} rank(s); evaluation on "
         f"{' and '.join(map(str, sizes['texts']))} windows, {sizes['tasks'] or 'no'} tasks"
     )
     for name, seconds in plan:
