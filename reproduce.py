@@ -27,7 +27,7 @@ from dofmini import hub
 from dofmini.checkpoint import CheckpointError
 from dofmini.distill import TrainSettings
 from dofmini.files import sha256_file, unreachable, write_text
-from dofmini.study import compare, data, endtoend, evaluate, oracle, plan, report, runs, stages
+from dofmini.study import compare, data, devices, endtoend, evaluate, plan, report, runs, stages
 from dofmini.study.runs import log
 
 VARIANTS = ("performer", "dijiang", "fix", *stages.ALLOCATIONS, *stages.ORACLES)
@@ -56,6 +56,8 @@ class RunConfig:
     out: Path | None = None  # default runs/<model>-<profile>
     data: Path | None = None  # the data store; default DOFMINI_DATA or the user cache
     device: str = "cpu"
+    precision: str = "fp32"  # the teacher's forward passes: fp32, or bf16 autocast (devices)
+    per_device: int | None = None  # windows a device takes at once; None: its share of a batch
     variants: tuple = ("performer", "dijiang", "fix", "dof", "dof_clip")
     losses: tuple = (("softmax", None),)  # (loss, budgets it runs at; None: every budget)
     seeds: tuple = (0,)  # each sets the feature draw and the data order; Fix and DoF share it
@@ -112,7 +114,9 @@ def parse_args(argv) -> RunConfig:
                    "paper: the paper's sizes, meant for a GPU")  # fmt: skip
     p.add_argument("--out", type=partial(_arg, "--out", Path), help="default runs/MODEL-PROFILE")
     p.add_argument("--data", type=Path, help="data store (default $DOFMINI_DATA, else the cache)")
-    p.add_argument("--device", help="cpu (the default), cuda or cuda:N")
+    p.add_argument("--device", help="cpu (the default), cuda or cuda:N (torchrun: each rank's)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), help="bf16: the teacher in autocast")
+    p.add_argument("--batch-per-device", type=int, dest="per_device", help="windows a device takes")
     p.add_argument("--variants", type=partial(_arg, "--variants", _variants),
                    help=f"from {', '.join(VARIANTS)};\nnone: only the teacher and DoF")  # fmt: skip
     p.add_argument("--loss", dest="losses", type=partial(_arg, "--loss", _losses), metavar="LOSS",
@@ -136,7 +140,8 @@ def parse_args(argv) -> RunConfig:
 
 
 def _fail(message: str):
-    raise SystemExit(f"reproduce.py: error: {message}")
+    rank = f"rank {devices.rank()} of {devices.world()}: " if devices.world() > 1 else ""
+    raise SystemExit(f"reproduce.py: error: {rank}{message}")
 
 
 def _arg(flag: str, convert, text: str):
@@ -183,6 +188,10 @@ def check(cfg: RunConfig) -> RunConfig:
         _fail(f"--limit {cfg.limit}: expected 0 (no tasks) or more")
     if cfg.J < 2:
         _fail(f"--J {cfg.J}: expected 2 or more samples per head")
+    if cfg.per_device is not None and cfg.per_device < 1:
+        _fail(f"--batch-per-device {cfg.per_device}: expected 1 or more windows")
+    if cfg.batch < devices.world():
+        _fail(f"{devices.world()} ranks: expected at most the profile's {cfg.batch} windows a step")
     for seed in cfg.seeds:
         if not 0 <= seed <= SEED_LIMIT - 1000:
             _fail(f"--seeds {seed}: expected 0..{SEED_LIMIT - 1000}")
@@ -211,9 +220,12 @@ def check(cfg: RunConfig) -> RunConfig:
 
 
 def main(argv=None):
+    devices.start()
     with runs.one_line_errors(_fail):  # also a path the system refuses (too long) in parse_args
         cfg = parse_args(argv)
-        if cfg.plan_only:  # it writes nothing into --out, so it takes no lock
+        if (
+            cfg.plan_only or not devices.is_writer()
+        ):  # plan-only writes nothing; rank 0 holds the lock
             return _main(cfg)
         with runs.locked(cfg.out, _fail):
             return _main(cfg)
@@ -235,8 +247,8 @@ def _main(cfg: RunConfig):
         _fail(runs.missing_listing(weights, absent, cfg.data, f"{', '.join(hosts)} took no "
               "connection; put each missing file at its path (a Wikipedia file as served), "
               "or point --data or DOFMINI_DATA_MIRROR at a copy of the store:"))  # fmt: skip
-    run = load_teacher(cfg, data.ensure(groups, cfg.data, log=log))
-    encode_texts(run)
+    run = devices.writer_first(lambda: load_teacher(cfg, data.ensure(groups, cfg.data, log=log)))
+    devices.writer_first(lambda: encode_texts(run))  # the others read its token caches
     plan_run(run)
     if cfg.plan_only:
         return
@@ -271,7 +283,7 @@ def load_teacher(cfg: RunConfig, hashes: dict) -> stages.Run:
             _fail(f"{flag} {J} is more than the {pool} queries and keys per head that "
                   f"{cfg.calib_windows} calibration windows of {ctx} tokens give")  # fmt: skip
     tokenizer_hash = sha256_file(hub.locate(cfg.model) / "tokenizer.json")[:16]
-    device = runs.device_name(teacher)
+    device = runs.device_name(teacher) + devices.teacher_precision(teacher, cfg.precision)
     inputs = dict(teacher=teacher.identity, tokenizer=tokenizer_hash, device=device, **hashes)
     log(f"dofmini: {model_cfg.name} ({model_cfg.family}, {model_cfg.n_layer} layers x "
         f"{model_cfg.n_head} heads of {model_cfg.head_dim}), profile {cfg.profile}, ctx {ctx}, "
@@ -331,7 +343,7 @@ def done_stages(run: stages.Run) -> set:
         if found_m and spec.budget not in run.budgets:  # a student of the curves only
             found.add(spec.name)
     if errors and all(None not in by_m for by_m in errors.values()):
-        curves = oracle.curves_record(errors, cfg.curve_dims, run.budgets, 0.0)
+        curves = stages.curves_record(errors, cfg.curve_dims, run.budgets, 0.0)
     swaps = [runs.saved(*endtoend.stage_file(run, s, swap=True)) for s in stages.curve_specs(run)]
     if "oracle_e2e" in cfg.variants and None not in swaps:
         found.add(endtoend.SWAP_STAGE)

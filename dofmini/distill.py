@@ -7,6 +7,7 @@ import math
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from .linear_attention import unit_features
@@ -115,11 +116,14 @@ class TrainState:
     seconds: float = 0.0
 
 
-def fit(student, step_fn, token_ids, what, s, log=print, resume=None, on_step=None):
+def fit(
+    student, step_fn, token_ids, what, s, log=print, resume=None, on_step=None, per_device=None
+):
     """distill's and train_direct's loop: Adam over the trainable tensors (`*.a` at s.lr_a, the rest
     at s.lr) on windows drawn with s.data_seed; step_fn(ids) back-propagates and returns per-layer
     losses (a non-finite one stops training). resume(state) may restore a saved TrainState first,
-    on_step(state) sees it after each step. Returns {"train_seconds" (all runs), "loss_curve"}."""
+    on_step(state) sees it after each step; per_device: shared_step's.
+    Returns {"train_seconds" (all runs), "loss_curve"}."""
     if s.ctx > (n_ctx := student.config.n_ctx):
         raise ValueError(f"{what}: need ctx <= {n_ctx}; got ctx={s.ctx}")
     token_ids = student.token_ids(token_ids, s.ctx, what)
@@ -138,7 +142,7 @@ def fit(student, step_fn, token_ids, what, s, log=print, resume=None, on_step=No
     for done in range(start + 1, s.steps + 1):
         first = torch.randint(0, len(token_ids) - s.ctx + 1, (s.batch, 1), generator=gen)  # [b, 1]
         ids = token_ids[first + torch.arange(s.ctx)]  # [batch, ctx]
-        losses = step_fn(ids.to(device))  # per layer
+        losses = shared_step(step_fn, ids.to(device), list(params.values()), per_device)
         if not all(map(math.isfinite, losses)):
             raise FloatingPointError(f"{what}: per-layer losses {losses} at step {done}")
         opt.step()
@@ -158,6 +162,27 @@ def fit(student, step_fn, token_ids, what, s, log=print, resume=None, on_step=No
             text = " ".join(f"{x:.4g}" for x in mean)
             log(f"{what} {done}/{s.steps}: loss {text} ({elapsed:.0f}s, ~{left:.0f}s left)")
     return {"train_seconds": before + time.time() - t0, "loss_curve": state.curve}
+
+
+def shared_step(step_fn, ids, params: list, per_device=None) -> list:
+    """step_fn(ids)'s per-layer losses, and gradients in `params`, of the batch ids [B, ctx] taken
+    per_device windows at a time; under torch.distributed each rank (at most B) takes every
+    world-th window and their B-weighted sums are summed: every rank steps as one process would."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if world == 1 and (per_device or len(ids)) >= len(ids):
+        return step_fn(ids)  # exactly the one-process step
+    grads, losses = [torch.zeros_like(p) for p in params], 0.0
+    for part in ids[rank::world].split(per_device or len(ids)):  # [b, ctx]
+        weight = len(part) / len(ids)
+        losses = losses + weight * torch.tensor(step_fn(part), dtype=torch.float64)  # [L]
+        for p, grad in zip(params, grads):
+            grad += weight * p.grad
+            p.grad = None
+    for tensor in (*grads, losses) if world > 1 else ():
+        dist.all_reduce(tensor)
+    for p, grad in zip(params, grads):
+        p.grad = grad
+    return losses.tolist()
 
 
 def distill(teacher, dims, token_ids, settings=TrainSettings(), *, loss="softmax", **loop):

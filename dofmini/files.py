@@ -15,6 +15,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 
 CONNECT_SECONDS = 4.0  # all hosts are tried at once, so an offline machine hears back within this
+WRITES = True  # off on every rank of a torchrun but the writer (study.devices), which writes alone
 
 
 def cache_dir() -> Path:
@@ -27,6 +28,8 @@ def atomic_write(path, write) -> Path:
     renamed over it once done, so a kill leaves the old file (or none), never a truncated one. An
     OSError (a full disk, a read-only folder) comes back naming `path`."""
     path = Path(path)
+    if not WRITES:
+        return path
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

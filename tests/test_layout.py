@@ -25,6 +25,7 @@ CORE = (
 STUDY = tuple(
     f"study.{name}"
     for name in (
+        "devices",
         "tasks",
         "data",
         "evaluate",

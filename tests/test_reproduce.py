@@ -178,6 +178,7 @@ def test_a_damaged_student_file_is_trained_again(grid_run, tmp_path):
     (["{tiny}", "--loss", "softmax:32"], "names budgets, but --budgets does not"),
     (["{tiny}", "--budgets", "100000000"], "--budgets 100000000: expected 1..4096"),
     (["{tiny}", "--J", "1"], "--J 1: expected 2 or more"),
+    (["{tiny}", "--batch-per-device", "0"], "--batch-per-device 0: expected 1 or more windows"),
     (["{tiny}", "--device", "cuda:7"], "--device cuda:7 is not available here"),
     (["{tiny}", "--device", "tpu"], "--device tpu is not available here"),
     (["{tiny}", "--data", "{file}"], "is a file; expected the data store's folder"),

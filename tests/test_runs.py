@@ -98,7 +98,9 @@ def test_a_resumed_training_paces_the_clock_on_its_whole_training(tiny, tiny_ids
     """A student's estimate covers its whole training, so a training resumed from its progress file
     counts the seconds before the interruption too: this invocation's share alone made a resumed
     study print a quarter of the time it had left."""
-    cfg = SimpleNamespace(out=tmp_path, steps=60, batch=2, lr=0.02, lr_a=0.2, train_chars=None)
+    cfg = SimpleNamespace(
+        out=tmp_path, steps=60, batch=2, lr=0.02, lr_a=0.2, train_chars=None, per_device=None
+    )
     inputs = {"teacher": tiny.identity, "tokenizer": "t", "device": "cpu/float32"}
     run = stages.Run(cfg, tiny, None, 16, 0.0625, (8,), inputs, texts={"train": tiny_ids})
     spec = stages.Student("fix", "softmax", 8, 0, (8, 8))

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from ..distill import layer_pass
 from ..model import check_args
-from . import data
+from . import data, devices
 from .tasks import TASKS, load_task
 
 # the perplexity texts, relative to the data folder; each name is also its dofmini.data group
@@ -40,7 +40,7 @@ def perplexity(model, token_ids, ctx: int, batch: int = 8):
     windows = token_ids.unfold(0, ctx, ctx)  # [W, ctx]
     nll, scored = 0.0, 0
     progress = _progress(f"perplexity ctx={ctx}", len(windows))
-    for chunk in windows.split(batch):  # [b, ctx]
+    for chunk in devices.share(windows).split(batch):  # [b, ctx]
         logits = model(chunk[:, :-1])  # [b, ctx-1, V]
         targets = chunk[:, 1:].flatten()
         token_nll = F.cross_entropy(logits.flatten(0, 1).float(), targets, reduction="none")
@@ -48,7 +48,8 @@ def perplexity(model, token_ids, ctx: int, batch: int = 8):
         scored += len(targets)
         progress.update(len(chunk))
     progress.close()
-    return math.exp(nll / scored), nll, scored
+    nll, scored = devices.all_sum(torch.tensor([nll, scored], dtype=torch.float64)).tolist()
+    return math.exp(nll / scored), nll, int(scored)
 
 
 @torch.no_grad()
@@ -56,7 +57,7 @@ def score_requests(model, requests, batch_tokens: int = 4096, what: str = "scori
     """(summed log-likelihood, greedy) of each (context ids, continuation ids) request, greedy when
     every continuation token is the argmax. Requests with equal model inputs share one forward pass
     (MMLU's four letters); inputs are sorted by length and right-padded, which a causal model never
-    sees."""
+    sees. Under torchrun each rank scores its share of the inputs and the scores are summed."""
     max_len = model.config.n_ctx
     rows = {}  # model input -> indices of the requests it serves
     for i, (context, continuation) in enumerate(requests):
@@ -66,8 +67,9 @@ def score_requests(model, requests, batch_tokens: int = 4096, what: str = "scori
                 f"expected a context and 1..{max_len} continuation tokens"
             )
         rows.setdefault(tuple((list(context) + list(continuation))[:-1][-max_len:]), []).append(i)
-    inputs = sorted(rows, key=len, reverse=True)
-    results, start, progress = [None] * len(requests), 0, _progress(what, len(inputs))
+    inputs = devices.share(sorted(rows, key=len, reverse=True))
+    found = torch.zeros(len(requests), 2, dtype=torch.float64)  # [n, 2] log-likelihood, greedy
+    start, progress = 0, _progress(what, len(inputs))
     device = next(model.parameters()).device
     while start < len(inputs):
         batch = inputs[start : start + max(1, batch_tokens // len(inputs[start]))]
@@ -94,12 +96,11 @@ def score_requests(model, requests, batch_tokens: int = 4096, what: str = "scori
         sums = torch.zeros(2, len(served), device=device)  # [2, requests]
         sums[0].index_add_(0, owner, token_ll)
         sums[1].index_add_(0, owner, misses)
-        for i, ll, missed in zip(served, *sums.tolist()):
-            results[i] = (ll, missed == 0)
+        found[served] = torch.stack((sums[0], sums[1] == 0), 1).double().cpu()  # [b, 2]
         start += len(batch)
         progress.update(len(batch))
     progress.close()
-    return results
+    return [(ll, greedy == 1) for ll, greedy in devices.all_sum(found).tolist()]
 
 
 def score_examples(model, tokenizer, examples, what: str = "scoring") -> dict:

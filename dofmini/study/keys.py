@@ -59,9 +59,9 @@ class Run:
     texts: dict = field(default_factory=dict)  # name -> token ids
     clock: plan.Clock = field(default_factory=lambda: plan.Clock([]))
 
-    def stage(self, name: str, path: Path, key: dict, compute):  # runs.stage, on the clock
+    def stage(self, name: str, path: Path, key: dict, compute, split=False):  # on the clock
         self.clock.begin(name)
-        return runs.stage(path, key, self.clock.timed(compute))
+        return runs.stage(path, key, self.clock.timed(compute), split)
 
     def texts_read(self) -> dict:
         """{text: its data files, in the order read}: DoF's calibration text, the perplexity

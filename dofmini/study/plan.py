@@ -8,7 +8,7 @@ import torch
 
 from ..distill import TrainSettings, distill, train_direct
 from ..students import make_student
-from . import data
+from . import data, devices
 from .evaluate import PPL_TEXTS
 from .runs import RunError, log
 from .tasks import TASK_SIZES
@@ -20,7 +20,8 @@ def probe(teacher, ctx: int, J: int) -> dict:
     student is not counted); and "dof", three J×J Cholesky factorisations per head. On a GPU each
     timing waits for the device."""
     device = next(teacher.parameters()).device
-    ids = torch.randint(0, teacher.config.vocab_size, (2, ctx), generator=torch.Generator())
+    shape = (max(2, devices.world()), ctx)  # a window for each rank
+    ids = torch.randint(0, teacher.config.vocab_size, shape, generator=torch.Generator())
     ids = ids.to(device)
     if not torch.isfinite(teacher(ids)).all():
         dtype = next(teacher.parameters()).dtype
@@ -89,7 +90,7 @@ def print_plan(plan: list, costs: dict, sizes: dict, cfg, ctx: int, done: set):
     )
     log(
         f"  each student: {sizes['train_windows'] // cfg.batch} steps of {cfg.batch} windows = "
-        f"{sizes['train_windows'] * ctx:,} tokens; evaluation on "
+        f"{sizes['train_windows'] * ctx:,} tokens over {devices.world()} rank(s); evaluation on "
         f"{' and '.join(map(str, sizes['texts']))} windows, {sizes['tasks'] or 'no'} tasks"
     )
     for name, seconds in plan:

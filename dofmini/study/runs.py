@@ -21,7 +21,7 @@ from .. import __version__
 from ..checkpoint import CheckpointError
 from ..files import as_json, atomic_write, by_hand, changed_settings, sha256_file, write_text
 from ..students import read_tensors, save_student, save_tensors
-from . import data
+from . import data, devices
 
 
 class RunError(Exception):
@@ -55,8 +55,11 @@ def saved(path: Path, key: dict):
     return stored.get("result") if stored.get("key") == as_json(key) else None
 
 
-def stage(path: Path, key: dict, compute):
-    """compute() unless `path` holds a result made with the same `key` (settings and inputs)."""
+def stage(path: Path, key: dict, compute, split: bool = False):
+    """compute() unless `path` holds a result made with the same `key` (settings and inputs); under
+    torchrun by every rank if `split` (sharing its work), else by the writer (the rest read it)."""
+    if not split:
+        return devices.writer_first(lambda: stage(path, key, compute, split=True))
     if (result := saved(path, key)) is not None:
         log(f"skip: {path} done")
         return result
@@ -174,6 +177,10 @@ def one_line_errors(fail):
     except KeyboardInterrupt as err:
         stopped = "terminated" if err.args == ("SIGTERM",) else "interrupted"
         fail(f"{stopped}; run the same command again to resume")
+    except RuntimeError as err:  # under torchrun: mostly a collective whose peer rank stopped
+        if devices.world() == 1:
+            raise
+        fail(f"{str(err).splitlines()[0]}; run the same command again to resume")
     except OSError as err:  # atomic_write's own message names the file already
         named = err.filename and str(err.filename) not in (err.strerror or "")
         fail(f"{err.filename}: {err.strerror}" if named else err.strerror or str(err))

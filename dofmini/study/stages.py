@@ -15,7 +15,7 @@ from ..checkpoint import CheckpointError
 from ..distill import distill, train_direct
 from ..files import as_json
 from ..students import load_student, make_student, read_tensors, save_tensors
-from . import evaluate, runs
+from . import devices, evaluate, runs
 from .keys import (
     ALLOCATIONS,
     CALIBRATION,
@@ -67,8 +67,8 @@ def evaluate_model(run: Run, model) -> dict:
 
 
 def evaluate_teacher(run: Run) -> dict:
-    name = "teacher evaluation"
-    result = run.stage(name, *stage_files(run)[name], lambda: evaluate_model(run, run.teacher))
+    name, compute = "teacher evaluation", lambda: evaluate_model(run, run.teacher)
+    result = run.stage(name, *stage_files(run)[name], compute, split=True)
     log(f"teacher: WikiText-2 perplexity {result['wikitext2_ppl']:.2f} (ctx {run.ctx})")
     return result
 
@@ -150,6 +150,7 @@ def train_student(run: Run, spec: Student):
         # a resumed training's seconds include those before the interruption, as the stage's
         # estimate does: this invocation's seconds alone would make the pace look fast
         run.clock.count(info["train_seconds"])
+    devices.barrier()  # the writer has saved it
     student, meta = load_student(run.teacher, path, {"key": key})
     return student, meta["info"]
 
@@ -161,11 +162,11 @@ def fitting(run: Run, spec: Student):
         untrained = {"train_seconds": 0.0, "loss_curve": []}
         return lambda **_: (performer(run, spec), untrained)
     if spec.loss != "direct":
-        options = dict(loss=spec.loss, feature_seed=spec.seed)
+        options = dict(loss=spec.loss, feature_seed=spec.seed, per_device=run.cfg.per_device)
         return functools.partial(distill, run.teacher, spec.dims, tokens, train, **options)
     kind = "dijiang" if spec.variant == "dijiang" else "prf"
     start = make_student(run.teacher, kind, spec.dims, spec.seed)
-    return functools.partial(train_direct, start, tokens, train)
+    return functools.partial(train_direct, start, tokens, train, per_device=run.cfg.per_device)
 
 
 def curve_specs(run: Run) -> list:
@@ -204,7 +205,7 @@ def train_and_evaluate(run: Run, spec: Student) -> dict:
     """One student's training record, layer errors before and after training, perplexity, tasks."""
     student, info = train_student(run, spec)
     compute = lambda: {"layer_error": layer_errors(run, student), **evaluate_model(run, student)}
-    result = {**run.stage(spec.name, *student_file(run, spec), compute), **info}
+    result = {**run.stage(spec.name, *student_file(run, spec), compute, split=True), **info}
     result.update(dataclasses.asdict(spec), dims=list(spec.dims))
     if spec.variant in TRAINED_PRF:  # the draw training started from (a Performer of these dims)
         key = {"teacher": run.inputs["teacher"], "dims": spec.dims, "seed": spec.seed}

@@ -1,0 +1,81 @@
+"""How a run uses its devices: data-parallel ranks under `torchrun` (without it, no-ops), and the
+teacher's precision. Rank 0 alone writes (files.WRITES is off on the rest), logs (their stdout is
+discarded) and holds the --out lock. Training and evaluation share each batch's windows and sum
+what the ranks found (distill.shared_step, evaluate); any other stage the writer computes while
+the rest wait, then read its file (runs.stage): it must not outlast TIMEOUT."""
+
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from .. import files
+
+TIMEOUT = datetime.timedelta(hours=1)
+
+
+def world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def is_writer() -> bool:
+    return rank() == 0
+
+
+def start():
+    """Join torchrun's group: gloo for CPU tensors, NCCL for CUDA ("cuda" is cuda:LOCAL_RANK)."""
+    if int(os.environ.get("WORLD_SIZE", 1)) == 1 or dist.is_initialized():
+        return
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=TIMEOUT)
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if not is_writer():
+        files.WRITES = False
+        sys.stdout = open(os.devnull, "w")  # for the life of the process
+
+
+def share(items):
+    """This rank's share of a list or of a tensor's rows: every world()-th, from rank()."""
+    return items[rank() :: world()]
+
+
+def all_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` summed over the ranks, in place."""
+    if world() > 1:
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def barrier():  # a CPU all-reduce: gloo's timeout holds in an NCCL run too
+    all_sum(torch.zeros(1))
+
+
+def writer_first(compute):
+    """compute() on the writer, then on the others (who find what it downloaded or saved)."""
+    result = compute() if is_writer() else None
+    barrier()
+    return result if is_writer() else compute()
+
+
+def teacher_precision(teacher, precision: str) -> str:
+    """The teacher's own forward passes (not its students', which copy its hooks) in bfloat16
+    autocast for "bf16" (not TF32: it would reach the students' float32); the key's suffix."""
+    if precision == "fp32":
+        return ""
+    kind = next(teacher.parameters()).device.type
+
+    def switch(module, *args):  # on before a forward (module, input), off after (…, output)
+        if module is teacher:
+            torch.set_autocast_enabled(kind, len(args) == 1)
+
+    torch.set_autocast_dtype(kind, torch.bfloat16)
+    teacher.register_forward_pre_hook(switch)
+    teacher.register_forward_hook(switch, always_call=True)
+    return f"+{precision}"

@@ -1,0 +1,92 @@
+"""Data-parallel runs under torchrun, on CPU with gloo: two ranks give the one-process results, a
+rank killed mid-training leaves progress that a run with another number of ranks resumes to the
+same student, and gradient accumulation over a device's share is the whole batch's step."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from conftest import FIXTURES, REPO, tiny_store
+
+from dofmini.distill import TrainSettings, distill
+from dofmini.students import read_tensors
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+# one student trained through runs.train_into; the last rank kills itself after step argv[2]
+TRAIN = f"""
+import os, signal, sys
+from pathlib import Path
+import torch
+from dofmini import load
+from dofmini.distill import TrainSettings, distill
+from dofmini.study import devices, runs
+devices.start()
+teacher = load({str(FIXTURES / "gpt2-tiny")!r})
+ids = torch.randint(0, 96, (2048,), generator=torch.Generator().manual_seed(0))
+settings = TrainSettings(steps=6, batch=4, ctx=16, save_every=2)
+def train(on_step, **loop):
+    def step(state):
+        on_step(state)
+        if state.step == int(sys.argv[2]) and devices.rank() == devices.world() - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return distill(teacher, [8, 8], ids, settings, on_step=step, **loop)
+runs.train_into(Path(sys.argv[1]), {{"loss": "softmax"}}, settings, ids, train, print)
+"""
+
+
+def differences(a, b, where="") -> list:
+    """Where two results.json differ by more than 1e-5 relative, timings and provenance aside."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = sorted(k for k in a.keys() | b.keys() if "seconds" not in k and k != "provenance")
+        return [d for k in keys for d in differences(a.get(k), b.get(k), f"{where}/{k}")]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, pair in enumerate(zip(a, b)) for d in differences(*pair, f"{where}[{i}]")]
+    if isinstance(a, float) and isinstance(b, float):
+        return [] if math.isclose(a, b, rel_tol=1e-5) or a != a and b != b else [where]
+    return [] if a == b else [where]
+
+
+def run(args, ranks=None, env=None):
+    launcher = [sys.executable] if ranks is None else [*TORCHRUN, str(ranks)]
+    return subprocess.run([*launcher, *map(str, args)], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=900)  # fmt: skip
+
+
+def test_two_ranks_give_the_results_of_one_process(tmp_path):
+    model, env = tiny_store(tmp_path)
+    args = [REPO / "reproduce.py", model, "--profile", "quick", "--limit", "0"]
+    args += ["--variants", "dof,dijiang"]  # DoF (the writer's), distillation, direct training
+    one = run([*args, "--out", tmp_path / "one"], env=env)
+    two = run([*args, "--out", tmp_path / "two"], ranks=2, env=env)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    results = [json.loads((tmp_path / out / "results.json").read_text()) for out in ("one", "two")]
+    assert len(results[0]["students"]) == 2 and differences(*results) == []
+    assert two.stdout.count("[1/") == 1  # the writer alone logs
+
+
+def test_a_killed_rank_leaves_progress_that_another_number_of_ranks_resumes(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    whole, cut = tmp_path / "whole.safetensors", tmp_path / "cut.safetensors"
+    assert run([script, whole, 0], env=env).returncode == 0
+    killed = run([script, cut, 5], ranks=2, env=env)  # after the progress of step 4
+    assert killed.returncode != 0 and not cut.exists() and Path(f"{cut}.progress").is_file()
+    resumed = run([script, cut, 0], env=env)
+    assert "resuming from" in resumed.stdout and "at step 4/6" in resumed.stdout, resumed.stderr
+    (a, meta_a), (b, meta_b) = read_tensors(whole), read_tensors(cut)
+    assert a.keys() == b.keys() and all(torch.allclose(a[n], b[n], rtol=1e-5) for n in a)
+    assert differences(meta_a["info"], meta_b["info"]) == []
+
+
+def test_a_device_taking_one_window_at_a_time_steps_as_the_whole_batch(tiny, tiny_ids):
+    settings = TrainSettings(steps=3, batch=4, ctx=16)
+    students = [distill(tiny, [8, 8], tiny_ids, settings, per_device=n) for n in (None, 1)]
+    (a, record_a), (b, record_b) = students
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-7)
+    assert differences(record_a, record_b) == [] and record_a["loss_curve"]
