@@ -8,16 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dofmini.study.plots import (
-    BOTTOM,
-    LEFT,
-    RIGHT,
-    TOP,
-    H,
-    W,
-    allocation_chart,
-    xy_chart,
-)
+from dofmini.study.plots import BOTTOM, LEFT, RIGHT, TOP, H, W, xy_chart
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -65,22 +56,6 @@ def test_xy_chart_draws_a_marker_per_point_and_a_bar_per_interval():
     assert len(shapes) == 3
 
 
-def by_layer(series, log_y=False):
-    """xy_chart over a layer axis, each series a list of per-layer values."""
-    lines = {name: (range(len(vs)), vs, None) for name, vs in series.items()}
-    return xy_chart(lines, "error", "layer", "KL", log_y=log_y, layers=True)
-
-
-def test_a_layer_chart_has_markers_and_no_bars():
-    root = parsed(by_layer({"Fix": [0.2, 1.5, 0.7], "DoF": [0.2, 1.5, 0.3]}))
-    assert len(marks(root, "marker")) == 6 and not marks(root, "errbar")
-    # layer i at the centre of the i-th of three equal slots
-    xs = sorted({anchor(m)[0] for m in marks(root, "marker")})
-    assert xs == pytest.approx(
-        [LEFT + (W - LEFT - RIGHT) * (i + 0.5) / 3 for i in range(3)], abs=0.1
-    )
-
-
 def test_log_axes_reject_non_positive_values_by_name():
     with pytest.raises(
         ValueError, match=r"xy_chart: x values must be present and finite and > 0 \(log_x\)"
@@ -88,8 +63,6 @@ def test_log_axes_reject_non_positive_values_by_name():
         xy_chart({"a": ([0, 1], [1, 2], None)}, "t", "x", "y", log_x=True)
     with pytest.raises(ValueError, match="xy_chart: series 'a' .* log_y, a y <= 0"):
         xy_chart({"a": ([1, 2], [0, 2], None)}, "t", "x", "y", log_y=True)
-    with pytest.raises(ValueError, match="xy_chart: series 'Fix' .* log_y, a y <= 0"):
-        by_layer({"Fix": [0.0, 1.0]}, log_y=True)
     with pytest.raises(ValueError, match="series 'a' has a negative half width"):
         xy_chart({"a": ([1, 2], [1, 2], [0.1, -0.1])}, "t", "x", "y")
     with pytest.raises(ValueError, match="series 'a' needs equal-length"):
@@ -125,17 +98,3 @@ def test_every_point_and_bar_lies_inside_the_plot(lines, log_x, log_y):
     for x, *ys in map(anchor, marks(root, "errbar")):
         assert LEFT - 0.1 <= x <= W - RIGHT + 0.1
         assert all(TOP - 0.1 <= y <= H - BOTTOM + 0.1 for y in ys)
-
-
-def test_charts_are_svg_with_one_mark_per_value():
-    svg = allocation_chart([30, 98], [[10.0, 44.0], [1.0, 160.0]], "M & DoF <stand-in>")
-    root = ET.fromstring(svg)
-    assert root.tag == SVG + "svg"
-    assert len(root.findall(SVG + "circle")) == 4
-    assert len(root.findall(SVG + "rect")) == 2 + 1  # + background
-    lines = by_layer({"Fix": [0.2, 1.5, 0.7], "DoF": [0.1, 0.9, 0.3]}, log_y=True)
-    assert len(ET.fromstring(lines).findall(SVG + "polyline")) == 2
-    with pytest.raises(ValueError):
-        by_layer({"Fix": [0.0, 1.0]}, log_y=True)
-    with pytest.raises(ValueError):
-        allocation_chart([1, 2], [[1.0]], "t")

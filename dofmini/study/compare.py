@@ -129,18 +129,16 @@ def comparisons(grouped: dict, teacher: dict) -> str:
     return "\n".join(parts)
 
 
-def layer_tables(grouped: dict, out) -> tuple:
-    """Per-layer error tables (mean over seeds, after and before training), and a chart of each."""
-    parts, charts = [], []
+def layer_tables(grouped: dict) -> str:
+    """Per-layer error tables: mean over seeds, after and before training."""
+    parts = []
     for name in ("kl", "output_rel", "kernel_l2"):
-        series, rows = {}, []
+        rows = []
         for (variant, loss, budget), by_seed in grouped.items():
             runs, label = list(by_seed.values()), f"{variant}/{loss}/b{budget}"
             if None in runs[0]["layer_error"][name]:
                 continue
-            after = np.mean([s["layer_error"][name] for s in runs], axis=0).tolist()
-            series[label] = (range(len(after)), after, None)
-            rows.append([label, *after])
+            rows.append([label, *np.mean([s["layer_error"][name] for s in runs], axis=0)])
             if "layer_error_before" in runs[0]:
                 before = np.mean([s["layer_error_before"][name] for s in runs], axis=0)
                 rows.append([f"{label} before training", *before])
@@ -148,31 +146,25 @@ def layer_tables(grouped: dict, out) -> tuple:
             rows = [[label, *(f"{x:.4g}" for x in v), f"{np.mean(v):.4g}"] for label, *v in rows]
             layers = [f"L{i}" for i in range(len(rows[0]) - 2)]
             parts += [f"\n**{name}**\n", md_table(["student", *layers, "mean"], rows)]
-            labels, log_y = (f"per-layer {name} by student", "layer", name), name != "output_rel"
-            charts.append(_chart(out, f"error_{name}", series, labels, log_y=log_y, layers=True))
-    return "\n".join(parts), charts
+    return "\n".join(parts)
 
 
-def training(grouped: dict, out) -> tuple:
-    """The loss curve (mean over layers) of each group's first seed, charted, and whether training
-    had flattened: the logged loss (mean over layers and seeds) at the first log, half way and the
-    end, and the share of the decrease after the first log that came in the second half."""
-    series, rows = {}, []
+def training(grouped: dict) -> str:
+    """Whether training had flattened: the logged loss (mean over layers and seeds) at the first
+    log, half way and the end, and the share of the decrease after the first log that came in the
+    second half."""
+    rows = []
     for (variant, loss, budget), by_seed in grouped.items():
-        label = f"{variant}/{loss}/b{budget}"
         curves = [s.get("loss_curve") or [] for s in by_seed.values()]
-        if len(first := by_seed[min(by_seed)].get("loss_curve") or []) > 1:
-            series[label] = (*map(list, zip(*first)), None)
         if all(len(c) >= 3 for c in curves):
             points = [(c[0], c[len(c) // 2 - 1], c[-1]) for c in curves]  # [seed][3] (step, loss)
             start, half, end = np.mean([[value for _, value in p] for p in points], axis=0)
-            label += f" (steps {'/'.join(str(step) for step, _ in points[0])})"
+            steps = "/".join(str(step) for step, _ in points[0])
             share = f"{100 * (half - end) / (start - end):.1f}%"
+            label = f"{variant}/{loss}/b{budget} (steps {steps})"
             rows.append([label, *(f"{v:.4f}" for v in (start, half, end)), share])
-    labels = "training loss (mean over layers), first seed", "step", "loss"
-    chart = _chart(out, "training_loss", series, labels, log_y=True)
     header = ["student", "first log", "half way", "end", "share of the decrease in the second half"]
-    return chart, md_table(header, rows) if rows else ""
+    return md_table(header, rows) if rows else ""
 
 
 def curves_section(results: dict, out) -> str:

@@ -1,5 +1,4 @@
-"""Hand-written SVG charts, standard library only: the per-layer allocation with every head's DoF,
-and lines with error bars over a numeric or a layer axis."""
+"""Hand-written SVG charts, standard library only: lines with error bars over a numeric axis."""
 
 import math
 from xml.sax.saxutils import escape
@@ -43,25 +42,19 @@ def _rule(x1, y1, x2, y2) -> str:
     return f'<line x1="{x1}" y1="{y1}" x2="{x2}" y2="{y2}" stroke="#000"/>'
 
 
-def _y_axis(ticks, log, x, label, anchor):
-    """A vertical axis at x, labelled on the side `anchor` names; its SVG and value -> pixel map."""
-    y, side = _scale(ticks, log, H - BOTTOM, TOP), -1 if anchor == "end" else 1
-    turn = f' transform="translate({x + 48 * side},{H / 2}) rotate(-90)"'
-    parts = [_rule(x, TOP, x, H - BOTTOM), _text(0, 0, escape(label), attrs=turn)]
-    parts += [_text(x + 6 * side, f"{y(t) + 4:.1f}", f"{t:g}", anchor) for t in ticks]
+def _y_axis(ticks, log, label):
+    """The left axis; its SVG and value -> pixel map."""
+    y = _scale(ticks, log, H - BOTTOM, TOP)
+    turn = f' transform="translate({LEFT - 48},{H / 2}) rotate(-90)"'
+    parts = [_rule(LEFT, TOP, LEFT, H - BOTTOM), _text(0, 0, escape(label), attrs=turn)]
+    parts += [_text(LEFT - 6, f"{y(t) + 4:.1f}", f"{t:g}", "end") for t in ticks]
     return parts, y
 
 
-def _x_axis(xs, label, log=False, layers=False):
-    """The bottom axis over the values xs; its SVG and value -> pixel map. layers=True makes one
-    equal slot per layer 0..max(xs), value i at slot i's centre, so bars and lines over layers line
-    up."""
-    if layers:
-        slots = int(max(xs)) + 1
-        ticks, x = range(slots), lambda i: LEFT + (W - LEFT - RIGHT) * (i + 0.5) / slots
-    else:
-        ticks = _ticks(min(xs), max(xs), log)
-        x = _scale(ticks, log, LEFT, W - RIGHT)
+def _x_axis(xs, label, log):
+    """The bottom axis over the values xs; its SVG and value -> pixel map."""
+    ticks = _ticks(min(xs), max(xs), log)
+    x = _scale(ticks, log, LEFT, W - RIGHT)
     parts = [_rule(LEFT, H - BOTTOM, W - RIGHT, H - BOTTOM)]
     parts += [_text(f"{x(t):.1f}", H - BOTTOM + 16, f"{t:g}") for t in ticks]
     return parts + [_text(W / 2, H - 8, escape(label))], x
@@ -74,34 +67,10 @@ def _svg(title, parts, width=W) -> str:
     return "\n".join([svg, f'<rect {size} fill="#fff"/>', *parts, title, "</svg>\n"])
 
 
-def allocation_chart(dims, per_head_dof, title) -> str:
-    """Bars: feature dims per layer (left axis); dots: every head's DoF (right axis)."""
-    n = len(dims)
-    if len(per_head_dof) != n:
-        raise ValueError(f"allocation_chart: {n} layer dims but {len(per_head_dof)} layers of DoF")
-    left, y_dim = _y_axis(_ticks(0, max(dims), False), False, LEFT, "feature dim M (bars)", "end")
-    dof_ticks = _ticks(0, max(max(h) for h in per_head_dof), False)
-    right, y_dof = _y_axis(dof_ticks, False, W - RIGHT, "DoF per head (dots)", "start")
-    parts, slot = left + right + _x_axis(range(n), "layer", layers=True)[0], (W - LEFT - RIGHT) / n
-    for i, (m, heads) in enumerate(zip(dims, per_head_dof)):
-        x0 = LEFT + slot * i
-        parts.append(
-            f'<rect x="{x0 + slot * 0.15:.1f}" y="{y_dim(m):.1f}" width="{slot * 0.7:.1f}" '
-            f'height="{H - BOTTOM - y_dim(m):.1f}" fill="#bcd0e8"><title>M = {m}</title></rect>'
-        )
-        parts += [
-            f'<circle cx="{x0 + slot * (0.25 + 0.5 * j / max(len(heads) - 1, 1)):.1f}" '
-            f'cy="{y_dof(v):.1f}" r="3.5" fill="#cc3311"><title>head {j}: {v:.1f}</title></circle>'
-            for j, v in enumerate(heads)
-        ]
-    return _svg(title, parts)
-
-
-def xy_chart(series, title, xlabel, ylabel, log_x=False, log_y=False, layers=False) -> str:
+def xy_chart(series, title, xlabel, ylabel, log_x=False, log_y=False) -> str:
     """Lines, series mapping a name to (xs, ys, half_widths or None): a marker on every point and,
     where its half width is a number (not None or nan), an error bar y ± half width. A log axis
-    needs positive values; a bar's end at or below 0 on a log y axis is cut at the axis bottom.
-    layers=True: x is a layer index 0..L-1, each layer an equal slot (as in allocation_chart)."""
+    needs positive values; a bar's end at or below 0 on a log y axis is cut at the axis bottom."""
     all_xs = [float(x) for xs, _, _ in series.values() for x in xs]
     if not all_xs or not all(map(math.isfinite, all_xs)) or (log_x and min(all_xs) <= 0):
         raise ValueError(
@@ -126,8 +95,8 @@ def xy_chart(series, title, xlabel, ylabel, log_x=False, log_y=False, layers=Fal
     ends = [e for _, _, ys, hws in checked for y, h in zip(ys, hws) for e in (y - h, y, y + h)]
     ends = [e for e in ends if math.isfinite(e) and (e > 0 or not log_y)]
     ticks = _ticks(min(ends), max(ends), log_y)
-    parts, y = _y_axis(ticks, log_y, LEFT, ylabel, "end")
-    axis, x = _x_axis(all_xs, xlabel, log_x, layers)
+    parts, y = _y_axis(ticks, log_y, ylabel)
+    axis, x = _x_axis(all_xs, xlabel, log_x)
     parts += axis
     bars, marks = [], []
     for k, (name, xs, ys, hws) in enumerate(checked):

@@ -4,7 +4,7 @@
 import numpy as np
 
 from ..files import write_text
-from . import compare, plots
+from . import compare
 from .compare import md_table, spaced
 
 
@@ -23,15 +23,11 @@ def allocation_table(result: dict) -> str:
 
 
 def write_allocation(out, result: dict, log):
-    """dof.csv (per head), allocation.svg (the first budget), and the table on the terminal."""
+    """dof.csv (per head), and the table on the terminal."""
     rows = ["layer,head,dof"]
     for layer, heads in enumerate(result["per_head"]):
         rows += [f"{layer},{head},{x:.4f}" for head, x in enumerate(heads)]
     write_text(out / "dof.csv", "\n".join(rows) + "\n")
-    budget = min(result["dims"], key=int)
-    title = f"DoF allocation, budget {budget} (λ={result['lam']:g}, J={result['J']})"
-    svg = plots.allocation_chart(result["dims"][budget]["dof"], result["per_head"], title)
-    write_text(out / "allocation.svg", svg)
     log(allocation_table(result))
     if result["warning"]:
         log(result["warning"])
@@ -73,13 +69,6 @@ def write(out, results: dict) -> str:
     teacher, students, dof, cfg = (results[k] for k in ("teacher", "students", "dof", "config"))
     grouped = compare.groups(students)
     summary, budget_chart = compare.students(grouped, teacher, out)
-    errors, charts = compare.layer_tables(grouped, out)
-    loss_chart, flattening = compare.training(grouped, out)
-    times = [["teacher", "—", f"{teacher['eval_seconds']:.1f}"]]
-    for name, s in students.items():  # a copied student's tensors were not trained again
-        copied = f"— (same training as {s.get('same_training_as')})"
-        train = copied if "same_training_as" in s else f"{s['train_seconds']:.1f}"
-        times.append([name, train, f"{s['eval_seconds']:.1f}"])
     text = f"""# dofmini report: {teacher["name"]} ({cfg["profile"]} profile)
 
 ctx {cfg["ctx"]}, seeds {cfg["seeds"]}, budgets {cfg["budgets"]}, {cfg["steps"]} steps of
@@ -96,13 +85,14 @@ from all others; against Fix paired seed by seed. The layer errors feed each lay
 own inputs and cannot weigh how a layer's error grows through the layers after it.
 
 {summary}
+
+{budget_chart}
 {compare.swap_section(results, out)}
 
 ## Feature dimensions per layer
 
 {allocation_table(dof)}
 
-![allocation](allocation.svg)
 
 {sweep_section(results)}
 ## DoF and the oracle against Fix, seed by seed
@@ -112,22 +102,16 @@ own inputs and cannot weigh how a layer's error grows through the layers after i
 
 kernel_l2 compares unnormalised kernel values. The softmax and direct losses leave each row's
 scale free, so for students trained with them kl and output_rel are the errors that count.
-{errors}
-
-{" ".join(c for c in (*charts, budget_chart, loss_chart) if c)}
+{compare.layer_tables(grouped)}
 
 ## Did training flatten?
 
-{flattening}
+{compare.training(grouped)}
 {compare.curves_section(results, out)}
 
 ## Zero-shot tasks
 
 {tasks_table(students, teacher)}
-
-## Times
-
-{md_table(["student", "train s", "evaluation s"], times)}
 """
     write_text(out / "report.md", text)
     return summary
