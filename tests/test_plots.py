@@ -42,8 +42,6 @@ def test_xy_chart_draws_a_marker_per_point_and_a_bar_per_interval():
         "mean-layer error & budget",
         "budget M",
         "KL",
-        log_x=True,
-        log_y=True,
     )
     root = parsed(svg)
     assert root.tag == SVG + "svg"
@@ -58,11 +56,11 @@ def test_xy_chart_draws_a_marker_per_point_and_a_bar_per_interval():
 
 def test_log_axes_reject_non_positive_values_by_name():
     with pytest.raises(
-        ValueError, match=r"xy_chart: x values must be present and finite and > 0 \(log_x\)"
+        ValueError, match=r"xy_chart: x values must be present and finite and > 0 \(log axis\)"
     ):
-        xy_chart({"a": ([0, 1], [1, 2], None)}, "t", "x", "y", log_x=True)
-    with pytest.raises(ValueError, match="xy_chart: series 'a' .* log_y, a y <= 0"):
-        xy_chart({"a": ([1, 2], [0, 2], None)}, "t", "x", "y", log_y=True)
+        xy_chart({"a": ([0, 1], [1, 2], None)}, "t", "x", "y")
+    with pytest.raises(ValueError, match=r"xy_chart: series 'a' .* a y <= 0 \(log axis\)"):
+        xy_chart({"a": ([1, 2], [0, 2], None)}, "t", "x", "y")
     with pytest.raises(ValueError, match="series 'a' has a negative half width"):
         xy_chart({"a": ([1, 2], [1, 2], [0.1, -0.1])}, "t", "x", "y")
     with pytest.raises(ValueError, match="series 'a' needs equal-length"):
@@ -70,7 +68,7 @@ def test_log_axes_reject_non_positive_values_by_name():
 
 
 def test_a_bar_reaching_below_zero_on_a_log_axis_stops_at_the_axis():
-    svg = xy_chart({"a": ([1, 2], [0.1, 1.0], [0.5, 0.1])}, "t", "x", "y", log_y=True)
+    svg = xy_chart({"a": ([1, 2], [0.1, 1.0], [0.5, 0.1])}, "t", "x", "y")
     _, low_end, high_end = anchor(marks(parsed(svg), "errbar")[0])
     assert low_end == pytest.approx(H - BOTTOM, abs=0.1) and high_end < low_end
 
@@ -85,12 +83,10 @@ positive = st.floats(1e-3, 1e3)
         min_size=1,
         max_size=4,
     ),
-    st.booleans(),
-    st.booleans(),
 )
-def test_every_point_and_bar_lies_inside_the_plot(lines, log_x, log_y):
+def test_every_point_and_bar_lies_inside_the_plot(lines):
     series = {f"s{k}": tuple(map(list, zip(*points))) for k, points in enumerate(lines)}
-    root = parsed(xy_chart(series, "t", "x", "y", log_x=log_x, log_y=log_y))
+    root = parsed(xy_chart(series, "t", "x", "y"))
     assert len(marks(root, "marker")) == sum(map(len, lines))
     assert len(marks(root, "errbar")) == sum(map(len, lines))
     for x, *ys in map(anchor, marks(root, "marker")):

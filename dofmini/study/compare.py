@@ -46,12 +46,12 @@ def metric(student: dict, key: str, view):
     return None if None in errors else float(view(errors))
 
 
-def _chart(out, name: str, series: dict, labels: tuple, **axes) -> str:
-    """Draws xy_chart(series, *labels (title, x, y), **axes) to out/name.svg; returns its markdown
-    image link, or "" where there is no series."""
+def _chart(out, name: str, series: dict, labels: tuple) -> str:
+    """Draws xy_chart(series, *labels (title, x, y)) to out/name.svg; returns its markdown image
+    link, or "" where there is no series."""
     if not series:
         return ""
-    write_text(out / f"{name}.svg", plots.xy_chart(series, *labels, **axes))
+    write_text(out / f"{name}.svg", plots.xy_chart(series, *labels))
     return f"![{name}]({name}.svg)"
 
 
@@ -87,7 +87,7 @@ def students(grouped: dict, teacher: dict, out) -> tuple:
         series = {k: tuple(map(list, zip(*sorted(v)))) for k, v in by_label.items() if len(v) > 1}
         title = ("end-to-end" if "e2e" in name else "mean-layer") + " kl against budget"
         labels = title, "features per layer (budget)", "kl"
-        charts.append(_chart(out, name, series, labels, log_x=True, log_y=True))
+        charts.append(_chart(out, name, series, labels))
     return table, " ".join(charts)
 
 
@@ -201,7 +201,7 @@ def _curves_block(curves: dict, per_head, out, name: str, title: str) -> str:
     the M needed."""
     ms, mean, found = curves["dims"], curves["mean_kl"], needs(curves)
     series = {f"layer {i}": (ms, e, None) for i, e in enumerate(mean)}
-    chart = _chart(out, name, series, (title, "features M", "KL"), log_x=True, log_y=True)
+    chart = _chart(out, name, series, (title, "features M", "KL"))
     header = ["layer", "DoF (max)", *(f"M={m}" for m in ms)]
     header += [f"M to KL {found['layer_target']:.3g}", "β"]
     rows = [

@@ -1,4 +1,4 @@
-"""Hand-written SVG charts, standard library only: lines with error bars over a numeric axis."""
+"""Hand-written SVG charts, standard library only: lines with error bars on log-log axes."""
 
 import math
 from xml.sax.saxutils import escape
@@ -11,27 +11,21 @@ SHAPES = ("m-4,0a4,4 0 1 0 8,0a4,4 0 1 0 -8,0z", "m-3.5,-3.5h7v7h-7z", "m0,-5l4.
 SHAPES += ("m0,-5l5,5l-5,5l-5,-5z", "m0,5l4.5,-8h-9z")
 
 
-def _ticks(lo, hi, log):
-    """Tick values covering [lo, hi]: 1-2-5 steps on a linear axis, which always includes 0; on a
-    log axis 1, 2, 5 per decade, or powers of ten alone when that would exceed 7 ticks."""
-    if log:
-        decades = range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
-        ticks = [m * 10.0**e for e in decades for m in (1, 2, 5)]
-        first = max(i for i, t in enumerate(ticks) if t <= lo * (1 + 1e-9))
-        last = max(first + 1, min(i for i, t in enumerate(ticks) if t >= hi * (1 - 1e-9)))
-        ticks = ticks[first : last + 1]
-        return ticks if len(ticks) <= 7 else [10.0**e for e in decades]
-    lo, hi = min(lo, 0.0), max(hi, 0.0)
-    step = 10 ** math.floor(math.log10((hi - lo) / 5)) if hi > lo else 1
-    step *= next(m for m in (1, 2, 5, 10) if (hi - lo) / (step * m) <= 6)
-    return [step * i for i in range(math.floor(lo / step + 1e-9), math.ceil(hi / step - 1e-9) + 1)]
+def _ticks(lo, hi):
+    """Log-axis tick values covering [lo, hi] (both > 0): 1, 2, 5 per decade, or powers of ten
+    alone when that would exceed 7 ticks."""
+    decades = range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+    ticks = [m * 10.0**e for e in decades for m in (1, 2, 5)]
+    first = max(i for i, t in enumerate(ticks) if t <= lo * (1 + 1e-9))
+    last = max(first + 1, min(i for i, t in enumerate(ticks) if t >= hi * (1 - 1e-9)))
+    ticks = ticks[first : last + 1]
+    return ticks if len(ticks) <= 7 else [10.0**e for e in decades]
 
 
-def _scale(ticks, log, start, end):
-    """The value -> pixel map placing ticks[0] at pixel start and ticks[-1] at pixel end."""
-    f = math.log10 if log else float
-    lo, hi = f(ticks[0]), f(ticks[-1])
-    return lambda v: start + (end - start) * (f(v) - lo) / ((hi - lo) or 1)
+def _scale(ticks, start, end):
+    """The log value -> pixel map placing ticks[0] at pixel start and ticks[-1] at pixel end."""
+    lo, hi = math.log10(ticks[0]), math.log10(ticks[-1])
+    return lambda v: start + (end - start) * (math.log10(v) - lo) / ((hi - lo) or 1)
 
 
 def _text(x, y, label, anchor="middle", attrs="") -> str:
@@ -42,19 +36,19 @@ def _rule(x1, y1, x2, y2) -> str:
     return f'<line x1="{x1}" y1="{y1}" x2="{x2}" y2="{y2}" stroke="#000"/>'
 
 
-def _y_axis(ticks, log, label):
+def _y_axis(ticks, label):
     """The left axis; its SVG and value -> pixel map."""
-    y = _scale(ticks, log, H - BOTTOM, TOP)
+    y = _scale(ticks, H - BOTTOM, TOP)
     turn = f' transform="translate({LEFT - 48},{H / 2}) rotate(-90)"'
     parts = [_rule(LEFT, TOP, LEFT, H - BOTTOM), _text(0, 0, escape(label), attrs=turn)]
     parts += [_text(LEFT - 6, f"{y(t) + 4:.1f}", f"{t:g}", "end") for t in ticks]
     return parts, y
 
 
-def _x_axis(xs, label, log):
+def _x_axis(xs, label):
     """The bottom axis over the values xs; its SVG and value -> pixel map."""
-    ticks = _ticks(min(xs), max(xs), log)
-    x = _scale(ticks, log, LEFT, W - RIGHT)
+    ticks = _ticks(min(xs), max(xs))
+    x = _scale(ticks, LEFT, W - RIGHT)
     parts = [_rule(LEFT, H - BOTTOM, W - RIGHT, H - BOTTOM)]
     parts += [_text(f"{x(t):.1f}", H - BOTTOM + 16, f"{t:g}") for t in ticks]
     return parts + [_text(W / 2, H - 8, escape(label))], x
@@ -67,14 +61,14 @@ def _svg(title, parts, width=W) -> str:
     return "\n".join([svg, f'<rect {size} fill="#fff"/>', *parts, title, "</svg>\n"])
 
 
-def xy_chart(series, title, xlabel, ylabel, log_x=False, log_y=False) -> str:
+def xy_chart(series, title, xlabel, ylabel) -> str:
     """Lines, series mapping a name to (xs, ys, half_widths or None): a marker on every point and,
-    where its half width is a number (not None or nan), an error bar y ± half width. A log axis
-    needs positive values; a bar's end at or below 0 on a log y axis is cut at the axis bottom."""
+    where its half width is a number (not None or nan), an error bar y ± half width. Both axes are
+    log, so xs and ys must be > 0; a bar's end at or below 0 is cut at the axis bottom."""
     all_xs = [float(x) for xs, _, _ in series.values() for x in xs]
-    if not all_xs or not all(map(math.isfinite, all_xs)) or (log_x and min(all_xs) <= 0):
+    if not all_xs or not all(map(math.isfinite, all_xs)) or min(all_xs) <= 0:
         raise ValueError(
-            f"xy_chart: x values must be present and finite{' and > 0 (log_x)' * log_x}: {all_xs}"
+            f"xy_chart: x values must be present and finite and > 0 (log axis): {all_xs}"
         )
     checked = []  # (name, xs, ys, half widths with nan for "no bar")
     for name, (xs, ys, hws) in series.items():
@@ -85,18 +79,18 @@ def xy_chart(series, title, xlabel, ylabel, log_x=False, log_y=False) -> str:
                 f"xy_chart: series {name!r} needs equal-length xs, ys, half widths and finite ys, "
                 f"got {xs}, {ys}, {hws}"
             )
-        if any(h < 0 for h in hws) or (log_y and min(ys) <= 0):
+        if any(h < 0 for h in hws) or min(ys) <= 0:
             raise ValueError(
-                f"xy_chart: series {name!r} has a negative half width or, with log_y, a y <= 0: "
+                f"xy_chart: series {name!r} has a negative half width or a y <= 0 (log axis): "
                 f"ys {ys}, half widths {hws}"
             )
         checked.append((str(name), xs, ys, hws))
     # the axis spans every y and every bar end that can be drawn (nan ends drop out)
     ends = [e for _, _, ys, hws in checked for y, h in zip(ys, hws) for e in (y - h, y, y + h)]
-    ends = [e for e in ends if math.isfinite(e) and (e > 0 or not log_y)]
-    ticks = _ticks(min(ends), max(ends), log_y)
-    parts, y = _y_axis(ticks, log_y, ylabel)
-    axis, x = _x_axis(all_xs, xlabel, log_x)
+    ends = [e for e in ends if math.isfinite(e) and e > 0]
+    ticks = _ticks(min(ends), max(ends))
+    parts, y = _y_axis(ticks, ylabel)
+    axis, x = _x_axis(all_xs, xlabel)
     parts += axis
     bars, marks = [], []
     for k, (name, xs, ys, hws) in enumerate(checked):
@@ -113,7 +107,7 @@ def xy_chart(series, title, xlabel, ylabel, log_x=False, log_y=False) -> str:
                 f'stroke="{color}" stroke-width="1.5"><title>{tip}</title></path>'
             )
             if math.isfinite(h):
-                lo, hi = y(b - h if b - h > 0 or not log_y else ticks[0]), y(b + h)
+                lo, hi = y(b - h if b - h > 0 else ticks[0]), y(b + h)
                 bars.append(
                     f'<path class="errbar" d="M{px:.1f},{lo:.1f}V{hi:.1f}M{px - 3:.1f},{lo:.1f}h6'
                     f'M{px - 3:.1f},{hi:.1f}h6" stroke="{color}"/>'
