@@ -138,10 +138,9 @@ def layer_tables(grouped: dict) -> str:
             runs, label = list(by_seed.values()), f"{variant}/{loss}/b{budget}"
             if None in runs[0]["layer_error"][name]:
                 continue
-            rows.append([label, *np.mean([s["layer_error"][name] for s in runs], axis=0)])
-            if "layer_error_before" in runs[0]:
-                before = np.mean([s["layer_error_before"][name] for s in runs], axis=0)
-                rows.append([f"{label} before training", *before])
+            for key, suffix in (("layer_error", ""), ("layer_error_before", " before training")):
+                if key in runs[0]:
+                    rows.append([label + suffix, *np.mean([s[key][name] for s in runs], axis=0)])
         if rows:
             rows = [[label, *(f"{x:.4g}" for x in v), f"{np.mean(v):.4g}"] for label, *v in rows]
             layers = [f"L{i}" for i in range(len(rows[0]) - 2)]
