@@ -40,7 +40,7 @@ PROFILES = {
     "quick": dict(ctx=64, J=128, calib_windows=8, steps=4, batch=2, eval_windows=4, limit=4,
                   error_windows=4, curve_windows=4, train_chars=200_000, e2e_windows=4),
     "default": {},
-    "study": dict(eval_windows=64, limit=0, seeds=(0, 1, 2), budgets=(16, 32, 64), sweep=True,
+    "study": dict(eval_windows=64, limit=0, seeds=(0, 1, 2), budgets=(16, 32, 64),
                   variants=("fix", "dof", "dof_sqrt", "dof_sqrt_mean", "oracle", "oracle_e2e",
                             "dof_inv_sqrt", "dof_floor", "dof_inv")),
     "paper": dict(ctx=None, steps=None, eval_windows=None, limit=None),
@@ -66,7 +66,6 @@ class RunConfig:
     lam: float | None = None  # DoF λ; None: 2^-4 for GPT-2, 2^-8 for Pythia (the paper's)
     J: int = 1024  # queries and keys sampled per head for DoF
     raw_gram: bool = False  # DoF from the raw Gram G instead of G/J
-    sweep: bool = False  # also sweep λ and J (sweep.md)
     plan_only: bool = False  # print the plan and stop
     ctx: int | None = 256  # None: the model's own context, at most max_ctx
     calib_windows: int = 64  # windows of WikiText-2 valid for DoF
@@ -81,8 +80,6 @@ class RunConfig:
     curve_windows: int = 16  # the next held-out windows, for the error curves
     e2e_windows: int = 32  # the next ones, for end-to-end KL; the next ones, for the swap curves
     max_ctx: int = 2048
-    sweep_lams: tuple = (2.0**-12, 2.0**-8, 2.0**-4, 1.0)
-    sweep_Js: tuple = (256, 512, 1024, 2048)
 
     def loss_budgets(self, budgets):
         """[(loss, budget)] this run trains the PRF variants at."""
@@ -110,7 +107,7 @@ def parse_args(argv) -> RunConfig:
                    "holding config.json, model.safetensors, tokenizer.json")  # fmt: skip
     p.add_argument("--profile", choices=PROFILES, default="default",
                    help="quick: a smoke run; default: one seed, one budget;\n"
-                   "study: seeds 0-2, budgets 16/32/64, Fix, four DoF rules, oracle, sweep;\n"
+                   "study: seeds 0-2, budgets 16/32/64, Fix, four DoF rules, oracle;\n"
                    "paper: the paper's sizes, meant for a GPU")  # fmt: skip
     p.add_argument("--out", type=partial(_arg, "--out", Path), help="default runs/MODEL-PROFILE")
     p.add_argument("--data", type=Path, help="data store (default $DOFMINI_DATA, else the cache)")
@@ -128,7 +125,6 @@ def parse_args(argv) -> RunConfig:
     p.add_argument("--lam", type=float, help="DoF λ (default 2^-4 for GPT-2, 2^-8 for Pythia)")
     p.add_argument("--J", type=int, help="queries and keys sampled per head for DoF")
     p.add_argument("--raw-gram", action="store_true", help="DoF from the raw Gram G, not G/J")
-    p.add_argument("--sweep", action="store_true", help="also sweep λ and J (sweep.md)")
     p.add_argument("--plan-only", action="store_true", help="print the plan and stop")
     given = vars(p.parse_args(argv))
     if "seed" in given and "seeds" in given:
@@ -255,12 +251,9 @@ def _main(cfg: RunConfig):
     teacher = stages.evaluate_teacher(run)
     allocation = stages.estimate_allocation(run)
     report.write_allocation(cfg.out, allocation, log)
-    sweep = stages.sweep(run) if cfg.sweep else None
-    if sweep:
-        report.write_sweep(cfg.out, sweep, log)
     curves = stages.error_curves(run) if set(stages.ORACLES) & set(cfg.variants) else None
     students, curves = endtoend.evaluate_students(run, allocation, curves)
-    results = collect(run, teacher, allocation, sweep, curves, students)
+    results = collect(run, teacher, allocation, curves, students)
     write_text(cfg.out / "results.json", json.dumps(results, indent=1, sort_keys=True))
     log("\n" + report.write(cfg.out, results))
     show_generation(run, students)
@@ -278,10 +271,9 @@ def load_teacher(cfg: RunConfig, hashes: dict) -> stages.Run:
         _fail(f"budgets {list(budgets)}: the oracle allocates between its curves' dims; "
               f"expected budgets in {lo}..{hi}")  # fmt: skip
     pool = 2 * cfg.calib_windows * ctx  # queries and keys per head on the calibration text
-    for flag, J in [("--J", cfg.J)] + [("the sweep's J", J) for J in cfg.sweep_Js if cfg.sweep]:
-        if J > pool:
-            _fail(f"{flag} {J} is more than the {pool} queries and keys per head that "
-                  f"{cfg.calib_windows} calibration windows of {ctx} tokens give")  # fmt: skip
+    if cfg.J > pool:
+        _fail(f"--J {cfg.J} is more than the {pool} queries and keys per head that "
+              f"{cfg.calib_windows} calibration windows of {ctx} tokens give")  # fmt: skip
     tokenizer_hash = sha256_file(hub.locate(cfg.model) / "tokenizer.json")[:16]
     device = runs.device_name(teacher) + devices.teacher_precision(teacher, cfg.precision)
     inputs = dict(teacher=teacher.identity, tokenizer=tokenizer_hash, device=device, **hashes)
@@ -312,9 +304,6 @@ def plan_run(run: stages.Run):
     done, e2e_left = done_stages(run)
     estimates = [("teacher evaluation", sizes["evaluation"] * costs["forward"])]
     estimates.append(("DoF estimate", cfg.calib_windows * costs["forward"] + costs["dof"]))
-    if cfg.sweep:  # a calibration pass, then a DoF per Gram, λ and J: nearer J² than J³ in time
-        grams = 2 * len(cfg.sweep_lams) * sum((J / cfg.J) ** 2 for J in cfg.sweep_Js)
-        estimates.append(("DoF sweep", cfg.calib_windows * costs["forward"] + grams * costs["dof"]))
     e2e = cfg.e2e_windows * costs["forward"]  # a teacher and a student pass, or a swapped one
     if "oracle_e2e" in cfg.variants:
         swaps = len(stages.curve_specs(run)) * (run.teacher.config.n_layer + 1)
@@ -334,7 +323,7 @@ def done_stages(run: stages.Run) -> set:
     them whose end-to-end KL is still to do. A student's key needs its dims: DoF's come from a
     saved allocation, the oracle's from the saved curves."""
     cfg, files = run.cfg, stages.stage_files(run)
-    saved = {name: runs.saved(*files[name]) for name in files if cfg.sweep or name != "DoF sweep"}
+    saved = {name: runs.saved(*files[name]) for name in files}
     found = {name for name, result in saved.items() if result}
     errors, curves, e2e_left = {}, None, set()
     for spec in stages.curve_specs(run) if set(stages.ORACLES) & set(cfg.variants) else ():
@@ -355,7 +344,7 @@ def done_stages(run: stages.Run) -> set:
     return found, e2e_left
 
 
-def collect(run: stages.Run, teacher_result, allocation, sweep_rows, curves, students) -> dict:
+def collect(run: stages.Run, teacher_result, allocation, curves, students) -> dict:
     """results.json: every number, the settings, the inputs' hashes and what made them."""
     config = {k: v for k, v in dataclasses.asdict(run.cfg).items() if k not in ("out", "data")}
     inputs = dict(run.inputs, read=run.files_read())  # the data files in the order read
@@ -367,7 +356,7 @@ def collect(run: stages.Run, teacher_result, allocation, sweep_rows, curves, stu
     model_cfg = run.teacher.config
     teacher = dict(teacher_result, name=model_cfg.name, identity=run.teacher.identity)
     teacher.update(head_dim=model_cfg.head_dim, n_layer=model_cfg.n_layer, e2e_kl=0.0)
-    found = dict(teacher=teacher, dof=allocation, sweep=sweep_rows, curves=curves)
+    found = dict(teacher=teacher, dof=allocation, curves=curves)
     found.update(students=students, config=config, inputs=inputs)
     found["e2e"] = compare.e2e_summary(compare.groups(students))  # the metric to choose by
     # a resumed run skips finished stages, so its own wall time says little

@@ -329,14 +329,14 @@ def overflowing_copy(model, root):
 
 
 @pytest.mark.parametrize("case, message", [
-    ("sweep", "the sweep's J 2048 is more than the 1024 queries and keys per head"),
+    ("J", "--J 2048 is more than the 1024 queries and keys per head"),
     ("huge", "the teacher's logits on random tokens are not finite"),
     ("lam", ""),
 ])  # fmt: skip
 def test_what_only_the_model_and_data_reveal_ends_in_one_line(tmp_path, case, message):
     model, env = tiny_store(tmp_path)
     args = ["--profile", "quick", "--limit", "0", "--variants", "fix,dof", "--out", tmp_path / "o"]
-    args += {"sweep": ["--sweep"], "lam": ["--lam", "1e20"]}.get(case, [])
+    args += {"J": ["--J", "2048"], "lam": ["--lam", "1e20"]}.get(case, [])
     model = overflowing_copy(model, tmp_path) if case == "huge" else model
     result = reproduce(model, *args, env=env)
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
@@ -449,15 +449,15 @@ def test_results_and_the_evaluation_key_list_every_file_read_in_order(tmp_path):
 
 
 def test_a_profile_setting_is_not_undone_by_an_absent_flag(tmp_path):
-    """The study profile asks for the λ/J sweep; leaving out --sweep must not switch it off."""
+    """The study profile skips the tasks; leaving out --limit must not switch them on."""
     code = (
         "import reproduce; from pathlib import Path; "
         f"cfg = reproduce.parse_args([{str(FIXTURES / 'gpt2-tiny')!r}, '--profile', 'study', "
-        f"'--out', {str(tmp_path / 'o')!r}]); print(cfg.sweep, cfg.steps, cfg.variants)"
+        f"'--out', {str(tmp_path / 'o')!r}]); print(cfg.limit, cfg.steps, cfg.variants)"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("True 400 ('fix', 'dof', 'dof_sqrt'")
+    assert done.stdout.startswith("0 400 ('fix', 'dof', 'dof_sqrt'")
 
 
 def test_oracle_budgets_outside_its_curves_are_refused_before_training(tmp_path):
