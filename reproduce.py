@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-import dofmini
 from dofmini import hub
 from dofmini.checkpoint import CheckpointError
 from dofmini.distill import TrainSettings
@@ -33,7 +32,6 @@ from dofmini.study.runs import log
 VARIANTS = ("performer", "dijiang", "fix", *stages.ALLOCATIONS, *stages.ORACLES)
 LOSSES = ("softmax", "l2", "direct")
 SEED_LIMIT = 2**31 - 1  # seeds are offset by the layer index and must stay within torch's range
-PROMPT = "The history of the city begins in the"
 MAX_FEATURES = 4096  # per layer: far above any head size, below what memory can hold
 # What each profile changes in RunConfig's defaults (which are the "default" profile).
 PROFILES = {
@@ -256,7 +254,6 @@ def _main(cfg: RunConfig):
     results = collect(run, teacher, allocation, curves, students)
     write_text(cfg.out / "results.json", json.dumps(results, indent=1, sort_keys=True))
     log("\n" + report.write(cfg.out, results))
-    show_generation(run, students)
 
 
 def load_teacher(cfg: RunConfig, hashes: dict) -> stages.Run:
@@ -362,23 +359,6 @@ def collect(run: stages.Run, teacher_result, allocation, curves, students) -> di
     # a resumed run skips finished stages, so its own wall time says little
     timings = {"stages_seconds": seconds, "this_invocation_seconds": time.time() - run.clock.t0}
     return dict(found, provenance=runs.provenance(run.teacher), timings=timings)
-
-
-def show_generation(run: stages.Run, students: dict):
-    """A greedy continuation of PROMPT from the teacher (KV cache) and from the best trained student
-    (recurrent O(1)-state decoding)."""
-    candidates = {k: v for k, v in students.items() if v["variant"] != "performer"}
-    if not candidates:
-        return
-    best = min(candidates, key=lambda k: candidates[k]["wikitext2_ppl"])
-    fields = {f.name: candidates[best][f.name] for f in dataclasses.fields(stages.Student)}
-    student, _ = stages.load_student(run.teacher, stages.Student(**fields).path(run.cfg.out))
-    n_ctx = run.teacher.config.n_ctx  # a short context still gets a (shorter) continuation
-    prompt = run.tokenizer.encode(PROMPT).ids[: n_ctx // 2]
-    log(f"\ngreedy continuations of {run.tokenizer.decode(prompt)!r}:")
-    for name, model in (("teacher", run.teacher), (best, student)):
-        continuation = dofmini.generate(model, prompt, min(24, n_ctx - len(prompt)))[len(prompt) :]
-        log(f"  {name}: {run.tokenizer.decode(continuation)!r}")
 
 
 if __name__ == "__main__":

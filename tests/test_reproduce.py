@@ -471,9 +471,8 @@ def test_oracle_budgets_outside_its_curves_are_refused_before_training(tmp_path)
     assert not list((tmp_path / "o").glob("students/*"))
 
 
-def test_a_context_shorter_than_the_profile_runs_to_its_continuation(tmp_path):
-    """n_positions 16 under the quick profile's ctx 64: windows of 16, and a continuation that
-    fits the 16 positions instead of a failure after results.json."""
+def test_a_context_shorter_than_the_profile_runs_in_windows_of_that_context(tmp_path):
+    """n_positions 16 under the quick profile's ctx 64: windows of 16, not a failure."""
     model, env = tiny_store(tmp_path)
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "n_positions": 16}))
@@ -484,7 +483,3 @@ def test_a_context_shorter_than_the_profile_runs_to_its_continuation(tmp_path):
     result = reproduce(model, *args, env=env)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert json.loads((tmp_path / "o" / "results.json").read_text())["config"]["ctx"] == 16
-    continuations = result.stdout.split("greedy continuations of ")[1].splitlines()
-    assert continuations[1].startswith("  teacher: ") and continuations[2].startswith(
-        "  fix/softmax/"
-    )
