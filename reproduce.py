@@ -11,7 +11,6 @@ the settings and inputs that made it; running again reuses a stage only when the
 
 import argparse
 import dataclasses
-import difflib
 import json
 import math
 import sys
@@ -23,7 +22,6 @@ from pathlib import Path
 import torch
 
 from dofmini import hub
-from dofmini.checkpoint import CheckpointError
 from dofmini.distill import TrainSettings
 from dofmini.files import sha256_file, unreachable, write_text
 from dofmini.study import compare, data, devices, endtoend, evaluate, plan, report, runs, stages
@@ -57,7 +55,7 @@ class RunConfig:
     precision: str = "fp32"  # the teacher's forward passes: fp32, or bf16 autocast (devices)
     per_device: int | None = None  # windows a device takes at once; None: its share of a batch
     variants: tuple = ("performer", "dijiang", "fix", "dof", "dof_clip")
-    losses: tuple = (("softmax", None),)  # (loss, budgets it runs at; None: every budget)
+    losses: tuple = ("softmax",)  # the PRF students' losses, each at every budget
     seeds: tuple = (0,)  # each sets the feature draw and the data order; Fix and DoF share it
     budgets: tuple | None = None  # mean features per layer; None: the head size
     curve_dims: tuple = (8, 16, 32, 64, 128)  # per-layer error curves, for the oracle
@@ -78,12 +76,6 @@ class RunConfig:
     curve_windows: int = 16  # the next held-out windows, for the error curves
     e2e_windows: int = 32  # the next ones, for end-to-end KL; the next ones, for the swap curves
     max_ctx: int = 2048
-
-    def loss_budgets(self, budgets):
-        """[(loss, budget)] this run trains the PRF variants at."""
-        return [
-            (loss, b) for loss, only in self.losses for b in budgets if only is None or b in only
-        ]
 
 
 ENVIRONMENT = """environment:
@@ -114,10 +106,9 @@ def parse_args(argv) -> RunConfig:
     p.add_argument("--batch-per-device", type=int, dest="per_device", help="windows a device takes")
     p.add_argument("--variants", type=partial(_arg, "--variants", _variants),
                    help=f"from {', '.join(VARIANTS)};\nnone: only the teacher and DoF")  # fmt: skip
-    p.add_argument("--loss", dest="losses", type=partial(_arg, "--loss", _losses), metavar="LOSS",
-                   help=f"from {', '.join(LOSSES)}; LOSS:B1/B2 at those budgets only")  # fmt: skip
+    p.add_argument("--loss", dest="losses", type=partial(_arg, "--loss", _split),
+                   help=f"from {', '.join(LOSSES)}, e.g. softmax,l2")  # fmt: skip
     p.add_argument("--seeds", type=partial(_arg, "--seeds", _ints), help="e.g. 0,1,2 (default 0)")
-    p.add_argument("--seed", type=int, help="one seed (same as --seeds N)")
     p.add_argument("--budgets", type=partial(_arg, "--budgets", _ints), help="mean features/layer")
     p.add_argument("--limit", type=int, help="first N examples per task (0: no tasks)")
     p.add_argument("--lam", type=float, help="DoF λ (default 2^-4 for GPT-2, 2^-8 for Pythia)")
@@ -125,11 +116,6 @@ def parse_args(argv) -> RunConfig:
     p.add_argument("--raw-gram", action="store_true", help="DoF from the raw Gram G, not G/J")
     p.add_argument("--plan-only", action="store_true", help="print the plan and stop")
     given = vars(p.parse_args(argv))
-    if "seed" in given and "seeds" in given:
-        seeds = ",".join(map(str, given["seeds"]))
-        _fail(f"--seed {given['seed']} and --seeds {seeds}: give one of them")
-    if "seed" in given:
-        given["seeds"] = (given.pop("seed"),)
     return check(RunConfig(**PROFILES[given["profile"]] | given))
 
 
@@ -149,18 +135,16 @@ def _arg(flag: str, convert, text: str):
         _fail(f"{flag} {text!r}: expected comma-separated integers")
 
 
-def _ints(text: str, separator: str = ",") -> tuple:
-    return tuple(int(x) for x in text.split(separator))
+def _ints(text: str) -> tuple:
+    return tuple(int(x) for x in text.split(","))
+
+
+def _split(text: str) -> tuple:
+    return tuple(text.split(","))
 
 
 def _variants(text: str) -> tuple:
-    return () if text == "none" else tuple(text.split(","))
-
-
-def _losses(text: str) -> tuple:
-    """LOSS or LOSS:B1/B2 per comma: (loss, its budgets; None: every budget)."""
-    specs = [part.partition(":") for part in text.split(",")]
-    return tuple((loss, _ints(budgets, "/") if budgets else None) for loss, _, budgets in specs)
+    return () if text == "none" else _split(text)
 
 
 def check(cfg: RunConfig) -> RunConfig:
@@ -168,14 +152,9 @@ def check(cfg: RunConfig) -> RunConfig:
     for variant in cfg.variants:
         if variant not in VARIANTS:
             _fail(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)} (or none)")
-    for loss, budgets in cfg.losses:
+    for loss in cfg.losses:
         if loss not in LOSSES:
             _fail(f"unknown loss {loss!r}; choose from {', '.join(LOSSES)}")
-        named = f"{loss}:{'/'.join(map(str, budgets or ()))}"
-        if budgets and not cfg.budgets:
-            _fail(f"--loss {named}: names budgets, but --budgets does not: pass them too")
-        if budgets and not set(budgets) <= set(cfg.budgets):
-            _fail(f"--loss {named}: budgets outside --budgets {','.join(map(str, cfg.budgets))}")
     if cfg.lam is not None and not (cfg.lam > 0 and math.isfinite(cfg.lam)):
         _fail(f"--lam {cfg.lam}: expected a positive finite number")
     if cfg.limit is not None and cfg.limit < 0:
@@ -189,8 +168,8 @@ def check(cfg: RunConfig) -> RunConfig:
     for seed in cfg.seeds:
         if not 0 <= seed <= SEED_LIMIT - 1000:
             _fail(f"--seeds {seed}: expected 0..{SEED_LIMIT - 1000}")
-    losses = [loss for loss, _ in cfg.losses]
-    for flag, values in [("--variants", cfg.variants), ("--loss", losses), ("--seeds", cfg.seeds)]:
+    listed = {"--variants": cfg.variants, "--loss": cfg.losses, "--seeds": cfg.seeds}
+    for flag, values in listed.items():
         if len(set(values)) != len(values):
             _fail(f"{flag} {','.join(map(str, values))}: a value appears twice")
     for budget in cfg.budgets or ():
@@ -200,11 +179,7 @@ def check(cfg: RunConfig) -> RunConfig:
     if cfg.device not in {"cpu", *["cuda"] * bool(count), *(f"cuda:{i}" for i in range(count))}:
         seen = f"torch sees {count} CUDA device(s)"
         _fail(f"--device {cfg.device} is not available here ({seen}); expected cpu, cuda, cuda:N")
-    try:
-        hub.locate(cfg.model)
-    except CheckpointError as err:
-        close = difflib.get_close_matches(cfg.model, hub.HUB_REPOS, n=1)
-        _fail(f"{err}" + (f"; did you mean {close[0]!r}?" if close else ""))
+    hub.locate(cfg.model)  # an unknown name or a folder without config.json: one_line_errors
     out = cfg.out or Path("runs") / f"{Path(cfg.model).name}-{cfg.profile}"
     runs.check_writable(out, "--out", _fail)
     store = data.store_dir(cfg.data)

@@ -44,7 +44,7 @@ def student_keys(run: Run) -> list:
             keys.append(("dijiang", "direct", run.teacher.config.head_dim, seed))
         if "performer" in cfg.variants:
             keys += [("performer", "none", b, seed) for b in run.budgets]
-        for loss, b in cfg.loss_budgets(run.budgets):
+        for loss, b in itertools.product(cfg.losses, run.budgets):
             keys += [(v, loss, b, seed) for v in cfg.variants if v in TRAINED_PRF]
     return list(dict.fromkeys(keys))
 
