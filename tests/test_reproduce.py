@@ -36,8 +36,12 @@ def test_the_whole_pipeline_runs_in_a_fresh_clone_then_reruns_computing_nothing(
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert {s.split("/")[0] for s in results["students"]} == {
-        "performer", "dijiang", "fix", "dof", "dof_clip"
-    }  # fmt: skip
+        "performer",
+        "dijiang",
+        "fix",
+        "dof",
+        "dof_clip",
+    }
     assert all(s["wikitext2_ppl"] > 1 for s in results["students"].values())
     assert results["inputs"]["corpus/wikipedia/tiny.txt"] and (out / "report.md").is_file()
     assert TRAINING_LINE.search(first.stdout)
@@ -263,20 +267,30 @@ def offline_env(tmp_path) -> dict:
     return {**env, "DOFMINI_WEIGHTS": str(tmp_path / "weights"), "HF_ENDPOINT": closed_port_url()}
 
 
-def test_offline_first_run_names_weights_and_data_in_one_message(tmp_path):
+@pytest.mark.parametrize("missing", ["data", "weights"])
+def test_offline_first_run_names_the_host_and_every_missing_file(tmp_path, missing):
+    """Nothing downloaded: the data's download fails first; with the data in place, the weights'."""
     env, out = offline_env(tmp_path), tmp_path / "out"
+    if missing == "weights":
+        env["DOFMINI_DATA"] = str(data_path())
     result = reproduce("gpt2", "--out", out, env=env, timeout=600)
     assert result.returncode != 0 and "plan (probe" not in result.stdout  # before any model work
     assert "Traceback" not in result.stderr and result.stderr.count("reproduce.py: error:") == 1
     hub_url = f"{env['HF_ENDPOINT']}/openai-community/gpt2/resolve/main"
-    for url, dest in [(f"{hub_url}/model.safetensors", tmp_path / "weights/gpt2/model.safetensors"),
-                      (f"{hub_url}/tokenizer.json", tmp_path / "weights/gpt2/tokenizer.json"),
-                      (f"{env['DOFMINI_DATA_MIRROR']}/wikitext-2-raw/wiki.test.raw",
-                       tmp_path / "store/wikitext-2-raw/wiki.test.raw"),
-                      (f"{env['DOFMINI_DATA_MIRROR']}/piqa/valid.jsonl",
-                       tmp_path / "store/piqa/valid.jsonl")]:  # fmt: skip
-        assert f"{url}\n      -> {dest}" in result.stderr
-    assert not out.exists() and not (tmp_path / "store").exists()
+    mirror, host = env["DOFMINI_DATA_MIRROR"], env["HF_ENDPOINT"].removeprefix("http://")
+    weights, data = ["model.safetensors", "tokenizer.json"], ["wikitext-2-raw/wiki.test.raw"]
+    expected = {
+        "weights": [(f"{hub_url}/{f}", tmp_path / "weights" / "gpt2" / f) for f in weights],
+        "data": [(f"{mirror}/{f}", tmp_path / "store" / f) for f in [*data, "piqa/valid.jsonl"]],
+    }
+    for url, dest in expected[missing]:
+        assert f"{url}\n    -> {dest}" in result.stderr
+    if missing == "weights":
+        assert f"could not be downloaded from {host}" in result.stderr
+    else:
+        assert f"{mirror.removeprefix('http://')} is unreachable" in result.stderr
+    assert not out.exists()
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # nothing fetched, not in part
 
 
 def test_plan_only_with_nothing_downloaded_lists_what_is_missing(tmp_path):
