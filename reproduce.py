@@ -179,7 +179,7 @@ def check(cfg: RunConfig) -> RunConfig:
     if cfg.device not in {"cpu", *["cuda"] * bool(count), *(f"cuda:{i}" for i in range(count))}:
         seen = f"torch sees {count} CUDA device(s)"
         _fail(f"--device {cfg.device} is not available here ({seen}); expected cpu, cuda, cuda:N")
-    hub.locate(cfg.model)  # an unknown name or a folder without config.json: one_line_errors
+    hub.locate(cfg.model)  # its CheckpointError (an unknown name, no config.json): main's one line
     out = cfg.out or Path("runs") / f"{Path(cfg.model).name}-{cfg.profile}"
     runs.check_writable(out, "--out", _fail)
     store = data.store_dir(cfg.data)
