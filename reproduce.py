@@ -11,7 +11,6 @@ the settings and inputs that made it; running again reuses a stage only when the
 
 import argparse
 import dataclasses
-import difflib
 import json
 import math
 import sys
@@ -22,25 +21,22 @@ from pathlib import Path
 
 import torch
 
-import dofmini
 from dofmini import hub
-from dofmini.checkpoint import CheckpointError
 from dofmini.distill import TrainSettings
-from dofmini.files import sha256_file, unreachable, write_text
+from dofmini.files import sha256_file, write_text
 from dofmini.study import compare, data, devices, endtoend, evaluate, plan, report, runs, stages
 from dofmini.study.runs import log
 
 VARIANTS = ("performer", "dijiang", "fix", *stages.ALLOCATIONS, *stages.ORACLES)
 LOSSES = ("softmax", "l2", "direct")
 SEED_LIMIT = 2**31 - 1  # seeds are offset by the layer index and must stay within torch's range
-PROMPT = "The history of the city begins in the"
 MAX_FEATURES = 4096  # per layer: far above any head size, below what memory can hold
 # What each profile changes in RunConfig's defaults (which are the "default" profile).
 PROFILES = {
     "quick": dict(ctx=64, J=128, calib_windows=8, steps=4, batch=2, eval_windows=4, limit=4,
                   error_windows=4, curve_windows=4, train_chars=200_000, e2e_windows=4),
     "default": {},
-    "study": dict(eval_windows=64, limit=0, seeds=(0, 1, 2), budgets=(16, 32, 64), sweep=True,
+    "study": dict(eval_windows=64, limit=0, seeds=(0, 1, 2), budgets=(16, 32, 64),
                   variants=("fix", "dof", "dof_sqrt", "dof_sqrt_mean", "oracle", "oracle_e2e",
                             "dof_inv_sqrt", "dof_floor", "dof_inv")),
     "paper": dict(ctx=None, steps=None, eval_windows=None, limit=None),
@@ -59,14 +55,13 @@ class RunConfig:
     precision: str = "fp32"  # the teacher's forward passes: fp32, or bf16 autocast (devices)
     per_device: int | None = None  # windows a device takes at once; None: its share of a batch
     variants: tuple = ("performer", "dijiang", "fix", "dof", "dof_clip")
-    losses: tuple = (("softmax", None),)  # (loss, budgets it runs at; None: every budget)
+    losses: tuple = ("softmax",)  # the PRF students' losses, each at every budget
     seeds: tuple = (0,)  # each sets the feature draw and the data order; Fix and DoF share it
     budgets: tuple | None = None  # mean features per layer; None: the head size
     curve_dims: tuple = (8, 16, 32, 64, 128)  # per-layer error curves, for the oracle
     lam: float | None = None  # DoF λ; None: 2^-4 for GPT-2, 2^-8 for Pythia (the paper's)
     J: int = 1024  # queries and keys sampled per head for DoF
     raw_gram: bool = False  # DoF from the raw Gram G instead of G/J
-    sweep: bool = False  # also sweep λ and J (sweep.md)
     plan_only: bool = False  # print the plan and stop
     ctx: int | None = 256  # None: the model's own context, at most max_ctx
     calib_windows: int = 64  # windows of WikiText-2 valid for DoF
@@ -81,14 +76,6 @@ class RunConfig:
     curve_windows: int = 16  # the next held-out windows, for the error curves
     e2e_windows: int = 32  # the next ones, for end-to-end KL; the next ones, for the swap curves
     max_ctx: int = 2048
-    sweep_lams: tuple = (2.0**-12, 2.0**-8, 2.0**-4, 1.0)
-    sweep_Js: tuple = (256, 512, 1024, 2048)
-
-    def loss_budgets(self, budgets):
-        """[(loss, budget)] this run trains the PRF variants at."""
-        return [
-            (loss, b) for loss, only in self.losses for b in budgets if only is None or b in only
-        ]
 
 
 ENVIRONMENT = """environment:
@@ -110,7 +97,7 @@ def parse_args(argv) -> RunConfig:
                    "holding config.json, model.safetensors, tokenizer.json")  # fmt: skip
     p.add_argument("--profile", choices=PROFILES, default="default",
                    help="quick: a smoke run; default: one seed, one budget;\n"
-                   "study: seeds 0-2, budgets 16/32/64, Fix, four DoF rules, oracle, sweep;\n"
+                   "study: seeds 0-2, budgets 16/32/64, Fix, four DoF rules, oracle;\n"
                    "paper: the paper's sizes, meant for a GPU")  # fmt: skip
     p.add_argument("--out", type=partial(_arg, "--out", Path), help="default runs/MODEL-PROFILE")
     p.add_argument("--data", type=Path, help="data store (default $DOFMINI_DATA, else the cache)")
@@ -119,23 +106,16 @@ def parse_args(argv) -> RunConfig:
     p.add_argument("--batch-per-device", type=int, dest="per_device", help="windows a device takes")
     p.add_argument("--variants", type=partial(_arg, "--variants", _variants),
                    help=f"from {', '.join(VARIANTS)};\nnone: only the teacher and DoF")  # fmt: skip
-    p.add_argument("--loss", dest="losses", type=partial(_arg, "--loss", _losses), metavar="LOSS",
-                   help=f"from {', '.join(LOSSES)}; LOSS:B1/B2 at those budgets only")  # fmt: skip
+    p.add_argument("--loss", dest="losses", type=partial(_arg, "--loss", _split),
+                   help=f"from {', '.join(LOSSES)}, e.g. softmax,l2")  # fmt: skip
     p.add_argument("--seeds", type=partial(_arg, "--seeds", _ints), help="e.g. 0,1,2 (default 0)")
-    p.add_argument("--seed", type=int, help="one seed (same as --seeds N)")
     p.add_argument("--budgets", type=partial(_arg, "--budgets", _ints), help="mean features/layer")
     p.add_argument("--limit", type=int, help="first N examples per task (0: no tasks)")
     p.add_argument("--lam", type=float, help="DoF λ (default 2^-4 for GPT-2, 2^-8 for Pythia)")
     p.add_argument("--J", type=int, help="queries and keys sampled per head for DoF")
     p.add_argument("--raw-gram", action="store_true", help="DoF from the raw Gram G, not G/J")
-    p.add_argument("--sweep", action="store_true", help="also sweep λ and J (sweep.md)")
     p.add_argument("--plan-only", action="store_true", help="print the plan and stop")
     given = vars(p.parse_args(argv))
-    if "seed" in given and "seeds" in given:
-        seeds = ",".join(map(str, given["seeds"]))
-        _fail(f"--seed {given['seed']} and --seeds {seeds}: give one of them")
-    if "seed" in given:
-        given["seeds"] = (given.pop("seed"),)
     return check(RunConfig(**PROFILES[given["profile"]] | given))
 
 
@@ -155,18 +135,16 @@ def _arg(flag: str, convert, text: str):
         _fail(f"{flag} {text!r}: expected comma-separated integers")
 
 
-def _ints(text: str, separator: str = ",") -> tuple:
-    return tuple(int(x) for x in text.split(separator))
+def _ints(text: str) -> tuple:
+    return tuple(int(x) for x in text.split(","))
+
+
+def _split(text: str) -> tuple:
+    return tuple(text.split(","))
 
 
 def _variants(text: str) -> tuple:
-    return () if text == "none" else tuple(text.split(","))
-
-
-def _losses(text: str) -> tuple:
-    """LOSS or LOSS:B1/B2 per comma: (loss, its budgets; None: every budget)."""
-    specs = [part.partition(":") for part in text.split(",")]
-    return tuple((loss, _ints(budgets, "/") if budgets else None) for loss, _, budgets in specs)
+    return () if text == "none" else _split(text)
 
 
 def check(cfg: RunConfig) -> RunConfig:
@@ -174,14 +152,9 @@ def check(cfg: RunConfig) -> RunConfig:
     for variant in cfg.variants:
         if variant not in VARIANTS:
             _fail(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)} (or none)")
-    for loss, budgets in cfg.losses:
+    for loss in cfg.losses:
         if loss not in LOSSES:
             _fail(f"unknown loss {loss!r}; choose from {', '.join(LOSSES)}")
-        named = f"{loss}:{'/'.join(map(str, budgets or ()))}"
-        if budgets and not cfg.budgets:
-            _fail(f"--loss {named}: names budgets, but --budgets does not: pass them too")
-        if budgets and not set(budgets) <= set(cfg.budgets):
-            _fail(f"--loss {named}: budgets outside --budgets {','.join(map(str, cfg.budgets))}")
     if cfg.lam is not None and not (cfg.lam > 0 and math.isfinite(cfg.lam)):
         _fail(f"--lam {cfg.lam}: expected a positive finite number")
     if cfg.limit is not None and cfg.limit < 0:
@@ -195,8 +168,8 @@ def check(cfg: RunConfig) -> RunConfig:
     for seed in cfg.seeds:
         if not 0 <= seed <= SEED_LIMIT - 1000:
             _fail(f"--seeds {seed}: expected 0..{SEED_LIMIT - 1000}")
-    losses = [loss for loss, _ in cfg.losses]
-    for flag, values in [("--variants", cfg.variants), ("--loss", losses), ("--seeds", cfg.seeds)]:
+    listed = {"--variants": cfg.variants, "--loss": cfg.losses, "--seeds": cfg.seeds}
+    for flag, values in listed.items():
         if len(set(values)) != len(values):
             _fail(f"{flag} {','.join(map(str, values))}: a value appears twice")
     for budget in cfg.budgets or ():
@@ -206,11 +179,7 @@ def check(cfg: RunConfig) -> RunConfig:
     if cfg.device not in {"cpu", *["cuda"] * bool(count), *(f"cuda:{i}" for i in range(count))}:
         seen = f"torch sees {count} CUDA device(s)"
         _fail(f"--device {cfg.device} is not available here ({seen}); expected cpu, cuda, cuda:N")
-    try:
-        hub.locate(cfg.model)
-    except CheckpointError as err:
-        close = difflib.get_close_matches(cfg.model, hub.HUB_REPOS, n=1)
-        _fail(f"{err}" + (f"; did you mean {close[0]!r}?" if close else ""))
+    hub.locate(cfg.model)  # its CheckpointError (an unknown name, no config.json): main's one line
     out = cfg.out or Path("runs") / f"{Path(cfg.model).name}-{cfg.profile}"
     runs.check_writable(out, "--out", _fail)
     store = data.store_dir(cfg.data)
@@ -242,11 +211,6 @@ def _main(cfg: RunConfig):
     if cfg.plan_only and (weights or absent):
         header = "not here yet (the stages and their times follow once these are in place):"
         return log(runs.missing_listing(weights, absent, cfg.data, header))
-    hosts = unreachable([url for url, _ in weights] + [data.source(f) for f in absent])
-    if hosts:
-        _fail(runs.missing_listing(weights, absent, cfg.data, f"{', '.join(hosts)} took no "
-              "connection; put each missing file at its path (a Wikipedia file as served), "
-              "or point --data or DOFMINI_DATA_MIRROR at a copy of the store:"))  # fmt: skip
     run = devices.writer_first(lambda: load_teacher(cfg, data.ensure(groups, cfg.data, log=log)))
     devices.writer_first(lambda: encode_texts(run))  # the others read its token caches
     plan_run(run)
@@ -255,15 +219,11 @@ def _main(cfg: RunConfig):
     teacher = stages.evaluate_teacher(run)
     allocation = stages.estimate_allocation(run)
     report.write_allocation(cfg.out, allocation, log)
-    sweep = stages.sweep(run) if cfg.sweep else None
-    if sweep:
-        report.write_sweep(cfg.out, sweep, log)
     curves = stages.error_curves(run) if set(stages.ORACLES) & set(cfg.variants) else None
     students, curves = endtoend.evaluate_students(run, allocation, curves)
-    results = collect(run, teacher, allocation, sweep, curves, students)
+    results = collect(run, teacher, allocation, curves, students)
     write_text(cfg.out / "results.json", json.dumps(results, indent=1, sort_keys=True))
     log("\n" + report.write(cfg.out, results))
-    show_generation(run, students)
 
 
 def load_teacher(cfg: RunConfig, hashes: dict) -> stages.Run:
@@ -278,10 +238,9 @@ def load_teacher(cfg: RunConfig, hashes: dict) -> stages.Run:
         _fail(f"budgets {list(budgets)}: the oracle allocates between its curves' dims; "
               f"expected budgets in {lo}..{hi}")  # fmt: skip
     pool = 2 * cfg.calib_windows * ctx  # queries and keys per head on the calibration text
-    for flag, J in [("--J", cfg.J)] + [("the sweep's J", J) for J in cfg.sweep_Js if cfg.sweep]:
-        if J > pool:
-            _fail(f"{flag} {J} is more than the {pool} queries and keys per head that "
-                  f"{cfg.calib_windows} calibration windows of {ctx} tokens give")  # fmt: skip
+    if cfg.J > pool:
+        _fail(f"--J {cfg.J} is more than the {pool} queries and keys per head that "
+              f"{cfg.calib_windows} calibration windows of {ctx} tokens give")  # fmt: skip
     tokenizer_hash = sha256_file(hub.locate(cfg.model) / "tokenizer.json")[:16]
     device = runs.device_name(teacher) + devices.teacher_precision(teacher, cfg.precision)
     inputs = dict(teacher=teacher.identity, tokenizer=tokenizer_hash, device=device, **hashes)
@@ -312,9 +271,6 @@ def plan_run(run: stages.Run):
     done, e2e_left = done_stages(run)
     estimates = [("teacher evaluation", sizes["evaluation"] * costs["forward"])]
     estimates.append(("DoF estimate", cfg.calib_windows * costs["forward"] + costs["dof"]))
-    if cfg.sweep:  # a calibration pass, then a DoF per Gram, λ and J: nearer J² than J³ in time
-        grams = 2 * len(cfg.sweep_lams) * sum((J / cfg.J) ** 2 for J in cfg.sweep_Js)
-        estimates.append(("DoF sweep", cfg.calib_windows * costs["forward"] + grams * costs["dof"]))
     e2e = cfg.e2e_windows * costs["forward"]  # a teacher and a student pass, or a swapped one
     if "oracle_e2e" in cfg.variants:
         swaps = len(stages.curve_specs(run)) * (run.teacher.config.n_layer + 1)
@@ -334,7 +290,7 @@ def done_stages(run: stages.Run) -> set:
     them whose end-to-end KL is still to do. A student's key needs its dims: DoF's come from a
     saved allocation, the oracle's from the saved curves."""
     cfg, files = run.cfg, stages.stage_files(run)
-    saved = {name: runs.saved(*files[name]) for name in files if cfg.sweep or name != "DoF sweep"}
+    saved = {name: runs.saved(*files[name]) for name in files}
     found = {name for name, result in saved.items() if result}
     errors, curves, e2e_left = {}, None, set()
     for spec in stages.curve_specs(run) if set(stages.ORACLES) & set(cfg.variants) else ():
@@ -355,7 +311,7 @@ def done_stages(run: stages.Run) -> set:
     return found, e2e_left
 
 
-def collect(run: stages.Run, teacher_result, allocation, sweep_rows, curves, students) -> dict:
+def collect(run: stages.Run, teacher_result, allocation, curves, students) -> dict:
     """results.json: every number, the settings, the inputs' hashes and what made them."""
     config = {k: v for k, v in dataclasses.asdict(run.cfg).items() if k not in ("out", "data")}
     inputs = dict(run.inputs, read=run.files_read())  # the data files in the order read
@@ -367,29 +323,12 @@ def collect(run: stages.Run, teacher_result, allocation, sweep_rows, curves, stu
     model_cfg = run.teacher.config
     teacher = dict(teacher_result, name=model_cfg.name, identity=run.teacher.identity)
     teacher.update(head_dim=model_cfg.head_dim, n_layer=model_cfg.n_layer, e2e_kl=0.0)
-    found = dict(teacher=teacher, dof=allocation, sweep=sweep_rows, curves=curves)
+    found = dict(teacher=teacher, dof=allocation, curves=curves)
     found.update(students=students, config=config, inputs=inputs)
     found["e2e"] = compare.e2e_summary(compare.groups(students))  # the metric to choose by
     # a resumed run skips finished stages, so its own wall time says little
     timings = {"stages_seconds": seconds, "this_invocation_seconds": time.time() - run.clock.t0}
     return dict(found, provenance=runs.provenance(run.teacher), timings=timings)
-
-
-def show_generation(run: stages.Run, students: dict):
-    """A greedy continuation of PROMPT from the teacher (KV cache) and from the best trained student
-    (recurrent O(1)-state decoding)."""
-    candidates = {k: v for k, v in students.items() if v["variant"] != "performer"}
-    if not candidates:
-        return
-    best = min(candidates, key=lambda k: candidates[k]["wikitext2_ppl"])
-    fields = {f.name: candidates[best][f.name] for f in dataclasses.fields(stages.Student)}
-    student, _ = stages.load_student(run.teacher, stages.Student(**fields).path(run.cfg.out))
-    n_ctx = run.teacher.config.n_ctx  # a short context still gets a (shorter) continuation
-    prompt = run.tokenizer.encode(PROMPT).ids[: n_ctx // 2]
-    log(f"\ngreedy continuations of {run.tokenizer.decode(prompt)!r}:")
-    for name, model in (("teacher", run.teacher), (best, student)):
-        continuation = dofmini.generate(model, prompt, min(24, n_ctx - len(prompt)))[len(prompt) :]
-        log(f"  {name}: {run.tokenizer.decode(continuation)!r}")
 
 
 if __name__ == "__main__":

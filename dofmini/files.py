@@ -1,20 +1,14 @@
-"""File helpers every stage shares: whole-or-nothing writes, content hashes, and a quick check that
-the hosts a download needs take a connection."""
+"""File helpers every stage shares: whole-or-nothing writes, content hashes, and the listing of
+what to fetch by hand."""
 
 import contextlib
 import hashlib
 import json
 import os
-import socket
-import threading
-import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 from safetensors import SafetensorError
 
-CONNECT_SECONDS = 4.0  # all hosts are tried at once, so an offline machine hears back within this
 WRITES = True  # off on every rank of a torchrun but the writer (study.devices), which writes alone
 
 
@@ -56,38 +50,6 @@ def sha256_file(path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _endpoint(url: str):
-    """(host, port) a fetch of `url` connects to, its proxy's if it has one; None for a file."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https"):
-        return None
-    proxy = urllib.request.getproxies().get(parts.scheme)
-    if proxy and not urllib.request.proxy_bypass(parts.hostname):
-        parts = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
-    default_port = 443 if parts.scheme == "https" else 80
-    return parts.hostname, parts.port or default_port
-
-
-def unreachable(urls) -> list:
-    """The "host:port" of each endpoint of `urls` taking no TCP connection within CONNECT_SECONDS;
-    daemon threads try all at once, so a hanging name lookup holds neither caller nor exit."""
-    endpoints = {_endpoint(url) for url in urls} - {None}
-    reached = set()
-
-    def connect(endpoint):
-        with contextlib.suppress(OSError):
-            socket.create_connection(endpoint, timeout=CONNECT_SECONDS).close()
-            reached.add(endpoint)
-
-    threads = [threading.Thread(target=connect, args=(e,), daemon=True) for e in endpoints]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + CONNECT_SECONDS
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    return sorted(f"{host}:{port}" for host, port in endpoints - set(reached))
 
 
 def by_hand(pairs, indent: int = 2) -> str:

@@ -4,12 +4,13 @@ hub on first use, the teacher's identity, and the checkpoint's own tokenizer, ch
 import hashlib
 import os
 import tempfile
+import urllib.parse
 from pathlib import Path
 
 import torch
 
 from .checkpoint import CheckpointError, load_folder, read_config
-from .files import by_hand, sha256_file, unreachable
+from .files import by_hand, sha256_file
 from .model import Model
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json")
@@ -53,11 +54,6 @@ def resolve(path_or_name) -> Path:
         return folder
     from huggingface_hub import hf_hub_download
 
-    advice = f"Download each file by hand and put it at its path:{by_hand(needed)}"
-    # the hub client retries for about 30 s when offline; a quick connect tells us first
-    if down := unreachable([url for url, _ in needed]):
-        offline = f"the hub is unreachable ({', '.join(down)})"
-        raise CheckpointError(f"{name!r} is not in {folder} and {offline}. {advice}")
     folder.parent.mkdir(parents=True, exist_ok=True)
     try:
         # a file enters the folder only by a rename once whole: huggingface_hub writes in place
@@ -67,9 +63,13 @@ def resolve(path_or_name) -> Path:
                 fetched = hf_hub_download(HUB_REPOS[name], file.name, local_dir=scratch)
                 folder.mkdir(exist_ok=True)
                 os.replace(fetched, file)
-    except Exception as err:  # hub down, file renamed upstream, disk full: the same advice
-        message = f"could not download {name!r} ({type(err).__name__}: {err}). {advice}"
-        raise CheckpointError(message) from None
+    except Exception as err:  # offline, hub down, file renamed upstream, disk full: one advice
+        host = urllib.parse.urlsplit(needed[0][0]).netloc
+        raise CheckpointError(
+            f"{name!r} is not in {folder} and could not be downloaded from {host} "
+            f"({type(err).__name__}: {err}). Download each file by hand and put it at its path, "
+            f"or set DOFMINI_WEIGHTS to a folder holding {name}/ already:{by_hand(needed)}"
+        ) from None
     return folder
 
 

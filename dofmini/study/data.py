@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from tqdm import tqdm
 
-from ..files import CONNECT_SECONDS, atomic_write, by_hand, cache_dir, sha256_file, unreachable
+from ..files import atomic_write, by_hand, cache_dir, sha256_file
 from .tasks import DataError
 
 # group: (dataset, licence); the task groups are the names of tasks.TASKS
@@ -34,6 +34,10 @@ GROUPS = {
     "lambada": ("LAMBADA, OpenAI's detokenised test", "CC BY 4.0"),
 }
 WIKIEXTRACTOR_GROUPS = ("corpus", "heldout")
+
+
+class Unreachable(DataError):
+    """A source that cannot be reached: every other file from it would wait and fail alike."""
 
 
 class DataFile(NamedTuple):
@@ -138,20 +142,13 @@ def offline_listing(rows, root, indent: int = 2) -> str:
 
 def ensure(groups, root, log=print) -> dict:
     """{path in the store: sha256} of every file of `groups` under `root`, missing ones downloaded.
-    When a missing file's host takes no connection, one DataError lists each missing file, its URL
-    and where to put it. Else each file is checked (size, then sha256) or downloaded and checked;
-    what verified stays, and one DataError names every failure."""
+    Each file is checked (size, then sha256) or downloaded and checked; what verified stays, and
+    one DataError names every failure. When a source cannot be reached, the DataError lists
+    each file still missing, its URL and where to put it."""
     root = Path(root)
     needed = files(groups)
     _remove_stale_temporaries(root, needed)
     absent = missing(groups, root)
-    if hosts := unreachable([source(f) for f in absent]):
-        raise DataError(
-            f"{len(absent)} data file(s), {_mb(absent)}, are missing and {', '.join(hosts)} "
-            f"took no connection in {CONNECT_SECONDS:.0f} s. Download each to the path shown (a "
-            f"Wikipedia file as served: it is converted on the next run), or point --data or "
-            f"DOFMINI_DATA_MIRROR at a copy of the store:{offline_listing(absent, root)}"
-        )
     failures = []
     for f in needed:
         try:
@@ -161,6 +158,14 @@ def ensure(groups, root, log=print) -> dict:
                 atomic_write(root / f.path, functools.partial(fetch_verified, f))
             else:
                 verify(root / f.path, f, "delete it to download it again")
+        except Unreachable as err:
+            left = missing(groups, root)
+            raise DataError(
+                f"{len(left)} data file(s), {_mb(left)}, are missing and {err}. Download each to "
+                f"the path shown (a Wikipedia file as served: it is converted on the next run), or "
+                f"point --data, DOFMINI_DATA or DOFMINI_DATA_MIRROR at a copy of the store:"
+                f"{offline_listing(left, root)}"
+            ) from None
         except DataError as err:
             failures.append(str(err))
         except OSError as err:  # a read-only store, a full disk: atomic_write names the file
@@ -238,7 +243,11 @@ def fetch_verified(f: DataFile, tmp: Path, bar: bool = True) -> None:
     except urllib.error.HTTPError as err:
         raise DataError(f"{path}: {url} answered HTTP {err.code} ({err.reason})") from None
     except (OSError, http.client.HTTPException, ValueError) as err:  # ValueError: not a URL
-        gone = isinstance(getattr(err, "reason", None), FileNotFoundError)  # file:// with no file
+        reason = getattr(err, "reason", None)  # a URLError's: why no connection was made
+        gone = isinstance(reason, FileNotFoundError)  # file:// with no file
+        if isinstance(reason, OSError) and not gone:
+            host = urllib.parse.urlsplit(url).netloc
+            raise Unreachable(f"{host} is unreachable ({reason.strerror or reason})") from None
         retry = "" if gone else "; run again to retry"
         raise DataError(f"{path}: fetching {url} failed ({err}){retry}") from None
     if length and received != length:

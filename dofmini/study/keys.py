@@ -96,17 +96,15 @@ def eval_key(run: Run) -> dict:
 
 
 def stage_files(run: Run) -> dict:
-    """{stage name: (its file, its key)} of the teacher's evaluation, DoF and the sweep."""
+    """{stage name: (its file, its key)} of the teacher's evaluation and DoF."""
     cfg, inputs, out = run.cfg, run.inputs, run.cfg.out
-    sweep = dict(teacher=inputs["teacher"], seed=cfg.seeds[0], ctx=run.ctx, budgets=run.budgets)
-    sweep.update(calib_windows=cfg.calib_windows, calib=inputs[CALIBRATION], rules=ALLOCATIONS)
-    sweep["device"] = inputs["device"]
-    allocation = dict(sweep, lam=run.lam, J=cfg.J, normalize=not cfg.raw_gram)
+    dof = dict(teacher=inputs["teacher"], seed=cfg.seeds[0], ctx=run.ctx, budgets=run.budgets)
+    dof.update(calib_windows=cfg.calib_windows, calib=inputs[CALIBRATION], rules=ALLOCATIONS)
+    dof.update(device=inputs["device"], lam=run.lam, J=cfg.J, normalize=not cfg.raw_gram)
     teacher = {"teacher": inputs["teacher"], **eval_key(run)}
     return {
         "teacher evaluation": (out / "teacher.json", teacher),
-        "DoF estimate": (out / "allocation.json", allocation),
-        "DoF sweep": (out / "sweep.json", dict(sweep, lams=cfg.sweep_lams, Js=cfg.sweep_Js)),
+        "DoF estimate": (out / "allocation.json", dof),
     }
 
 

@@ -1,4 +1,4 @@
-"""Every table and chart of a run: the allocation, the λ/J sweep, and report.md with its SVG charts
+"""Every table and chart of a run: the allocation, and report.md with its SVG charts
 (the statistics across seeds come from compare)."""
 
 import numpy as np
@@ -31,22 +31,6 @@ def write_allocation(out, result: dict, log):
     log(allocation_table(result))
     if result["warning"]:
         log(result["warning"])
-
-
-def sweep_table(rows: list) -> str:
-    """The layer DoF and DoF's dims (proportional, budget = head size) at every λ, J and Gram."""
-    cells = []
-    for r in rows:
-        gram, lam = ("G", "G/J")[r["normalize"]], f"2^{np.log2(r['lam']):.0f}"
-        cells.append([gram, lam, r["J"], spaced(r["layer_dof"], ".0f"), spaced(r["dims"])])
-    return md_table(["Σ̂", "λ", "J", "layer DoF", "dof dims"], cells)
-
-
-def write_sweep(out, rows: list, log):
-    """sweep.md, and the table on the terminal."""
-    table = sweep_table(rows)
-    write_text(out / "sweep.md", table + "\n")
-    log(table)
 
 
 def tasks_table(students: dict, teacher: dict) -> str:
@@ -94,7 +78,6 @@ own inputs and cannot weigh how a layer's error grows through the layers after i
 {allocation_table(dof)}
 
 
-{sweep_section(results)}
 ## DoF and the oracle against Fix, seed by seed
 {compare.comparisons(grouped, teacher)}
 
@@ -115,16 +98,3 @@ scale free, so for students trained with them kl and output_rel are the errors t
 """
     write_text(out / "report.md", text)
     return summary
-
-
-def sweep_section(results: dict) -> str:
-    """How the DoF and its allocation move with λ, J and the Gram, on the calibration text."""
-    if not results.get("sweep"):
-        return ""
-    return f"""## DoF against λ, J and the Gram
-
-{results["dof"]["calibration"]}, the first J of one seeded draw of each head's queries and keys;
-"dof dims" is the paper's proportional rule at {results["teacher"]["head_dim"]} features per layer.
-
-{sweep_table(results["sweep"])}
-"""

@@ -1,5 +1,5 @@
 """The stages of reproduce.py's comparison, one function each: the teacher's evaluation, DoF, the
-sweep, the error curves and the oracle, each student's training and evaluation. Each saves its
+error curves and the oracle, each student's training and evaluation. Each saves its
 result under the file and key keys.py gives it (runs.stage)."""
 
 import dataclasses
@@ -44,7 +44,7 @@ def student_keys(run: Run) -> list:
             keys.append(("dijiang", "direct", run.teacher.config.head_dim, seed))
         if "performer" in cfg.variants:
             keys += [("performer", "none", b, seed) for b in run.budgets]
-        for loss, b in cfg.loss_budgets(run.budgets):
+        for loss, b in itertools.product(cfg.losses, run.budgets):
             keys += [(v, loss, b, seed) for v in cfg.variants if v in TRAINED_PRF]
     return list(dict.fromkeys(keys))
 
@@ -93,24 +93,6 @@ def estimate_allocation(run: Run) -> dict:
         return dict(found, seconds=time.time() - t0)
 
     return run.stage("DoF estimate", *stage_files(run)["DoF estimate"], compute)
-
-
-def sweep(run: Run) -> list:
-    """How the DoF allocation moves with λ and J, and with the raw Gram instead of G/J."""
-    cfg, budget = run.cfg, run.teacher.config.head_dim
-
-    def compute():
-        # rows come in draw order, so x[..., :J, :] is the size-J draw: one pass serves every J
-        calib, J = run.texts["calib"], max(cfg.sweep_Js)
-        x = dof.sample_queries_keys(run.teacher, calib, J, cfg.seeds[0], run.ctx)  # [L, H, J, d]
-        rows = []
-        for normalize, lam, J in itertools.product((True, False), cfg.sweep_lams, cfg.sweep_Js):
-            layer = dof.degrees_of_freedom(x[:, :, :J], lam, normalize).amax(-1)  # [L]
-            row = {"normalize": normalize, "lam": lam, "J": J, "layer_dof": layer.tolist()}
-            rows.append({**row, "dims": dof.allocate(layer, budget)})
-        return rows
-
-    return run.stage("DoF sweep", *stage_files(run)["DoF sweep"], compute)
 
 
 def trained(path: Path, key: dict, own: bool = True) -> bool:
