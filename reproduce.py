@@ -1,6 +1,6 @@
 """The paper's comparison for one teacher, in one command: estimate DoF, allocate feature dims,
-train every variant at every budget and seed, evaluate everything, and write results.json,
-report.md and SVG charts.
+train every variant at every budget and seed, evaluate everything, and write results.json and
+report.md.
 
     python reproduce.py gpt2                        # a named model, downloaded once into weights/
     python reproduce.py path/to/checkpoint --profile quick

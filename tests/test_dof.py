@@ -1,5 +1,5 @@
 """Degrees of freedom against independent numpy formulas (Hypothesis), the estimate on the stand-in
-teachers and the saturation warning. The allocator: test_allocate.py; the charts: test_plots.py."""
+teachers and the saturation warning. The allocator: test_allocate.py."""
 
 import math
 

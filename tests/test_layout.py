@@ -36,7 +36,6 @@ STUDY = tuple(
         "stages",
         "endtoend",
         "stats",
-        "plots",
         "compare",
         "report",
     )

@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import time
-import xml.etree.ElementTree as ET
 
 import numpy as np
 import pytest
@@ -25,7 +24,7 @@ from safetensors.torch import load_file, save_file
 TASKS = {"piqa", "arc_easy", "arc_challenge", "winogrande", "wsc273", "mmlu", "logiqa", "lambada"}
 TRAINING_LINE = re.compile(r"^(softmax|l2|direct) \d+/\d+: loss", re.M)  # distill's progress lines
 VENDORABLE = {"linear_attention.py": {"torch"}, "dof.py": {"torch"}, "model.py": {"torch"},
-              "generate.py": {"torch"}, "study/plots.py": set(), "study/tasks.py": set(),
+              "generate.py": {"torch"}, "study/tasks.py": set(),
               "study/stats.py": set(), "study/oracle.py": {"torch"}}  # fmt: skip
 
 
@@ -103,9 +102,6 @@ def test_grid_has_every_variant_budget_and_seed(grid_run):
         assert oracle["same_training_as"] == f"fix/softmax/b8/s{seed}"
         assert oracle["layer_error"] == fix["layer_error"] and oracle["dims"] == [8] * 6
     assert "copied" in first.stdout
-    for svg in out.glob("*.svg"):
-        assert ET.parse(svg).getroot().tag.endswith("svg")
-    assert {"budget_kl.svg", "curves_kl.svg"} <= {p.name for p in out.glob("*")}
     assert "[1/" in first.stdout and "left)" in first.stdout and "plan (" in first.stdout
 
 

@@ -1,14 +1,13 @@
 """The report's sections, student against student: each metric as the mean over seeds with a 95%
 t-interval, DoF and the oracle against Fix seed by seed (a seed draws the same data order for every
 variant), the per-layer errors, whether training flattened, and the error-against-features curves
-with the oracle allocation they imply. Each returns markdown; its charts are written under `out`."""
+with the oracle allocation they imply. Each returns markdown."""
 
 import math
 
 import numpy as np
 
-from ..files import write_text
-from . import plots, stats
+from . import stats
 
 # (label, key, view): view reduces a student's per-layer errors to one number per seed, None reads
 # a perplexity. The worst layer stands beside the mean, as a gain on average can hide a worse layer.
@@ -46,26 +45,17 @@ def metric(student: dict, key: str, view):
     return None if None in errors else float(view(errors))
 
 
-def _chart(out, name: str, series: dict, labels: tuple) -> str:
-    """Draws xy_chart(series, *labels (title, x, y)) to out/name.svg; returns its markdown image
-    link, or "" where there is no series."""
-    if not series:
-        return ""
-    write_text(out / f"{name}.svg", plots.xy_chart(series, *labels))
-    return f"![{name}]({name}.svg)"
-
-
 def _pm(mean, half, sign="") -> str:
     """'mean ± half width', or the mean alone where there is no interval (one seed: nan, None)."""
     return f"{mean:{sign}.4g}" + (f" ± {half:.2g}" if math.isfinite(half or math.nan) else "")
 
 
-def students(grouped: dict, teacher: dict, out) -> tuple:
-    """The summary table (every metric as mean ± CI over seeds, and the end-to-end KL against Fix
-    seed by seed), and end-to-end and mean-layer KL charted on budget."""
+def students(grouped: dict, teacher: dict) -> str:
+    """The summary table: every metric as mean ± CI over seeds, and the end-to-end KL against Fix
+    seed by seed."""
     teacher_cells = ["—" if view else f"{teacher[key]:.2f}" for _, key, view in METRICS]
     rows = [["teacher", "—", "—", "—", teacher_cells[0], "—", "—", *teacher_cells[1:], "—"]]
-    points, e2e = {}, e2e_summary(grouped)
+    e2e = e2e_summary(grouped)
     for (variant, loss, budget), by_seed in grouped.items():
         values = [[metric(s, key, view) for s in by_seed.values()] for _, key, view in METRICS]
         cis = [None if None in v else stats.mean_ci(v) for v in values]
@@ -75,20 +65,9 @@ def students(grouped: dict, teacher: dict, out) -> tuple:
             diff = [_pm(*vs["minus_fix"], "+"), f"{100 * vs['relative']:+.1f}%"]
         train = f"{np.mean([s['train_seconds'] for s in by_seed.values()]):.0f}"
         rows.append([variant, loss, budget, len(by_seed), cells[0], *diff, *cells[1:], train])
-        for name, ci in zip(("budget_e2e_kl", "budget_kl"), cis):
-            if ci and variant != "performer":
-                line = points.setdefault(name, {}).setdefault(f"{variant}/{loss}", [])
-                line.append((budget, *ci))
     labels = [label for label, _, _ in METRICS]
     header = ["variant", "loss", "budget", "seeds", labels[0], "− fix, paired", "relative"]
-    table = md_table([*header, *labels[1:], "train s"], rows)
-    charts = []
-    for name, by_label in points.items():
-        series = {k: tuple(map(list, zip(*sorted(v)))) for k, v in by_label.items() if len(v) > 1}
-        title = ("end-to-end" if "e2e" in name else "mean-layer") + " kl against budget"
-        labels = title, "features per layer (budget)", "kl"
-        charts.append(_chart(out, name, series, labels))
-    return table, " ".join(charts)
+    return md_table([*header, *labels[1:], "train s"], rows)
 
 
 def against_fix(fix: dict, other: dict) -> list:
@@ -166,15 +145,14 @@ def training(grouped: dict) -> str:
     return md_table(header, rows) if rows else ""
 
 
-def curves_section(results: dict, out) -> str:
+def curves_section(results: dict) -> str:
     """The per-layer error curves of Fix students, how well DoF predicts the features a layer and a
     head need, and the oracle allocation they imply."""
     curves = results.get("curves")
     if not curves:
         return ""
     ms, dof = curves["dims"], results["dof"]
-    title = "held-out KL per layer against its features"
-    block = _curves_block(curves, dof["per_head"], out, "curves_kl", title)
+    block = _curves_block(curves, dof["per_head"])
     oracle = [[b, spaced(dof["dims"][b]["dof"]), spaced(m)] for b, m in curves["oracle"].items()]
     return f"""
 ## Per-layer error against features, DoF as a predictor, and the oracle allocation
@@ -194,13 +172,11 @@ measured points.
 {md_table(["budget", "DoF dims", "oracle dims"], oracle)}"""
 
 
-def _curves_block(curves: dict, per_head, out, name: str, title: str) -> str:
-    """A curves record's chart; per layer its DoF, seed-mean KL at each M, the M it needs to reach
+def _curves_block(curves: dict, per_head) -> str:
+    """A curves record's table: per layer its DoF, seed-mean KL at each M, the M it needs to reach
     the common KL and its β (and its heads' where the record has them); and how well DoF orders
     the M needed."""
     ms, mean, found = curves["dims"], curves["mean_kl"], needs(curves)
-    series = {f"layer {i}": (ms, e, None) for i, e in enumerate(mean)}
-    chart = _chart(out, name, series, (title, "features M", "KL"))
     header = ["layer", "DoF (max)", *(f"M={m}" for m in ms)]
     header += [f"M to KL {found['layer_target']:.3g}", "β"]
     rows = [
@@ -212,7 +188,7 @@ def _curves_block(curves: dict, per_head, out, name: str, title: str) -> str:
         for row, h, head_needs in zip(rows, per_head, found["head"]):
             row += [f"{np.mean(h):.1f}", spaced(h, ".0f"), spaced(head_needs, ".0f")]
     evidence = evidence_table(ms, dof_views(per_head, found))
-    return "\n\n".join([chart, md_table(header, rows), evidence])
+    return "\n\n".join([md_table(header, rows), evidence])
 
 
 def needs(curves: dict) -> dict:
@@ -271,14 +247,13 @@ def e2e_summary(grouped: dict) -> dict:
     return found
 
 
-def swap_section(results: dict, out) -> str:
+def swap_section(results: dict) -> str:
     """Each layer's end-to-end KL with only it swapped for a Fix student's, what DoF says of it,
     and the end-to-end oracle it implies."""
     swap = (results.get("curves") or {}).get("e2e")
     if not swap:
         return ""
-    title = "end-to-end KL, one layer swapped, against its features"
-    block = _curves_block(swap, results["dof"]["per_head"], out, "curves_e2e_kl", title)
+    block = _curves_block(swap, results["dof"]["per_head"])
     oracle = [[b, spaced(dims)] for b, dims in swap["oracle"].items()]
     return f"""
 Each layer's cost end to end: the teacher with only that layer swapped for the Fix student's at M

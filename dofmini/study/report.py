@@ -1,5 +1,5 @@
-"""Every table and chart of a run: the allocation, and report.md with its SVG charts
-(the statistics across seeds come from compare)."""
+"""Every table of a run: the allocation, and report.md (the statistics across seeds come from
+compare)."""
 
 import numpy as np
 
@@ -49,10 +49,10 @@ def tasks_table(students: dict, teacher: dict) -> str:
 
 
 def write(out, results: dict) -> str:
-    """report.md and its charts; returns the summary table for the terminal."""
+    """report.md; returns the summary table for the terminal."""
     teacher, students, dof, cfg = (results[k] for k in ("teacher", "students", "dof", "config"))
     grouped = compare.groups(students)
-    summary, budget_chart = compare.students(grouped, teacher, out)
+    summary = compare.students(grouped, teacher)
     text = f"""# dofmini report: {teacher["name"]} ({cfg["profile"]} profile)
 
 ctx {cfg["ctx"]}, seeds {cfg["seeds"]}, budgets {cfg["budgets"]}, {cfg["steps"]} steps of
@@ -69,9 +69,7 @@ from all others; against Fix paired seed by seed. The layer errors feed each lay
 own inputs and cannot weigh how a layer's error grows through the layers after it.
 
 {summary}
-
-{budget_chart}
-{compare.swap_section(results, out)}
+{compare.swap_section(results)}
 
 ## Feature dimensions per layer
 
@@ -90,7 +88,7 @@ scale free, so for students trained with them kl and output_rel are the errors t
 ## Did training flatten?
 
 {compare.training(grouped)}
-{compare.curves_section(results, out)}
+{compare.curves_section(results)}
 
 ## Zero-shot tasks
 

@@ -36,7 +36,7 @@ def t_critical(level, df):
 
 def mean_ci(values, level=0.95):
     """(mean, half width of the t-interval) over the values, one per seed; one value has half
-    width nan, which prints and plots as "no interval" rather than as a spurious zero."""
+    width nan, which prints as "no interval" rather than as a spurious zero."""
     values = _finite("mean_ci: values", values)
     n = len(values)
     mean = math.fsum(values) / n
