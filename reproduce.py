@@ -24,7 +24,7 @@ import torch
 from dofmini import hub
 from dofmini.distill import TrainSettings
 from dofmini.files import sha256_file, write_text
-from dofmini.study import compare, data, devices, endtoend, evaluate, plan, report, runs, stages
+from dofmini.study import compare, data, devices, endtoend, evaluate, report, runs, stages
 from dofmini.study.runs import log
 
 VARIANTS = ("performer", "dijiang", "fix", *stages.ALLOCATIONS, *stages.ORACLES)
@@ -209,7 +209,7 @@ def _main(cfg: RunConfig):
     log(data.describe(groups, cfg.data))
     weights, absent = hub.missing_files(cfg.model), data.missing(groups, cfg.data)
     if cfg.plan_only and (weights or absent):
-        header = "not here yet (the stages and their times follow once these are in place):"
+        header = "not here yet (the stages follow once these are in place):"
         return log(runs.missing_listing(weights, absent, cfg.data, header))
     run = devices.writer_first(lambda: load_teacher(cfg, data.ensure(groups, cfg.data, log=log)))
     devices.writer_first(lambda: encode_texts(run))  # the others read its token caches
@@ -263,36 +263,37 @@ def encode_texts(run: stages.Run):
 
 
 def plan_run(run: stages.Run):
-    """Print the run's stages with their estimated times, finished ones at 0; keep them for the
-    progress lines."""
-    cfg, ctx = run.cfg, run.ctx
-    costs = plan.probe(run.teacher, ctx, cfg.J)
-    sizes = plan.stage_sizes(cfg, ctx, data.files("corpus"))
-    done, e2e_left = done_stages(run)
-    estimates = [("teacher evaluation", sizes["evaluation"] * costs["forward"])]
-    estimates.append(("DoF estimate", cfg.calib_windows * costs["forward"] + costs["dof"]))
-    e2e = cfg.e2e_windows * costs["forward"]  # a teacher and a student pass, or a swapped one
+    """Print the run's stages in order, "done" for those saved with this run's keys (a rerun
+    reloads them), and keep the order for the progress lines; first, a teacher whose forward pass
+    overflows its dtype stops the run."""
+    cfg, teacher = run.cfg, run.teacher
+    weight = next(teacher.parameters())
+    ids = torch.randint(0, teacher.config.vocab_size, (1, run.ctx), generator=torch.Generator())
+    if not torch.isfinite(teacher(ids.to(weight.device))).all():  # logits [1, ctx, V]
+        why = f"its weights overflow {weight.dtype} in the forward pass"
+        _fail(f"the teacher's logits on random tokens are not finite: {why}")
+    names = ["teacher evaluation", "DoF estimate"]
     if "oracle_e2e" in cfg.variants:
-        swaps = len(stages.curve_specs(run)) * (run.teacher.config.n_layer + 1)
-        estimates.append((endtoend.SWAP_STAGE, swaps * e2e))
-    for variant, loss, budget, seed in stages.student_keys(run):
-        step = 0 if variant == "performer" else costs[loss]
-        seconds = sizes["train_windows"] * step + sizes["error_windows"] * costs["softmax"]
-        name = stages.Student(variant, loss, budget, seed, ()).name
-        estimates.append((name, seconds + estimates[0][1] + 2 * e2e))
-    left = {name: 2 * e2e for name in e2e_left}
-    run.clock.plan = [(n, left.get(n, 0.0 if n in done else s)) for n, s in estimates]
-    plan.print_plan(run.clock.plan, costs, sizes, cfg, ctx, done - e2e_left)
+        names.append(endtoend.SWAP_STAGE)
+    names += [stages.Student(*key, ()).name for key in stages.student_keys(run)]
+    run.clock.plan, done = names, done_stages(run)
+    steps, world = stages.settings(run, cfg.seeds[0]).steps, devices.world()
+    share = f"; {world} ranks, each at most {-(-cfg.batch // world)} of a step's windows"
+    windows = f"{steps} steps of {cfg.batch} windows of {run.ctx} tokens"
+    log(f"plan (each student: {windows}{share if world > 1 else ''}):")
+    for name in names:
+        log(f"  {name}: done" if name in done else f"  {name}")
+    log(f"  {len(done)} of {len(names)} stages done")
 
 
 def done_stages(run: stages.Run) -> set:
-    """The plan names of the stages already saved with this run's keys, and of the students among
-    them whose end-to-end KL is still to do. A student's key needs its dims: DoF's come from a
-    saved allocation, the oracle's from the saved curves."""
+    """The plan names of the stages already saved with this run's keys, a student's with its
+    end-to-end KL. A student's key needs its dims: DoF's come from a saved allocation, the
+    oracle's from the saved curves."""
     cfg, files = run.cfg, stages.stage_files(run)
     saved = {name: runs.saved(*files[name]) for name in files}
     found = {name for name, result in saved.items() if result}
-    errors, curves, e2e_left = {}, None, set()
+    errors, curves = {}, None
     for spec in stages.curve_specs(run) if set(stages.ORACLES) & set(cfg.variants) else ():
         found_m = runs.saved(*stages.student_file(run, spec, curve=True))
         errors.setdefault(str(spec.seed), []).append(found_m)
@@ -304,11 +305,10 @@ def done_stages(run: stages.Run) -> set:
     if "oracle_e2e" in cfg.variants and None not in swaps:
         found.add(endtoend.SWAP_STAGE)
     for spec in stages.specs(run, saved["DoF estimate"], curves):
-        if spec.dims and runs.saved(*stages.student_file(run, spec)):
+        evaluated = spec.dims and runs.saved(*stages.student_file(run, spec))
+        if evaluated and runs.saved(*endtoend.stage_file(run, spec)) is not None:
             found.add(spec.name)
-            if runs.saved(*endtoend.stage_file(run, spec)) is None:
-                e2e_left.add(spec.name)
-    return found, e2e_left
+    return found
 
 
 def collect(run: stages.Run, teacher_result, allocation, curves, students) -> dict:

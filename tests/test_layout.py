@@ -30,7 +30,6 @@ STUDY = tuple(
         "data",
         "evaluate",
         "runs",
-        "plan",
         "oracle",
         "keys",
         "stages",

@@ -66,6 +66,7 @@ def test_two_ranks_give_the_results_of_one_process(tmp_path):
     results = [json.loads((tmp_path / out / "results.json").read_text()) for out in ("one", "two")]
     assert len(results[0]["students"]) == 2 and differences(*results) == []
     assert two.stdout.count("[1/") == 1  # the writer alone logs
+    assert "; 2 ranks, each at most 1 of a step's windows):" in two.stdout  # the plan's line
 
 
 def test_a_killed_rank_leaves_progress_that_another_number_of_ranks_resumes(tmp_path):

@@ -6,7 +6,6 @@ other settings, or that cannot be read, is named and set aside."""
 import dataclasses
 import functools
 import json
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,7 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from dofmini.distill import TrainSettings, distill, train_direct
 from dofmini.students import load_student, make_student, read_tensors
 from dofmini.study import stages
-from dofmini.study.plan import Clock
+from dofmini.study.keys import Clock
 from dofmini.study.runs import stage, token_ids, train_into
 
 
@@ -65,17 +64,13 @@ def test_token_cache_is_redone_for_another_tokenizer(tmp_path, capsys):
     assert f"redo: {cache}: tokenizer changed" in capsys.readouterr().out
 
 
-def test_clock_paces_a_resumed_run_on_computed_stages_only(capsys):
-    """A stage reloaded as done takes no time; the pace comes from the stage that computed."""
-    clock = Clock([("reloaded", 1000.0), ("computed", 40.0), ("next", 12000.0)])
-    clock.begin("reloaded")
-    clock.begin("computed")
-    clock.timed(lambda: time.sleep(0.2))()
-    clock.begin("next")
+def test_a_stage_gets_one_progress_line(capsys):
+    """Which stage of how many; a curve student evaluated again later is part of its stage."""
+    clock = Clock(["teacher evaluation", "fix/softmax/b8/s0"])
+    for name in ("teacher evaluation", "fix/softmax/b8/s0", "fix/softmax/b8/s0"):
+        clock.begin(name)
     lines = capsys.readouterr().out.splitlines()
-    # pace 0.2 s / 40 s = 0.005, so "next" takes ~60 s; pacing on the reloaded stage too
-    # would have said ~2 s
-    assert lines[-1].startswith("[3/3] next (~1 min;"), lines[-1]
+    assert lines == ["[1/2] teacher evaluation", "[2/2] fix/softmax/b8/s0"]
 
 
 def test_a_token_cache_replaced_or_cut_is_encoded_again(tmp_path, capsys):
@@ -94,10 +89,8 @@ def test_a_token_cache_replaced_or_cut_is_encoded_again(tmp_path, capsys):
         assert f"redo: {cache}: its bytes are not those its record names" in capsys.readouterr().out
 
 
-def test_a_resumed_training_paces_the_clock_on_its_whole_training(tiny, tiny_ids, tmp_path, capsys):
-    """A student's estimate covers its whole training, so a training resumed from its progress file
-    counts the seconds before the interruption too: this invocation's share alone made a resumed
-    study print a quarter of the time it had left."""
+def test_a_resumed_training_counts_its_whole_training(tiny, tiny_ids, tmp_path, capsys):
+    """A training resumed from its progress file counts the seconds before the interruption too."""
     cfg = SimpleNamespace(
         out=tmp_path, steps=60, batch=2, lr=0.02, lr_a=0.2, train_chars=None, per_device=None
     )
@@ -116,11 +109,10 @@ def test_a_resumed_training_paces_the_clock_on_its_whole_training(tiny, tiny_ids
     with pytest.raises(KeyboardInterrupt):
         train_into(path, record, settings, tiny_ids, train, interrupt)
     before = read_tensors(Path(f"{path}.progress"))[1]["seconds"]
-    run.clock = Clock([(spec.name, 100.0), ("next", 1000.0)])
+    run.clock = Clock([spec.name])
     _, info = stages.train_student(run, spec)
     assert "at step 50/60" in capsys.readouterr().out
     assert info["train_seconds"] > before
-    assert run.clock.worked[spec.name] == info["train_seconds"]
 
 
 # --- a training kept on disk ---

@@ -76,7 +76,7 @@ def student_kl(run, spec, swap: bool = False):
         found = e2e_kl(run.teacher, models, run.texts["heldout"], run.ctx, count, offset)
         return found if swap else found[0]
 
-    return runs.stage(*stage_file(run, spec, swap), run.clock.timed(compute))
+    return runs.stage(*stage_file(run, spec, swap), compute)
 
 
 def evaluate(run, spec) -> dict:

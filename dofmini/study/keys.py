@@ -3,11 +3,12 @@ and each stage's file and key: the settings and inputs its result depends on (ru
 result only for the same key). stages.py computes the stages."""
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..distill import TrainSettings
-from . import data, evaluate, plan, runs
+from . import data, evaluate, runs
 
 # DoF's allocations (dof.allocate): (rule, how a layer's heads combine, capped at the head size,
 # each layer's floor as a share of the budget; None: 1 feature).
@@ -44,6 +45,20 @@ class Student:
         return out / "students" / f"{self.stem}.safetensors"
 
 
+class Clock:
+    """The run's start time and its stages in order, [name]: the first time a stage begins, a
+    progress line says which of how many it is (a curve student evaluated again later is part of
+    its stage)."""
+
+    def __init__(self, plan: list):
+        self.plan, self.t0, self.begun = plan, time.time(), set()
+
+    def begin(self, name: str):
+        if name not in self.begun:
+            self.begun.add(name)
+            runs.log(f"[{self.plan.index(name) + 1}/{len(self.plan)}] {name}")
+
+
 @dataclass
 class Run:
     """What the stages share: the settings (reproduce.RunConfig), the teacher, the texts, the
@@ -57,11 +72,11 @@ class Run:
     budgets: tuple
     inputs: dict
     texts: dict = field(default_factory=dict)  # name -> token ids
-    clock: plan.Clock = field(default_factory=lambda: plan.Clock([]))
+    clock: Clock = field(default_factory=lambda: Clock([]))
 
-    def stage(self, name: str, path: Path, key: dict, compute, split=False):  # on the clock
+    def stage(self, name: str, path: Path, key: dict, compute, split=False):
         self.clock.begin(name)
-        return runs.stage(path, key, self.clock.timed(compute), split)
+        return runs.stage(path, key, compute, split)
 
     def texts_read(self) -> dict:
         """{text: its data files, in the order read}: DoF's calibration text, the perplexity

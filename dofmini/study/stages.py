@@ -128,10 +128,7 @@ def train_student(run: Run, spec: Student):
         log(f"{spec.name}: dims {list(spec.dims)}")
         record = {"loss": spec.loss, "variant": spec.variant, "key": key}
         train, tokens = settings(run, spec.seed), run.texts["train"]
-        info = runs.train_into(path, record, train, tokens, fitting(run, spec), log)
-        # a resumed training's seconds include those before the interruption, as the stage's
-        # estimate does: this invocation's seconds alone would make the pace look fast
-        run.clock.count(info["train_seconds"])
+        runs.train_into(path, record, train, tokens, fitting(run, spec), log)
     devices.barrier()  # the writer has saved it
     student, meta = load_student(run.teacher, path, {"key": key})
     return student, meta["info"]
