@@ -192,9 +192,7 @@ def main(argv=None):
     devices.start()
     with runs.one_line_errors(_fail):  # also a path the system refuses (too long) in parse_args
         cfg = parse_args(argv)
-        if (
-            cfg.plan_only or not devices.is_writer()
-        ):  # plan-only writes nothing; rank 0 holds the lock
+        if cfg.plan_only or not devices.is_writer():  # they write nothing into --out
             return _main(cfg)
         with runs.locked(cfg.out, _fail):
             return _main(cfg)

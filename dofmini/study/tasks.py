@@ -203,17 +203,3 @@ def load_task(name: str, data_dir, limit=None, only=None) -> list:
         return TASKS[name](data_dir, *per_subject)[:limit]
     except ValueError as err:  # a malformed row, named by _parse
         raise DataError(f"a {name} file under {data_dir} is malformed: {err}") from None
-
-
-# Examples per task and tokens one example puts through the model (its choices summed; MMLU's four
-# letters share one input), with the GPT-2 tokenizer: the run plan's time estimate uses them.
-TASK_SIZES = {
-    "piqa": (1838, 74),
-    "arc_easy": (2376, 131),
-    "arc_challenge": (1172, 145),
-    "winogrande": (1267, 44),
-    "wsc273": (273, 43),
-    "mmlu": (14042, 112),
-    "logiqa": (651, 814),
-    "lambada": (5153, 85),
-}
