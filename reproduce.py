@@ -175,9 +175,10 @@ def check(cfg: RunConfig) -> RunConfig:
     for budget in cfg.budgets or ():
         if not 1 <= budget <= MAX_FEATURES:
             _fail(f"--budgets {budget}: expected 1..{MAX_FEATURES} features per layer")
-    count = torch.cuda.device_count()
-    if cfg.device not in {"cpu", *["cuda"] * bool(count), *(f"cuda:{i}" for i in range(count))}:
-        seen = f"torch sees {count} CUDA device(s)"
+    index = cfg.device.removeprefix("cuda:")
+    available = cfg.device == "cpu" or (cfg.device == "cuda" and torch.cuda.is_available())
+    if not available and not (index.isdigit() and int(index) < torch.cuda.device_count()):
+        seen = f"torch sees {torch.cuda.device_count()} CUDA device(s)"
         _fail(f"--device {cfg.device} is not available here ({seen}); expected cpu, cuda, cuda:N")
     hub.locate(cfg.model)  # its CheckpointError (an unknown name, no config.json): main's one line
     out = cfg.out or Path("runs") / f"{Path(cfg.model).name}-{cfg.profile}"
