@@ -463,7 +463,7 @@ def probe_all(root: Path, only: str = "") -> list:
           expect_ok=lambda d: not Path(d.args[d.args.index("--out") + 1]).exists())  # fmt: skip
     twice = [signal.SIGINT] * 10  # 2 ms apart: some land during the first's unwinding and exit
     interrupts = [([signal.SIGINT], "[3/"), (twice, "[3/"), ([signal.SIGKILL], "[4/")]
-    interrupts.append(([signal.SIGTERM], "[5/"))
+    interrupts.append(([signal.SIGTERM], "[4/"))
     for sigs, at in interrupts if not only else []:
         sig, name = sigs[0], f"{sigs[0].name} x{len(sigs)}"
         case = root / f"interrupt-{name}"

@@ -45,6 +45,10 @@ def metric(student: dict, key: str, view):
     return None if None in errors else float(view(errors))
 
 
+def _percent(relative) -> str:
+    return "—" if relative is None else f"{100 * relative:+.1f}%"
+
+
 def _pm(mean, half, sign="") -> str:
     """'mean ± half width', or the mean alone where there is no interval (one seed: nan, None)."""
     return f"{mean:{sign}.4g}" + (f" ± {half:.2g}" if math.isfinite(half or math.nan) else "")
@@ -62,7 +66,7 @@ def students(grouped: dict, teacher: dict) -> str:
         cells = [_pm(*ci) if ci else "—" for ci in cis]
         diff = ["—", "—"]
         if "minus_fix" in (vs := e2e[f"{variant}/{loss}/b{budget}"]):
-            diff = [_pm(*vs["minus_fix"], "+"), f"{100 * vs['relative']:+.1f}%"]
+            diff = [_pm(*vs["minus_fix"], "+"), _percent(vs["relative"])]
         train = f"{np.mean([s['train_seconds'] for s in by_seed.values()]):.0f}"
         rows.append([variant, loss, budget, len(by_seed), cells[0], *diff, *cells[1:], train])
     labels = [label for label, _, _ in METRICS]
@@ -79,7 +83,8 @@ def against_fix(fix: dict, other: dict) -> list:
         f, o = ([metric(runs[s], key, view) for s in seeds] for runs in (fix, other))
         if None not in f + o:
             ci_f, ci_o = stats.mean_ci(f), stats.mean_ci(o)
-            rows.append((label, ci_f, ci_o, stats.paired_diff(o, f), ci_o[0] / ci_f[0] - 1))
+            relative = ci_o[0] / ci_f[0] - 1 if ci_f[0] else None  # None: Fix's mean is 0
+            rows.append((label, ci_f, ci_o, stats.paired_diff(o, f), relative))
     return rows
 
 
@@ -93,7 +98,7 @@ def comparisons(grouped: dict, teacher: dict) -> str:
             continue
         seeds = sorted(set(by_seed) & set(fix))
         rows = [
-            (label, _pm(*f), _pm(*o), _pm(*d, "+"), f"{100 * rel:+.1f}%")
+            (label, _pm(*f), _pm(*o), _pm(*d, "+"), _percent(rel))
             for label, f, o, d, rel in against_fix(fix, by_seed)
         ]
         header = ["metric", "fix", variant, f"{variant} − fix, paired (95% CI)", "relative"]
