@@ -20,7 +20,7 @@ from dofmini.study.evaluate import (
     score_examples,
     score_requests,
 )
-from dofmini.study.tasks import Example
+from dofmini.study.tasks import DataError, Example
 
 WORDS = ["q", "x", "y", "the", "cat", "dog", "ran", "far"]
 
@@ -91,6 +91,12 @@ def test_acc_and_acc_norm_pick_the_expected_choices(bigram, word_tokenizer):
     assert score_examples(bigram, word_tokenizer, plain) == {"acc": 1.0, "acc_norm": 0.0, "n": 1}
     flipped = [Example(["q", "q"], [" x", " y y"], 1)]
     assert score_examples(bigram, word_tokenizer, flipped) == {"acc": 0.0, "acc_norm": 1.0, "n": 1}
+
+
+def test_a_choice_longer_than_the_context_is_refused_by_name(bigram, word_tokenizer):
+    too_long = [Example(["q"], [" y" * (bigram.config.n_ctx + 1)], 0)]
+    with pytest.raises(DataError, match=r"piqa: a choice of \d+ tokens does not fit .* --limit 0"):
+        score_examples(bigram, word_tokenizer, too_long, what="piqa")
 
 
 def test_partial_scoring_scores_only_the_shared_suffix(bigram, word_tokenizer):

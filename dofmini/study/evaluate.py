@@ -112,6 +112,10 @@ def score_examples(model, tokenizer, examples, what: str = "scoring") -> dict:
     pairs = [(c, x) for e in examples for c, x in zip(e.contexts, e.continuations)]
     texts = sorted({s for pair in pairs for s in pair})
     ids = dict(zip(texts, (e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False))))
+    longest, n_ctx = max((len(ids[x]) for _, x in pairs), default=0), model.config.n_ctx
+    if longest > n_ctx:  # a choice is scored whole or not at all
+        need = f"a choice of {longest} tokens does not fit the model's context of {n_ctx}"
+        raise data.DataError(f"{what}: {need}; run with --limit 0 (no tasks) or a longer context")
     scores = score_requests(model, [(ids[c], ids[x]) for c, x in pairs], what=what)
     if all(len(e.continuations) == 1 for e in examples):
         ll, greedy = np.array(scores, dtype=float).T  # [2, examples]
