@@ -8,7 +8,10 @@ import http.server
 import os
 import random
 import shutil
+import signal
+import subprocess
 import threading
+import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,3 +160,20 @@ def tiny_store(root):
     tokenizer.save(str(model / "tokenizer.json"))
     env = {**os.environ, "DOFMINI_DATA": str(root / "store")}
     return model, {**env, "DOFMINI_DATA_REGISTRY": str(root / "registry.tsv")}
+
+
+def signalled(command, env, stage: str, signals) -> tuple:
+    """Runs `command` and, once a line of its output starts with `stage`, sends it `signals` 2 ms
+    apart; returns (its stderr, its return code). SIGINT acts as from a terminal even when the
+    tests run in the background, where a shell starts them with SIGINT ignored."""
+    default = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default)
+    run = subprocess.Popen(command, env=env, **pipes)
+    for line in run.stdout:
+        if line.startswith(stage):
+            for sig in signals:
+                run.send_signal(sig)
+                time.sleep(0.002)
+            break
+    _, err = run.communicate(timeout=600)
+    return err, run.returncode

@@ -15,13 +15,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import REPO, tiny_store  # noqa: E402
+from conftest import REPO, signalled, tiny_store  # noqa: E402
 
 
 def reproduce(model, *args, env, out):
@@ -470,18 +469,9 @@ def probe_all(root: Path, only: str = "") -> list:
         case.mkdir()
         command = [sys.executable, str(REPO / "reproduce.py"), str(model), "--profile", "quick"]
         command += ["--limit", "0", "--variants", "fix,dof", "--out", str(case / "out")]
-        run = subprocess.Popen(
-            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for line in run.stdout:
-            if line.startswith(at):
-                for each in sigs:
-                    run.send_signal(each)
-                    time.sleep(0.002)
-                break
-        _, err = run.communicate(timeout=300)
+        err, code = signalled(command, env, at, sigs)
         # a kill leaves no message by nature; what counts is that the rerun is whole
-        verdict = classify(subprocess.CompletedProcess([], run.returncode, "", err))
+        verdict = classify(subprocess.CompletedProcess([], code, "", err))
         verdict = "as expected" if sig == signal.SIGKILL and not err else verdict
         if sig != signal.SIGKILL and list((case / "out").rglob(".*.tmp")):
             verdict = "silent wrong"  # a temporary left behind

@@ -13,12 +13,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 import torch
-from conftest import FIXTURES, REPO, data_path, shared_path, tiny_store
+from conftest import FIXTURES, REPO, data_path, shared_path, signalled, tiny_store
 from safetensors.torch import load_file, save_file
 
 TASKS = {"piqa", "arc_easy", "arc_challenge", "winogrande", "wsc273", "mmlu", "logiqa", "lambada"}
@@ -356,13 +355,8 @@ def test_ctrl_c_says_how_to_resume(tmp_path):
     model, env = tiny_store(tmp_path)
     args = [sys.executable, str(REPO / "reproduce.py"), str(model), "--profile", "quick"]
     args += ["--limit", "0", "--out", str(tmp_path / "o")]
-    run = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in run.stdout:  # interrupt once the stages have begun
-        if line.startswith("[1/"):
-            run.send_signal(signal.SIGINT)
-            break
-    _, err = run.communicate(timeout=600)
-    assert run.returncode != 0 and "Traceback" not in err
+    err, code = signalled(args, env, "[1/", [signal.SIGINT])  # once the stages have begun
+    assert code != 0 and "Traceback" not in err
     assert "interrupted; run the same command again to resume" in err
 
 
@@ -372,18 +366,8 @@ def interrupted_twice_or_terminated(tmp_path, signals, stage="[1/"):
     model, env = tiny_store(tmp_path)
     args = [sys.executable, str(REPO / "reproduce.py"), str(model), "--profile", "quick"]
     args += ["--limit", "0", "--variants", "fix", "--out", str(tmp_path / "o")]
-    # as from a terminal, even when the tests run in the background (where SIGINT is ignored)
-    default = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
-    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default)
-    run = subprocess.Popen(args, env=env, **pipes)
-    for line in run.stdout:
-        if line.startswith(stage):
-            for sig in signals:
-                run.send_signal(sig)
-                time.sleep(0.002)
-            break
-    _, err = run.communicate(timeout=600)
-    return err, run.returncode, subprocess.run(args, env=env, capture_output=True, text=True)
+    err, code = signalled(args, env, stage, signals)
+    return err, code, subprocess.run(args, env=env, capture_output=True, text=True)
 
 
 def test_ctrl_c_repeated_ms_apart_ends_in_one_line_and_the_run_resumes(tmp_path):
