@@ -178,8 +178,9 @@ def shared_step(step_fn, ids, params: list, per_device=None) -> list:
         for p, grad in zip(params, grads):
             grad += weight * p.grad
             p.grad = None
-    for tensor in (*grads, losses) if world > 1 else ():
-        dist.all_reduce(tensor)
+    if world > 1:
+        for tensor in (*grads, losses):
+            dist.all_reduce(tensor)
     for p, grad in zip(params, grads):
         p.grad = grad
     return losses.tolist()

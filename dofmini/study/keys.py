@@ -113,9 +113,19 @@ def eval_key(run: Run) -> dict:
 def stage_files(run: Run) -> dict:
     """{stage name: (its file, its key)} of the teacher's evaluation and DoF."""
     cfg, inputs, out = run.cfg, run.inputs, run.cfg.out
-    dof = dict(teacher=inputs["teacher"], seed=cfg.seeds[0], ctx=run.ctx, budgets=run.budgets)
-    dof.update(calib_windows=cfg.calib_windows, calib=inputs[CALIBRATION], rules=ALLOCATIONS)
-    dof.update(device=inputs["device"], lam=run.lam, J=cfg.J, normalize=not cfg.raw_gram)
+    dof = dict(
+        teacher=inputs["teacher"],
+        seed=cfg.seeds[0],
+        ctx=run.ctx,
+        budgets=run.budgets,
+        calib_windows=cfg.calib_windows,
+        calib=inputs[CALIBRATION],
+        rules=ALLOCATIONS,
+        device=inputs["device"],
+        lam=run.lam,
+        J=cfg.J,
+        normalize=not cfg.raw_gram,
+    )
     teacher = {"teacher": inputs["teacher"], **eval_key(run)}
     return {
         "teacher evaluation": (out / "teacher.json", teacher),
@@ -132,10 +142,18 @@ def settings(run: Run, seed: int) -> TrainSettings:
 def train_key(run: Run, spec: Student) -> dict:
     """What a student's tensors depend on."""
     inputs, corpus = run.inputs, {k: v for k, v in run.inputs.items() if k.startswith("corpus/")}
-    key = dict(teacher=inputs["teacher"], variant=spec.variant, loss=spec.loss, dims=spec.dims)
-    key.update(seed=spec.seed, **settings(run, spec.seed).record(), train=corpus)
-    key.update(train_chars=run.cfg.train_chars, tokenizer=inputs["tokenizer"])
-    return dict(key, device=inputs["device"])
+    return dict(
+        teacher=inputs["teacher"],
+        variant=spec.variant,
+        loss=spec.loss,
+        dims=spec.dims,
+        seed=spec.seed,
+        **settings(run, spec.seed).record(),
+        train=corpus,
+        train_chars=run.cfg.train_chars,
+        tokenizer=inputs["tokenizer"],
+        device=inputs["device"],
+    )
 
 
 def student_file(run: Run, spec: Student, curve: bool = False) -> tuple:
