@@ -97,7 +97,7 @@ def parse_args(argv) -> RunConfig:
                    "holding config.json, model.safetensors, tokenizer.json")  # fmt: skip
     p.add_argument("--profile", choices=PROFILES, default="default",
                    help="quick: a smoke run; default: one seed, one budget;\n"
-                   "study: seeds 0-2, budgets 16/32/64, Fix, four DoF rules, oracle;\n"
+                   "study: seeds 0-2, budgets 16/32/64, Fix, 6 DoF rules, 2 oracles;\n"
                    "paper: the paper's sizes, meant for a GPU")  # fmt: skip
     p.add_argument("--out", type=partial(_arg, "--out", Path), help="default runs/MODEL-PROFILE")
     p.add_argument("--data", type=Path, help="data store (default $DOFMINI_DATA, else the cache)")
@@ -149,12 +149,9 @@ def _variants(text: str) -> tuple:
 
 def check(cfg: RunConfig) -> RunConfig:
     """Every value checked before any model or data work; one line naming the flag and the value."""
-    for variant in cfg.variants:
-        if variant not in VARIANTS:
-            _fail(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)} (or none)")
-    for loss in cfg.losses:
-        if loss not in LOSSES:
-            _fail(f"unknown loss {loss!r}; choose from {', '.join(LOSSES)}")
+    for kind, values, known in (("variant", cfg.variants, VARIANTS), ("loss", cfg.losses, LOSSES)):
+        if unknown := [value for value in values if value not in known]:
+            _fail(f"unknown {kind} {unknown[0]!r}; choose from {', '.join(known)}")
     if cfg.lam is not None and not (cfg.lam > 0 and math.isfinite(cfg.lam)):
         _fail(f"--lam {cfg.lam}: expected a positive finite number")
     if cfg.limit is not None and cfg.limit < 0:
@@ -300,9 +297,10 @@ def done_stages(run: stages.Run) -> set:
             found.add(spec.name)
     if errors and all(None not in by_m for by_m in errors.values()):
         curves = stages.curves_record(errors, cfg.curve_dims, run.budgets, 0.0)
-    swaps = [runs.saved(*endtoend.stage_file(run, s, swap=True)) for s in stages.curve_specs(run)]
-    if "oracle_e2e" in cfg.variants and None not in swaps:
+    swaps = "oracle_e2e" in cfg.variants and endtoend.swap_curves(run, saved_only=True)
+    if swaps:
         found.add(endtoend.SWAP_STAGE)
+        curves = curves and {**curves, "e2e": swaps}
     for spec in stages.specs(run, saved["DoF estimate"], curves):
         evaluated = spec.dims and runs.saved(*stages.student_file(run, spec))
         if evaluated and runs.saved(*endtoend.stage_file(run, spec)) is not None:

@@ -57,12 +57,14 @@ def reproduce(*args, timeout=900, env=None):  # a hang guard, not a speed claim
 
 @pytest.fixture(scope="module")
 def grid_run(tmp_path_factory):
-    """Seeds 0, 1 and budgets 8, 16 for Fix, DoF and the oracle, on the quick profile, no tasks."""
+    """Seeds 0, 1, budgets 8, 16: Fix, DoF and both oracles, on the quick profile, no tasks."""
     model = shared_path("weights", "standin-gpt2")
     store = data_path()
     out = tmp_path_factory.mktemp("grid")
     args = [model, "--profile", "quick", "--out", out, "--data", store]
-    args += ["--seeds", "0,1", "--budgets", "8,16", "--variants", "performer,fix,dof,oracle"]
+    # oracle_e2e's dims come from the saved swap curves: the rerun's plan marks it done too
+    args += ["--seeds", "0,1", "--budgets", "8,16"]
+    args += ["--variants", "performer,fix,dof,oracle,oracle_e2e"]
     args += ["--limit", "0"]
     first = reproduce(*args)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
@@ -74,7 +76,8 @@ def test_grid_has_every_variant_budget_and_seed(grid_run):
     results = json.loads((out / "results.json").read_text())
     expected = {f"{v}/{loss}/b{b}/s{s}" for v, loss in
                 (("performer", "none"), ("fix", "softmax"), ("dof", "softmax"),
-                 ("oracle", "softmax")) for b in (8, 16) for s in (0, 1)}  # fmt: skip
+                 ("oracle", "softmax"), ("oracle_e2e", "softmax")) for b in (8, 16)
+                for s in (0, 1)}  # fmt: skip
     assert set(results["students"]) == expected
     for name, student in results["students"].items():
         assert sum(student["dims"]) == 6 * student["budget"], name

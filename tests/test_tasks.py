@@ -138,6 +138,11 @@ MALFORMED = [
      "a blank line, a letter a..d and 6 lines"),
     ("lambada", "lambada/lambada_openai.jsonl", lambda text: "[1, 2]\n" + text, "line 1",
      '"context"'),
+    # a field past csv's size limit: csv.Error, named like any malformed row
+    ("mmlu", "mmlu/test/astronomy_test.csv", lambda text: "x" * 200_000 + "\n" + text, "line 1",
+     "CSV, field larger than field limit"),
+    # an empty file would score the task on nothing
+    ("arc_easy", "arc/ARC-Easy-Test.jsonl", lambda text: "", "line 1", "(found none)"),
 ]  # fmt: skip
 
 

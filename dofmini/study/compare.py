@@ -142,9 +142,8 @@ def training(grouped: dict) -> str:
         if all(len(c) >= 3 for c in curves):
             points = [(c[0], c[len(c) // 2 - 1], c[-1]) for c in curves]  # [seed][3] (step, loss)
             start, half, end = np.mean([[value for _, value in p] for p in points], axis=0)
-            steps = "/".join(str(step) for step, _ in points[0])
             share = f"{100 * (half - end) / (start - end):.1f}%"
-            label = f"{variant}/{loss}/b{budget} (steps {steps})"
+            label = f"{variant}/{loss}/b{budget} (steps {'/'.join(str(s) for s, _ in points[0])})"
             rows.append([label, *(f"{v:.4f}" for v in (start, half, end)), share])
     header = ["student", "first log", "half way", "end", "share of the decrease in the second half"]
     return md_table(header, rows) if rows else ""

@@ -145,11 +145,9 @@ def ensure(groups, root, log=print) -> dict:
     Each file is checked (size, then sha256) or downloaded and checked; what verified stays, and
     one DataError names every failure. When a source cannot be reached, the DataError lists
     each file still missing, its URL and where to put it."""
-    root = Path(root)
-    needed = files(groups)
+    root, needed = Path(root), files(groups)
     _remove_stale_temporaries(root, needed)
-    absent = missing(groups, root)
-    failures = []
+    absent, failures = missing(groups, root), []
     for f in needed:
         try:
             if f in absent:

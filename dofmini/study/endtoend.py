@@ -87,14 +87,20 @@ def evaluate(run, spec) -> dict:
     return result
 
 
-def swap_curves(run) -> dict:
+def swap_curves(run, saved_only: bool = False):
     """Each layer's end-to-end KL with only that layer swapped for the Fix curve student's at each
     of curve_dims, every seed; their seed means ("mean_kl" [L][M]) and the end-to-end oracle dims
-    at each budget (the exact DP of oracle_allocate on those means)."""
-    run.clock.begin(SWAP_STAGE)
+    at each budget (the exact DP of oracle_allocate on those means). `saved_only`: from the saved
+    swaps alone, None while one is missing (the plan's "done" marks)."""
+    if not saved_only:
+        run.clock.begin(SWAP_STAGE)
     kl = {}
     for spec in stages.curve_specs(run):
-        kl.setdefault(str(spec.seed), []).append(student_kl(run, spec, swap=True))  # [M][layer]
+        swaps = stage_file(run, spec, swap=True)
+        found = runs.saved(*swaps) if saved_only else student_kl(run, spec, swap=True)
+        if found is None:
+            return None
+        kl.setdefault(str(spec.seed), []).append(found)  # [M][layer]
     found = seed_mean_oracle(kl, run.cfg.curve_dims, run.budgets)
     return dict(found, windows=list(offsets(run)[1]))
 
@@ -103,11 +109,10 @@ def evaluate_students(run, allocation: dict, curves) -> tuple:
     """(every student's result, the curves with the swap curves under "e2e"), cheapest and most
     telling first: the students already trained, then the swap curves, then the end-to-end
     oracle's students, then the rest variant by variant."""
-    out = run.cfg.out
     ready = [
         spec
         for spec in stages.specs(run, allocation, curves)
-        if spec.dims and stages.trained(spec.path(out), stages.train_key(run, spec), own=False)
+        if spec.dims and stages.trained(spec.path(run.cfg.out), stages.train_key(run, spec), False)
     ]
     results = {spec.name: evaluate(run, spec) for spec in ready}
     if "oracle_e2e" in run.cfg.variants:

@@ -38,8 +38,7 @@ def perplexity(model, token_ids, ctx: int, batch: int = 8):
     if len(token_ids) < ctx:
         raise ValueError(f"{len(token_ids)} tokens do not fill one window of ctx={ctx}")
     windows = token_ids.unfold(0, ctx, ctx)  # [W, ctx]
-    nll, scored = 0.0, 0
-    progress = _progress(f"perplexity ctx={ctx}", len(windows))
+    nll, scored, progress = 0.0, 0, _progress(f"perplexity ctx={ctx}", len(windows))
     for chunk in devices.share(windows).split(batch):  # [b, ctx]
         logits = model(chunk[:, :-1])  # [b, ctx-1, V]
         targets = chunk[:, 1:].flatten()

@@ -34,8 +34,7 @@ def log(message: str):
 
 
 def _stored(path: Path) -> dict:
-    """The record a stage or key file of ours holds; {} when absent or damaged (cut short, not JSON,
-    not a record), so that the stage is computed again."""
+    """Our record at `path`; {} when absent or damaged (cut short, not JSON, not a record)."""
     try:
         stored = json.loads(path.read_text())
     except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -201,8 +200,7 @@ def locked(out: Path, fail):
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
-            pid = f.read().strip() or "?"
-            busy = f"--out {out} is in use by another run (PID {pid})"
+            busy = f"--out {out} is in use by another run (PID {f.read().strip() or '?'})"
             fail(f"{busy}; wait for it to finish or choose another --out")
         f.truncate(0)  # in "a+" mode the write then starts at 0
         f.write(str(os.getpid()))

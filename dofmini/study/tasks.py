@@ -61,6 +61,8 @@ def _parse(path: Path, records, build, expected: str, unit: str = "line") -> lis
             examples.append(build(record))
         except (ValueError, LookupError, TypeError, AttributeError) as err:
             raise ValueError(f"{unit} {number} of {path}: expected {expected} ({err!r})") from None
+    if not examples:  # an empty file would score a task on nothing
+        raise ValueError(f"{unit} 1 of {path}: expected {expected} (found none)")
     return examples
 
 
@@ -149,7 +151,11 @@ def load_mmlu(data_dir, per_subject=None, only=None) -> list:
     examples, paths = [], sorted(folder.glob("*_test.csv"))
     for path in [p for p in paths if only is None or p.name in only]:
         with open(path, newline="", encoding="utf-8") as f:
-            rows = enumerate(list(csv.reader(f))[:per_subject], start=1)
+            reader = csv.reader(f)
+            try:
+                rows = enumerate(list(reader)[:per_subject], start=1)
+            except csv.Error as err:  # a field past csv's size limit
+                raise ValueError(f"line {reader.line_num} of {path}: expected CSV, {err}") from None
         build = partial(_mmlu, path.name[: -len("_test.csv")])
         examples += _parse(path, rows, build, "a question, options A..D and its letter", "row")
     return examples
