@@ -73,9 +73,9 @@ def log_chunks(q, k, v, S, c):
     """The four steps relative to running maxima, on log-features (PRF features leave fp32
     once ‖k‖ ≳ 5√d), S relative to c [B, H, M, 1]. No feature underflows at any norm; each
     row's largest term is 1 (≤ e^RISE, else the row is exact); shifts only look back and
-    cancel in the normalised output. Steps 1-2 run against the keys' running maximum
-    (`refs`), 3-4 against `start`, that raised to the chunk's first key: step 4's keys serve
-    step 1 (one exponential), rescaled by ≥ e^−RISE, but in chunks where a key rose more."""
+    cancel in the normalised output. Steps 1-2 run against the keys' running maximum (`refs`),
+    3-4 against `start`, that raised to the chunk's first key. Step 4's keys serve step 1 (one
+    exponential), rescaled by ≥ e^−RISE (none underflows), but where a key rose past e^RISE."""
     key = k.detach()
     top = key.amax(3, keepdim=True)  # [B, H, N, 1, M] each chunk's largest
     refs = torch.cat([c.mT[:, :, None], top], 2).cummax(2).values
@@ -144,11 +144,11 @@ def _log_intra(log_q, log_k, v):
     return torch.cat([y1, y2], -2), torch.cat([t1, t2], -2)
 
 
-SEGMENT = {"cpu": 1024}  # tokens per part by device: cache-sized on CPU; a GPU takes one
+SEGMENT = {"cpu": 1024}  # tokens per part by device: cache-sized on CPU; a GPU takes one part
 
 
 def _reads_back(x) -> bool:
-    """The one device rule: a flag (a key rose?) comes back, but not on meta (no values)."""
+    """The one device rule: a flag (a key rose?) comes back; on meta (no values) none does."""
     return not x.is_meta
 
 
