@@ -55,9 +55,8 @@ def scan_chunks(X, A, block=32):
         X, A = (x.index_select(-3, held).unflatten(-3, (-1, block)) for x in (X, A))
         P = scan_chunks(X, A)  # [..., N/b, b, M, E]
         ends = scan_chunks(P[..., -1, :, :], A[..., -1, :, :])  # [..., N/b, M, E]
-        first, P = P.split([1, P.shape[-4] - 1], -4)
         decay = torch.exp(A[..., 1:, :, :, :] - A[..., :-1, -1:, :, :])  # [.., b, ·, 1]
-        P = torch.cat([first, P + decay * ends[..., :-1, None, :, :]], -4)
+        P = P + nn.functional.pad(decay * ends[..., :-1, None, :, :], (0,) * 6 + (1, 0))
         return P.flatten(-4, -3)[..., :N, :, :]
     decays = torch.exp(A[..., 1:, :, :] - A[..., :-1, :, :])  # [..., N−1, ·, 1]
     P = [X[..., 0, :, :]]  # [..., M, E] each
@@ -66,7 +65,7 @@ def scan_chunks(X, A, block=32):
     return torch.stack(P, -3)
 
 
-# Keys ≤ e^40 over `start`: L×L sums ≤ L·M·e^40 < 3e38; a row's terms ≥ e^−47 keep e^−87
+# Keys ≤ e^40 over `start` (capped): L×L sums ≤ L·M·e^40 < 3e38; a row's terms ≥ e^−47 keep e^−87
 RISE = 40.0
 
 
@@ -74,35 +73,39 @@ def log_chunks(q, k, v, S, c):
     """The four steps relative to running maxima, on log-features (PRF features leave fp32
     once ‖k‖ ≳ 5√d), S relative to c [B, H, M, 1]. No feature underflows at any norm; each
     row's largest term is 1 (≤ e^RISE, else the row is exact); shifts only look back and
-    cancel in the normalised output. Steps 1-2 run against the keys' running maximum
-    (`refs`), 3-4 against `start`, that raised to the chunk's first key."""
+    cancel in the normalised output. Steps 1-2 run against the keys' running maximum (`refs`),
+    3-4 against `start`, that raised to the chunk's first key. Step 4's keys serve step 1 (one
+    exponential), rescaled by ≥ e^−RISE (none underflows), but where a key rose past e^RISE."""
     key = k.detach()
     top = key.amax(3, keepdim=True)  # [B, H, N, 1, M] each chunk's largest
     refs = torch.cat([c.mT[:, :, None], top], 2).cummax(2).values
-    before_ref = refs[:, :, :-1]  # [B, H, N, 1, M]
-    kv = torch.exp(k - refs[:, :, 1:]).mT @ v  # 1. to the max after
-    before, S = chunk_states(S, kv, -refs.mT)  # 2. each to its own
-    start = torch.maximum(before_ref, key[:, :, :, :1])
-    a, t = unit_features(q + start)  # 3. [B, H, N, L, M], against start
-    inter = a @ (before * torch.exp(before_ref - start).mT)
-    keys = (k - start).clamp_max_(RISE).exp_()  # 4. clamped where unused
-    y = ((a @ keys.mT).tril_() @ v).add_(inter)  # [B, H, N, L, E]
+    start = torch.maximum(refs[:, :, :-1], key[:, :, :, :1])  # [B, H, N, 1, M]
     risen = (top - start).amax(-1) > RISE  # [B, H, N, 1]
+    i = None  # or the chunks to redo: risen ones, all where no flag comes back
     if q.shape[3] > 1 and (not _reads_back(q) or risen.any()):
-        y = _exact_rows(q, k, v, inter, t, y, start, risen)
+        every = torch.arange(risen.numel(), device=q.device)
+        i = risen.flatten().nonzero()[:, 0] if _reads_back(q) else every
+    keys = k - start  # [B, H, N, L, M]
+    if i is not None:  # capped where unused: their rows exact, their sums redone
+        keys.flatten(0, 2)[i] = _pick(i, keys).clamp_max(RISE)
+    keys = keys.exp_()  # ≤ e^RISE
+    kv = (keys.mT @ v).mul_(torch.exp(start - refs[:, :, 1:]).mT)  # 1. to the max after
+    if i is not None:
+        kv.flatten(0, 2)[i] = torch.exp(_pick(i, k) - _pick(i, refs[:, :, 1:])).mT @ _pick(i, v)
+    before, S = chunk_states(S, kv, -refs.mT)  # 2. each to its own
+    a, t = unit_features(q + start)  # 3. [B, H, N, L, M], against start
+    inter = a @ (before * torch.exp(refs[:, :, :-1] - start).mT)
+    y = ((a @ keys.mT).tril_() @ v).add_(inter)  # 4. [B, H, N, L, E]
+    if i is not None:  # exact from a risen key on
+        q, k, v, inter, t, fast, start = (_pick(i, x) for x in (q, k, v, inter, t, y, start))
+        rows = (k.detach() - start).amax(-1, keepdim=True).cummax(1).values > RISE  # [n, L, 1]
+        exact = _merge(*_log_intra(q, k, v), inter, t)[0]  # [n, L, E]
+        y.flatten(0, 2)[i] = torch.where(rows, exact, fast)
     return y, S, refs[:, :, -1].mT
 
 
-def _exact_rows(q, k, v, inter, t, y, start, risen):
-    """y, rows from a risen key on exact, in the chunks `_reads_back` picks."""
-    need = risen.flatten()  # [B·H·N]
-    i = need.nonzero()[:, 0] if _reads_back(q) else torch.arange(len(need), device=q.device)
-    q, k, v, inter, t, fast, start = (x.flatten(0, 2)[i] for x in (q, k, v, inter, t, y, start))
-    rows = (k.detach() - start).amax(-1, keepdim=True)  # [n, L, 1]
-    rows = rows.cummax(1).values > RISE  # from a risen key on
-    exact, _ = _merge(*_log_intra(q, k, v), inter, t)
-    y = y.flatten(0, 2).index_copy(0, i, torch.where(rows, exact, fast))
-    return y.unflatten(0, risen.shape[:3])
+def _pick(i, x):  # chunks i of x [B, H, N, ...] as [n, ...]
+    return x.flatten(0, 2)[i]
 
 
 def unit_features(log_phi):
@@ -136,19 +139,16 @@ def _log_intra(log_q, log_k, v):
     r = first_k.detach().amax(-2, keepdim=True)  # [..., 1, M]
     a, u = unit_features(second_q + r)  # [..., L/2, M], [..., L/2, 1]
     cross = a @ torch.exp(first_k - r).mT @ first_v  # [..., L/2, E]
-    y1, y2 = y.unbind(-3)  # [..., L/2, E]
-    t1, t2 = t.unbind(-3)  # [..., L/2, 1]
+    (y1, y2), (t1, t2) = y.unbind(-3), t.unbind(-3)  # [..., L/2, E | 1]
     y2, t2 = _merge(y2, t2, cross, u)
     return torch.cat([y1, y2], -2), torch.cat([t1, t2], -2)
 
 
-# Tokens per part, by device: cache-sized on CPU; a GPU takes one part
-SEGMENT = {"cpu": 1024}
+SEGMENT = {"cpu": 1024}  # tokens per part by device: cache-sized on CPU; a GPU takes one part
 
 
 def _reads_back(x) -> bool:
-    """The one device rule: a flag (a key rose?) comes back, exact rows run only where
-    needed; on meta (no values) both run (torch.where)."""
+    """The one device rule: a flag (a key rose?) comes back; on meta (no values) none does."""
     return not x.is_meta
 
 
