@@ -21,7 +21,8 @@ decoding steps). One run prints:
   on its own (MALLOC_MMAP_THRESHOLD_), so freed tensors go back at once and a reused heap cannot
   hide a peak (not for timing: every allocation then faults in fresh pages).
 - acceptance (issue 33): the largest log/plain over T per pass on the device's default way (CPU
-  parts, a GPU whole), time per token at the longest T over the shortest per way, log decoding.
+  parts, a GPU whole), best of rounds and the median of each round's own ratio, time per token at
+  the longest T over the shortest per way, log decoding.
 --cpu-time times by process CPU time, which on a busy shared machine leaves out the time other
 processes hold the cores (fair with --threads 1, the default).
 """
@@ -30,6 +31,7 @@ import argparse
 import importlib.util
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -102,8 +104,8 @@ def call(module, form, x, cot=None):
 
 
 def training(modules, lengths, rounds, device, clock):
-    """Best-of-rounds ms per (T, pass, module name, form), all interleaved."""
-    best = {}
+    """ms per (T, pass, module name, form), a list with one time per round, all interleaved."""
+    times = {}
     for r in range(rounds):
         for T in lengths:
             for form in FORMS:
@@ -115,10 +117,9 @@ def training(modules, lengths, rounds, device, clock):
                         x = [t.clone().requires_grad_(what != "fwd") for t in (q, k, v)]
                         grad = cot if what != "fwd" else None
                         ms = clock(lambda: call(module, form, x, grad))  # noqa: B023
-                        key = (T, what, name, form)
-                        best[key] = min(best.get(key, math.inf), ms)
+                        times.setdefault((T, what, name, form), []).append(ms)
         print(f"# round {r + 1} of {rounds} done", flush=True)
-    return best
+    return times
 
 
 def training_tables(best, lengths, names, default):
@@ -163,9 +164,11 @@ def decoding(module, rounds, steps, device, clock, prefill=256):
     return best
 
 
-def acceptance(best, lengths, default, decode):
-    """Issue 33's figures in one place: the largest log/plain over T per pass (default way), the
-    growth of time per token from the shortest T to the longest per way, log decoding."""
+def acceptance(best, lengths, default, decode, times):
+    """Issue 33's figures in one place: the largest log/plain over T per pass (default way), best
+    of rounds and the median over rounds of each round's own ratio (a slow round on a shared
+    machine moves it less), the growth of time per token from the shortest T to the longest per
+    way, log decoding."""
     print(f"\n## acceptance (log/plain on the {default} way; growth: ms per 1K tokens at "
           f"T = {lengths[-1]} over T = {lengths[0]})")  # fmt: skip
     short, long = lengths[0], lengths[-1]
@@ -173,7 +176,11 @@ def acceptance(best, lengths, default, decode):
         ms = {(T, f): best[T, what, default, f] for T in lengths for f in FORMS}
         ratio = {T: ms[T, "log"] / ms[T, "plain"] for T in lengths}
         worst = max(ratio, key=ratio.get)
-        print(f"- log/plain {what}: at most {ratio[worst]:.2f} (T = {worst})")
+        rounds = {T: zip(*(times[T, what, default, f] for f in ("log", "plain"))) for T in lengths}
+        median = {T: statistics.median(a / b for a, b in rounds[T]) for T in lengths}
+        spread = ", ".join(f"{median[T]:.2f}" for T in lengths)
+        print(f"- log/plain {what}: at most {ratio[worst]:.2f} (T = {worst}); median of per-round "
+              f"ratios by T: {spread}")  # fmt: skip
     for what in ("fwd", "fwd+bwd"):
         for way in ("whole", "parts"):
             growth = [best[long, what, way, f] / best[short, what, way, f] for f in FORMS]
@@ -254,11 +261,12 @@ def main():
         modules["old"] = load(old_path(a.old), "old")
     default = "parts" if a.device == "cpu" else "whole"
     clock = Clock(a.device, a.cpu_time)
-    best = training(modules, lengths, rounds, a.device, clock)
+    times = training(modules, lengths, rounds, a.device, clock)
+    best = {key: min(ms) for key, ms in times.items()}
     training_tables(best, lengths, list(modules), default)
     decode = decoding(modules[default], rounds, 50 if a.quick else 200, a.device, clock)
     memory_table(lengths, a)
-    acceptance(best, lengths, default, decode)
+    acceptance(best, lengths, default, decode, times)
 
 
 if __name__ == "__main__":
