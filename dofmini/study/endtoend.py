@@ -96,8 +96,8 @@ def swap_curves(run, saved_only: bool = False):
         run.clock.begin(SWAP_STAGE)
     kl = {}
     for spec in stages.curve_specs(run):
-        swaps = stage_file(run, spec, swap=True)
-        found = runs.saved(*swaps) if saved_only else student_kl(run, spec, swap=True)
+        file_and_key = stage_file(run, spec, swap=True)
+        found = runs.saved(*file_and_key) if saved_only else student_kl(run, spec, swap=True)
         if found is None:
             return None
         kl.setdefault(str(spec.seed), []).append(found)  # [M][layer]
