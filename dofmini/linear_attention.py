@@ -22,7 +22,7 @@ def recurrent_step(q, k, v, S, c=None):
         shrink = torch.exp(old - c)  # [B, H, M, 1] ≤ 1
         S = S.mul_(shrink) if in_place else S * shrink
         key = torch.exp(key - c)  # [B, H, M, 1] ≤ 1
-        q = unit_features(q + c.mT)[0]  # [B, H, 1, M]
+        q = torch.softmax(q + c.mT, -1)  # [B, H, 1, M]: a row's scale cancels in y
     S = S.addcmul_(key, v) if in_place else S.addcmul(key, v)
     return q @ S, S, c  # y [B, H, 1, E]
 
@@ -65,21 +65,20 @@ def scan_chunks(X, A, block=32):
     return torch.stack(P, -3)
 
 
-# Keys ≤ e^40 over `start` (capped): L×L sums ≤ L·M·e^40 < 3e38; a row's terms ≥ e^−47 keep e^−87
+# Keys ≤ e^40 over `start` (capped): L×L sums ≤ L·M·e^40 < 3e38; a row's terms ≥ e^−39 keep e^−87
 RISE = 40.0
 
 
 def log_chunks(q, k, v, S, c):
     """The four steps relative to running maxima, on log-features (PRF features leave fp32
-    once ‖k‖ ≳ 5√d), S relative to c [B, H, M, 1]. No feature underflows at any norm; each
-    row's largest term is 1 (≤ e^RISE, else the row is exact); shifts only look back and
-    cancel in the normalised output. Steps 1-2 run against the keys' running maximum (`refs`),
-    3-4 against `start`, that raised to the chunk's first key. Step 4's keys serve step 1 (one
-    exponential), rescaled by ≥ e^−RISE (none underflows), but where a key rose past e^RISE."""
-    key = k.detach()
-    top = key.amax(3, keepdim=True)  # [B, H, N, 1, M] each chunk's largest
+    once ‖k‖ ≳ 5√d), S relative to c [B, H, M, 1]. No feature underflows at any norm: keys
+    over `start` (the running maximum `refs` raised to the chunk's first key; ≤ e^RISE, else the
+    row is exact), queries over their log-sum-exp (softmax: largest ≥ 1/M). Shifts only look
+    back and cancel in the normalised output. Step 4's keys serve step 1 (one exponential) over
+    the next chunk's start: the scan hands each chunk its state over its own start."""
+    top = k.detach().amax(3, keepdim=True)  # [B, H, N, 1, M] each chunk's largest
     refs = torch.cat([c.mT[:, :, None], top], 2).cummax(2).values
-    start = torch.maximum(refs[:, :, :-1], key[:, :, :, :1])  # [B, H, N, 1, M]
+    start = torch.maximum(refs[:, :, :-1], k.detach()[:, :, :, :1])  # [B, H, N, 1, M]
     risen = (top - start).amax(-1) > RISE  # [B, H, N, 1]
     i = None  # or the chunks to redo: risen ones, all where no flag comes back
     if q.shape[3] > 1 and (not _reads_back(q) or risen.any()):
@@ -89,17 +88,18 @@ def log_chunks(q, k, v, S, c):
     if i is not None:  # capped where unused: their rows exact, their sums redone
         keys.flatten(0, 2)[i] = _pick(i, keys).clamp_max(RISE)
     keys = keys.exp_()  # ≤ e^RISE
-    kv = (keys.mT @ v).mul_(torch.exp(start - refs[:, :, 1:]).mT)  # 1. to the max after
+    ends = torch.cat([start, refs[:, :, -1:]], 2)  # [B, H, N+1, 1, M] what each state is over
+    kv = (keys.mT @ v).mul_(torch.exp(start - ends[:, :, 1:]).mT)  # 1. over the next start
     if i is not None:
-        kv.flatten(0, 2)[i] = torch.exp(_pick(i, k) - _pick(i, refs[:, :, 1:])).mT @ _pick(i, v)
-    before, S = chunk_states(S, kv, -refs.mT)  # 2. each to its own
-    a, t = unit_features(q + start)  # 3. [B, H, N, L, M], against start
-    inter = a @ (before * torch.exp(refs[:, :, :-1] - start).mT)
+        kv.flatten(0, 2)[i] = torch.exp(_pick(i, k) - _pick(i, ends[:, :, 1:])).mT @ _pick(i, v)
+    before, S = chunk_states(S * torch.exp(c - start[:, :, 0].mT), kv, -ends.mT)  # 2.
+    a = torch.softmax(q + start, -1)  # 3. [B, H, N, L, M], against start (scale cancels)
+    inter = a @ before
     y = ((a @ keys.mT).tril_() @ v).add_(inter)  # 4. [B, H, N, L, E]
     if i is not None:  # exact from a risen key on
-        q, k, v, inter, t, fast, start = (_pick(i, x) for x in (q, k, v, inter, t, y, start))
+        q, k, v, inter, fast, start = (_pick(i, x) for x in (q, k, v, inter, y, start))
         rows = (k.detach() - start).amax(-1, keepdim=True).cummax(1).values > RISE  # [n, L, 1]
-        exact = _merge(*_log_intra(q, k, v), inter, t)[0]  # [n, L, E]
+        exact = _merge(*_log_intra(q, k, v), inter, (q + start).logsumexp(-1, True))[0]
         y.flatten(0, 2)[i] = torch.where(rows, exact, fast)
     return y, S, refs[:, :, -1].mT
 
@@ -190,7 +190,7 @@ def causal_linear_attention(
                          f"{(B, H, M, E)} (E = dv + 1 when normalize=True; {space})")  # fmt: skip
     q, k, x = phi_q.to(f), phi_k.to(f), v.to(f)
     if normalize:
-        x = torch.cat([x, x.new_ones(B, H, T, 1)], -1)  # [B, H, T, E]
+        x = nn.functional.pad(x, (0, 1), value=1.0)  # [B, H, T, E]
     if T == 1 and form is None:
         y, S, c = recurrent_step(q, k, x, S, c)
     else:
@@ -209,7 +209,7 @@ def causal_linear_attention(
         state.S, state.c, state.n = S, c, state.n + T
     if normalize:  # only the denominator is clamped, only against 0/0; one split, one backward
         num, den = y.split_with_sizes([v.shape[-1], 1], -1)  # [B, H, T, dv | 1]
-        y = num * (1 / den.clamp_min(torch.finfo(f).tiny))
+        y = num * den.clamp_min(torch.finfo(f).tiny).reciprocal()
     return y.to(v.dtype)
 
 
