@@ -14,7 +14,7 @@ from conftest import FIXTURES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dofmini import load
+from dofmini import linear_attention, load
 from dofmini.dijiang import decay_form
 from dofmini.linear_attention import (
     SEGMENT,
@@ -321,6 +321,27 @@ def test_log_space_loses_no_row_at_any_norm(p, dtype):
             (out.double() * cotangent(out, dtype)).sum(), [q, k, f.z, f.a, v]
         )
         assert all(g.isfinite().all() for g in grads), name
+
+
+@settings(max_examples=25, deadline=None)
+@given(problems(max_norm=30.0, log_space=True))
+def test_log_space_denominators_are_at_least_one(p):
+    """A query's features sum to 1 (a softmax) and each feature's keys hold a 1 (the one its shift
+    came from), so at any norm no row's denominator is below 1: `log_chunks` on the whole chunks,
+    `recurrent_step` on every token (ones for v: the output is the denominator)."""
+    log_q, log_k = (p["features"].log_features(p[x]).detach() for x in "qk")  # [B, H, T, M]
+    B, H, T, M = log_q.shape
+    L, ones = p["chunk"], torch.ones(B, H, T, 1)
+    start = (torch.zeros(B, H, M, 1), torch.full((B, H, M, 1), torch.finfo(torch.float32).min))
+    dens, (S, c) = [], start
+    if T >= L:
+        whole = [x[:, :, : T // L * L].unflatten(2, (-1, L)) for x in (log_q, log_k, ones)]
+        dens.append(linear_attention.log_chunks(*whole, *start)[0])  # [B, H, T // L, L, 1]
+    for t in range(T):
+        token = (x[:, :, t : t + 1] for x in (log_q, log_k, ones))
+        den, S, c = linear_attention.recurrent_step(*token, S, c)  # [B, H, 1, 1]
+        dens.append(den)
+    assert all((den >= 1 - 1e-5).all() for den in dens)
 
 
 @FAST
