@@ -53,7 +53,7 @@ class RunConfig:
     data: Path | None = None  # the data store; default DOFMINI_DATA or the user cache
     device: str = "cpu"
     precision: str = "fp32"  # the teacher's forward passes: fp32, or bf16 autocast (devices)
-    per_device: int | None = None  # windows a device takes at once; None: its share of a batch
+    per_device: int | None = None  # windows back-propagated at once; None: 1 on CPU, batch/4 on GPU
     variants: tuple = ("performer", "dijiang", "fix", "dof", "dof_clip")
     losses: tuple = ("softmax",)  # the PRF students' losses, each at every budget
     seeds: tuple = (0,)  # each sets the feature draw and the data order; Fix and DoF share it
@@ -160,8 +160,10 @@ def check(cfg: RunConfig) -> RunConfig:
         _fail(f"--J {cfg.J}: expected 2 or more samples per head")
     if cfg.per_device is not None and cfg.per_device < 1:
         _fail(f"--batch-per-device {cfg.per_device}: expected 1 or more windows")
-    if cfg.batch < devices.world():
-        _fail(f"{devices.world()} ranks: expected at most the profile's {cfg.batch} windows a step")
+    part = cfg.per_device or (1 if cfg.device == "cpu" else max(1, cfg.batch // 4))
+    if -(-cfg.batch // part) < devices.world():
+        why = f"the profile's {cfg.batch} windows a step, back-propagated {part} at a time"
+        _fail(f"{devices.world()} ranks: expected at most one for each part ({why})")
     for seed in cfg.seeds:
         if not 0 <= seed <= SEED_LIMIT - 1000:
             _fail(f"--seeds {seed}: expected 0..{SEED_LIMIT - 1000}")
@@ -183,7 +185,7 @@ def check(cfg: RunConfig) -> RunConfig:
     store = data.store_dir(cfg.data)
     if store.exists() and not store.is_dir():
         _fail(f"--data {store} is a file; expected the data store's folder")
-    return dataclasses.replace(cfg, out=out, data=store)
+    return dataclasses.replace(cfg, out=out, data=store, per_device=part)
 
 
 def main(argv=None):
@@ -274,8 +276,9 @@ def plan_run(run: stages.Run):
     names += [stages.Student(*key, ()).name for key in stages.student_keys(run)]
     run.clock.plan, done = names, done_stages(run)
     steps, world = stages.settings(run, cfg.seeds[0]).steps, devices.world()
-    share = f"; {world} ranks, each at most {-(-cfg.batch // world)} of a step's windows"
-    windows = f"{steps} steps of {cfg.batch} windows of {run.ctx} tokens"
+    parts = -(-cfg.batch // cfg.per_device)
+    share = f"; {world} ranks, each at most {-(-parts // world)} of a step's {parts} parts"
+    windows = f"{steps} steps of {cfg.batch} windows of {run.ctx} tokens, {cfg.per_device} at once"
     log(f"plan (each student: {windows}{share if world > 1 else ''}):")
     for name in names:
         log(f"  {name}: done" if name in done else f"  {name}")

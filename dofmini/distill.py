@@ -19,10 +19,11 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
-    """`steps` Adam steps on `batch` windows of ctx tokens drawn with data_seed; lr for z (and
-    DiJiang's), lr_a for a = log α (the paper's 0.02, 0.2); `chunk` queries a piece and `dtype` for
-    layerwise losses. Progress is saved every save_every steps, logged every log_every (None: a
-    tenth); the other fields decide the result (.record())."""
+    """`steps` Adam steps on `batch` windows of ctx tokens drawn with data_seed, back-propagated
+    `part` windows at a time (shared_step); lr for z (and DiJiang's), lr_a for a = log α (the
+    paper's 0.02, 0.2); `chunk` queries a piece and `dtype` for layerwise losses. Progress is saved
+    every save_every steps, logged every log_every (None: a tenth); the other fields decide the
+    result (.record())."""
 
     steps: int = 200
     batch: int = 8
@@ -30,6 +31,7 @@ class TrainSettings:
     lr: float = 0.02
     lr_a: float = 0.2
     data_seed: int = 0
+    part: int = 1
     chunk: int = 256
     dtype: str = "float32"
     save_every: int = 50
@@ -37,7 +39,7 @@ class TrainSettings:
 
     def __post_init__(self):
         check_args("TrainSettings", "a positive finite number", lr=self.lr, lr_a=self.lr_a)
-        low = {"steps": 1, "batch": 1, "ctx": 2, "chunk": 1, "save_every": 1, "log_every": 1}
+        low = dict(steps=1, batch=1, part=1, ctx=2, chunk=1, save_every=1, log_every=1)
         bad = [f"{n}={v}" for n, m in low.items() if (v := getattr(self, n)) is not None and v < m]
         if bad or self.dtype not in DTYPES:
             need = f"ctx >= 2, the other counts >= 1, dtype in {list(DTYPES)}"
@@ -116,13 +118,11 @@ class TrainState:
     seconds: float = 0.0
 
 
-def fit(
-    student, step_fn, token_ids, what, s, log=print, resume=None, on_step=None, per_device=None
-):
+def fit(student, step_fn, token_ids, what, s, log=print, resume=None, on_step=None):
     """distill's and train_direct's loop: Adam over the trainable tensors (`*.a` at s.lr_a, the rest
     at s.lr) on windows drawn with s.data_seed; step_fn(ids) back-propagates and returns per-layer
     losses (a non-finite one stops training). resume(state) may restore a saved TrainState first,
-    on_step(state) sees it after each step; per_device: shared_step's.
+    on_step(state) sees it after each step.
     Returns {"train_seconds" (all runs), "loss_curve"}."""
     if s.ctx > (n_ctx := student.config.n_ctx):
         raise ValueError(f"{what}: need ctx <= {n_ctx}; got ctx={s.ctx}")
@@ -142,7 +142,7 @@ def fit(
     for done in range(start + 1, s.steps + 1):
         first = torch.randint(0, len(token_ids) - s.ctx + 1, (s.batch, 1), generator=gen)  # [b, 1]
         ids = token_ids[first + torch.arange(s.ctx)]  # [batch, ctx]
-        losses = shared_step(step_fn, ids.to(device), list(params.values()), per_device)
+        losses = shared_step(step_fn, ids.to(device), list(params.values()), s.part)
         if not all(map(math.isfinite, losses)):
             raise FloatingPointError(f"{what}: per-layer losses {losses} at step {done}")
         opt.step()
@@ -164,25 +164,36 @@ def fit(
     return {"train_seconds": before + time.time() - t0, "loss_curve": state.curve}
 
 
-def shared_step(step_fn, ids, params: list, per_device=None) -> list:
-    """step_fn(ids)'s per-layer losses, and gradients in `params`, of the batch ids [B, ctx] taken
-    per_device windows at a time; under torch.distributed each rank (at most B) takes every
-    world-th window and their B-weighted sums are summed: every rank steps as one process would."""
+def shared_step(step_fn, ids, params: list, part: int) -> list:
+    """step_fn's per-layer losses, and gradients in `params`, of the batch ids [B, ctx]: its parts
+    of `part` windows are back-propagated one at a time and their B-weighted gradients added in
+    part order. Under torch.distributed rank r takes parts r, r + world, … (each rank at least
+    one), and each round's gradients are gathered and added in that same order: any number of
+    ranks gives the one-process student bit for bit."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    if world == 1 and (per_device or len(ids)) >= len(ids):
-        return step_fn(ids)  # exactly the one-process step
-    grads, losses = [torch.zeros_like(p) for p in params], 0.0
-    for part in ids[rank::world].split(per_device or len(ids)):  # [b, ctx]
-        weight = len(part) / len(ids)
-        losses = losses + weight * torch.tensor(step_fn(part), dtype=torch.float64)  # [L]
-        for p, grad in zip(params, grads):
-            grad += weight * p.grad
-            p.grad = None
+    parts = ids.split(part)  # each [b, ctx]
+    if len(parts) < world:
+        raise ValueError(f"shared_step: {world} ranks share {len(parts)} parts of {part} windows")
+    sizes = [p.numel() for p in params]
+    total = torch.zeros(sum(sizes), dtype=params[0].dtype, device=ids.device)  # [n] all params
+    losses = 0.0
+    for first in range(0, len(parts), world):
+        rows = [torch.zeros_like(total) for _ in range(world)]  # [n] each: the round's gradients
+        if first + rank < len(parts):
+            weight = len(parts[first + rank]) / len(ids)
+            step = torch.tensor(step_fn(parts[first + rank]), dtype=torch.float64)  # [L]
+            losses = losses + weight * step
+            rows[rank] = torch.cat([p.grad.flatten() for p in params]) * weight
+            for p in params:
+                p.grad = None
+        if world > 1:
+            dist.all_gather(rows, rows[rank])
+        for row in rows[: len(parts) - first]:  # in part order
+            total += row
     if world > 1:
-        for tensor in (*grads, losses):
-            dist.all_reduce(tensor)
-    for p, grad in zip(params, grads):
-        p.grad = grad
+        dist.all_reduce(losses)
+    for p, grad in zip(params, total.split(sizes)):
+        p.grad = grad.view_as(p)
     return losses.tolist()
 
 

@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -66,7 +67,14 @@ def test_two_ranks_give_the_results_of_one_process(tmp_path):
     results = [json.loads((tmp_path / out / "results.json").read_text()) for out in ("one", "two")]
     assert len(results[0]["students"]) == 2 and differences(*results) == []
     assert two.stdout.count("[1/") == 1  # the writer alone logs
-    assert "; 2 ranks, each at most 1 of a step's windows):" in two.stdout  # the plan's line
+    assert "; 2 ranks, each at most 1 of a step's 2 parts):" in two.stdout  # the plan's line
+    students = [
+        sorted((tmp_path / out / "students").glob("*.safetensors")) for out in ("one", "two")
+    ]
+    assert len(students[0]) == 2 and [p.name for p in students[0]] == [p.name for p in students[1]]
+    for path_one, path_two in zip(*students):  # each part's gradient added in part order
+        (a, _), (b, _) = read_tensors(path_one), read_tensors(path_two)
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), path_two
 
 
 def test_a_killed_rank_leaves_progress_that_another_number_of_ranks_resumes(tmp_path):
@@ -80,13 +88,13 @@ def test_a_killed_rank_leaves_progress_that_another_number_of_ranks_resumes(tmp_
     resumed = run([script, cut, 0], env=env)
     assert "resuming from" in resumed.stdout and "at step 4/6" in resumed.stdout, resumed.stderr
     (a, meta_a), (b, meta_b) = read_tensors(whole), read_tensors(cut)
-    assert a.keys() == b.keys() and all(torch.allclose(a[n], b[n], rtol=1e-5) for n in a)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)  # bit for bit
     assert differences(meta_a["info"], meta_b["info"]) == []
 
 
 def test_a_device_taking_one_window_at_a_time_steps_as_the_whole_batch(tiny, tiny_ids):
     settings = TrainSettings(steps=3, batch=4, ctx=16)
-    students = [distill(tiny, [8, 8], tiny_ids, settings, per_device=n) for n in (None, 1)]
+    students = [distill(tiny, [8, 8], tiny_ids, replace(settings, part=n)) for n in (4, 1)]
     (a, record_a), (b, record_b) = students
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-7)

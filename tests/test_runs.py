@@ -92,7 +92,7 @@ def test_a_token_cache_replaced_or_cut_is_encoded_again(tmp_path, capsys):
 def test_a_resumed_training_counts_its_whole_training(tiny, tiny_ids, tmp_path, capsys):
     """A training resumed from its progress file counts the seconds before the interruption too."""
     cfg = SimpleNamespace(
-        out=tmp_path, steps=60, batch=2, lr=0.02, lr_a=0.2, train_chars=None, per_device=None
+        out=tmp_path, steps=60, batch=2, lr=0.02, lr_a=0.2, train_chars=None, per_device=1
     )
     inputs = {"teacher": tiny.identity, "tokenizer": "t", "device": "cpu/float32"}
     run = stages.Run(cfg, tiny, None, 16, 0.0625, (8,), inputs, texts={"train": tiny_ids})

@@ -141,11 +141,11 @@ def fitting(run: Run, spec: Student):
         untrained = {"train_seconds": 0.0, "loss_curve": []}
         return lambda **_: (performer(run, spec), untrained)
     if spec.loss != "direct":
-        options = dict(loss=spec.loss, feature_seed=spec.seed, per_device=run.cfg.per_device)
+        options = dict(loss=spec.loss, feature_seed=spec.seed)
         return functools.partial(distill, run.teacher, spec.dims, tokens, train, **options)
     kind = "dijiang" if spec.variant == "dijiang" else "prf"
     start = make_student(run.teacher, kind, spec.dims, spec.seed)
-    return functools.partial(train_direct, start, tokens, train, per_device=run.cfg.per_device)
+    return functools.partial(train_direct, start, tokens, train)
 
 
 def curve_specs(run: Run) -> list:
