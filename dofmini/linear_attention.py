@@ -61,7 +61,7 @@ def scan_chunks(X, A, block=32):
     decays = torch.exp(A[..., 1:, :, :] - A[..., :-1, :, :])  # [..., N−1, ·, 1]
     P = [X[..., 0, :, :]]  # [..., M, E] each
     for x, decay in zip(X.unbind(-3)[1:], decays.unbind(-3)):
-        P.append(x + decay * P[-1])
+        P.append(torch.addcmul(x, decay, P[-1]))
     return torch.stack(P, -3)
 
 
