@@ -9,9 +9,8 @@ import torch
 
 
 def dof_by_definition(x, lam, normalize=True):
-    """DoF [...] of x [..., J, d] by its definition: tr Σ̂(Σ̂+λI)⁻¹,
-    the sum of e/(e+λ) over Σ̂'s eigenvalues e, where Σ̂ = G/J (or G)
-    and G_ij = exp(xᵢᵀxⱼ/√d). The reference for the stable form."""
+    """DoF [...] of x [..., J, d] by its definition: tr Σ̂(Σ̂+λI)⁻¹, the sum of e/(e+λ) over the
+    eigenvalues e of Σ̂ = G/J (or G), G_ij = exp(xᵢᵀxⱼ/√d). The reference for the stable form."""
     J, d = x.shape[-2:]
     x = x.double()
     gram = torch.exp(x @ x.mT / math.sqrt(d))  # [..., J, J]
@@ -42,9 +41,8 @@ def degrees_of_freedom(x, lam, normalize=True):
         # DoF = tr C(C+R)⁻¹, R = λ·J·D⁻² (λ·D⁻² raw), each point at its own scale
         mat.mul_(-2).add_(sq[:, :, None]).add_(sq[:, None, :])  # ‖xᵢ-xⱼ‖²/√d
         mat.clamp_(min=0).mul_(-0.5).exp_()  # [n, J, J] C
-        # C's eigenvalues below J·d·eps·max sq are rounding; a ridge
-        # >= J·eps·(J+1+d·max sq) also meets Demmel's condition for
-        # Cholesky (λ_min > J(J+1)·eps/2; Higham 2002, §10.7).
+        # C's eigenvalues below J·d·eps·max sq are rounding; a ridge >= J·eps·(J+1+d·max sq)
+        # also meets Demmel's condition for Cholesky (λ_min > J(J+1)·eps/2; Higham 2002, §10.7).
         floor = J * eps * (J + 1 + d * sq.amax(-1, keepdim=True))  # [n, 1]
         ridge = torch.exp(log_ridge - sq).maximum(floor)  # [n, J]
         mat.diagonal(0, -2, -1).add_(ridge)  # [n, J, J] C+R
@@ -81,9 +79,8 @@ def sample_queries_keys(model, token_ids, J=1024, seed=0, ctx=None, batch=8):
     n_win, pool = token_ids.numel() // ctx, 2 * ctx  # ctx queries, then ctx keys
     if n_win * pool < J:
         raise ValueError(
-            f"sample_queries_keys: {n_win} windows of {ctx} tokens give "
-            f"{n_win * pool} queries+keys per head, fewer than J={J}; "
-            "pass more text or a smaller J"
+            f"sample_queries_keys: {n_win} windows of {ctx} tokens give {n_win * pool} "
+            f"queries+keys per head, fewer than J={J}; pass more text or a smaller J"
         )
     windows = token_ids[: n_win * ctx].view(n_win, ctx)  # [W, ctx]
     gen = torch.Generator().manual_seed(seed)

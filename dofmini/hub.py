@@ -29,9 +29,8 @@ def locate(path_or_name) -> Path:
             raise CheckpointError(f"{path} has no config.json: expected a folder holding {FILES}")
         return path
     if name not in HUB_REPOS:
-        raise CheckpointError(
-            f"unknown model {name!r}: not a folder, and not one of {', '.join(HUB_REPOS)}"
-        )
+        known = ", ".join(HUB_REPOS)
+        raise CheckpointError(f"unknown model {name!r}: not a folder, and not one of {known}")
     return WEIGHTS_DIR / name
 
 

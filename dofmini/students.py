@@ -1,7 +1,6 @@
-"""Students: a teacher with linear attention swapped in, and their files. A student
-shares the teacher's frozen tensors; its file holds only its trainable ones (PRF z
-and a = log α, or DiJiang's decay, norm and gate) and its record (kind, dims, seed,
-training, the teacher's identity) as sorted JSON."""
+"""Students: a teacher with linear attention swapped in, and their files. A student shares the
+teacher's frozen tensors; its file holds only its trainable ones (PRF z and a = log α, or DiJiang's
+decay, norm and gate) and its record (kind, dims, seed, training, the teacher) as sorted JSON."""
 
 import copy
 import json

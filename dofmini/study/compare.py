@@ -214,15 +214,13 @@ def needs(curves: dict) -> dict:
     return found
 
 
-def dof_views(per_head, found: dict, label: str = "") -> list:
+def dof_views(per_head, found: dict) -> list:
     """The (level, DoF, M needed) of evidence_table: heads where `found` has them, and layers
     under both aggregations."""
-    heads = (
-        [(f"{label}heads", np.ravel(per_head), np.ravel(found["head"]))] if "head" in found else []
-    )
+    heads = [("heads", np.ravel(per_head), np.ravel(found["head"]))] if "head" in found else []
     return heads + [
-        (f"{label}layers, DoF max over heads", [max(h) for h in per_head], found["layer"]),
-        (f"{label}layers, DoF mean over heads", [np.mean(h) for h in per_head], found["layer"]),
+        ("layers, DoF max over heads", [max(h) for h in per_head], found["layer"]),
+        ("layers, DoF mean over heads", [np.mean(h) for h in per_head], found["layer"]),
     ]
 
 

@@ -118,7 +118,7 @@ def missing(groups, root) -> list:
     return [f for f in files(groups) if not (Path(root) / f.path).exists()]
 
 
-def _mb(rows) -> str:
+def size_mb(rows) -> str:
     return f"{sum(f.size for f in rows) / 1e6:.1f} MB"
 
 
@@ -129,7 +129,7 @@ def describe(groups, root) -> str:
         (dataset, licence), rows = GROUPS[group], files(group)
         hosts = sorted({urllib.parse.urlsplit(source(f)).netloc or "a local folder" for f in rows})
         lines.append(
-            f"  {group}: {dataset}; {len(rows)} file(s), {_mb(rows)}, licence {licence}, from "
+            f"  {group}: {dataset}; {len(rows)} file(s), {size_mb(rows)}, licence {licence}, from "
             f"{', '.join(hosts)}; {len(missing(group, root)) or 'none'} to download"
         )
     return "\n".join(lines)
@@ -152,16 +152,16 @@ def ensure(groups, root, log=print) -> dict:
         try:
             if f in absent:
                 licence = GROUPS[f.group][1]
-                log(f"downloading {f.path} ({_mb([f])}, licence {licence}) from {source(f)}")
+                log(f"downloading {f.path} ({size_mb([f])}, licence {licence}) from {source(f)}")
                 atomic_write(root / f.path, functools.partial(fetch_verified, f))
             else:
                 verify(root / f.path, f, "delete it to download it again")
         except Unreachable as err:
             left = missing(groups, root)
             raise DataError(
-                f"{len(left)} data file(s), {_mb(left)}, are missing and {err}. Download each to "
-                f"the path shown (a Wikipedia file as served: it is converted on the next run), or "
-                f"point --data, DOFMINI_DATA or DOFMINI_DATA_MIRROR at a copy of the store:"
+                f"{len(left)} data file(s), {size_mb(left)}, are missing and {err}. Download each "
+                f"to the path shown (a Wikipedia file as served: it is converted on the next run), "
+                f"or point --data, DOFMINI_DATA or DOFMINI_DATA_MIRROR at a copy of the store:"
                 f"{offline_listing(left, root)}"
             ) from None
         except DataError as err:

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..students import load_student
 from . import runs, stages
+from .evaluate import held_out
 from .oracle import seed_mean_oracle
 
 SWAP_STAGE = "end-to-end swap curves"  # its name in the plan
@@ -24,10 +25,7 @@ def e2e_kl(teacher, models, token_ids, ctx, windows, offset=0, batch=4) -> list:
     """For each of `models`, the mean over tokens of KL(p_teacher ‖ p_model) of the next-token
     distributions at every position of `windows` windows of ctx tokens from window `offset` on;
     the teacher runs once per batch for all of them."""
-    need = (offset + windows) * ctx
-    token_ids = teacher.token_ids(token_ids, need, "e2e_kl")
-    device = next(teacher.parameters()).device
-    all_windows = token_ids[offset * ctx : need].view(windows, ctx).to(device)  # [W, ctx]
+    all_windows = held_out(teacher, token_ids, ctx, windows, offset, "e2e_kl")  # [W, ctx]
     sums = [0.0] * len(models)
     for ids in all_windows.split(batch):  # [b, ctx]
         target = teacher(ids).float().log_softmax(-1)  # [b, ctx, V]
@@ -109,11 +107,8 @@ def evaluate_students(run, allocation: dict, curves) -> tuple:
     """(every student's result, the curves with the swap curves under "e2e"), cheapest and most
     telling first: the students already trained, then the swap curves, then the end-to-end
     oracle's students, then the rest variant by variant."""
-    ready = [
-        spec
-        for spec in stages.specs(run, allocation, curves)
-        if spec.dims and stages.trained(spec.path(run.cfg.out), stages.train_key(run, spec), False)
-    ]
+    done = lambda spec: stages.trained(spec.path(run.cfg.out), stages.train_key(run, spec), False)
+    ready = [spec for spec in stages.specs(run, allocation, curves) if spec.dims and done(spec)]
     results = {spec.name: evaluate(run, spec) for spec in ready}
     if "oracle_e2e" in run.cfg.variants:
         curves = {**curves, "e2e": swap_curves(run)}

@@ -135,6 +135,13 @@ def score_examples(model, tokenizer, examples, what: str = "scoring") -> dict:
     return out
 
 
+def held_out(teacher, token_ids, ctx: int, windows: int, offset: int, what: str) -> torch.Tensor:
+    """`windows` disjoint windows [W, ctx] of token_ids from window `offset` on, on the teacher's
+    device; `what` names the caller in errors."""
+    token_ids = teacher.token_ids(token_ids, (offset + windows) * ctx, what)[offset * ctx :]
+    return token_ids[: windows * ctx].view(windows, ctx).to(next(teacher.parameters()).device)
+
+
 @torch.no_grad()
 def layer_errors(teacher, student, token_ids, ctx, windows, offset=0, batch=4, chunk=256) -> dict:
     """Per-layer approximation error of a student's attention, with the teacher's own inputs, on
@@ -143,12 +150,9 @@ def layer_errors(teacher, student, token_ids, ctx, windows, offset=0, batch=4, c
     "output_rel" (‖ŷ − y‖/‖y‖ of the per-head attention outputs before the output projection); and
     "kl_heads", each layer's KL per head. None for a layer without PRF `features` (DiJiang: its
     gate reads the block input, so it has no per-head output either)."""
-    need = (offset + windows) * ctx
     sizes = dict(ctx=ctx, windows=windows, batch=batch, chunk=chunk)
     check_args("layer_errors", "an integer >= 1", **sizes)
-    token_ids = teacher.token_ids(token_ids, need, "layer_errors")
-    device = next(teacher.parameters()).device
-    all_windows = token_ids[offset * ctx : need].view(windows, ctx).to(device)  # [W, ctx]
+    all_windows = held_out(teacher, token_ids, ctx, windows, offset, "layer_errors")  # [W, ctx]
     sums = [{} for _ in student.blocks]
     for ids in all_windows.split(batch):
         for acc, block, (q, k, v) in zip(sums, student.blocks, teacher.capture(ids)):

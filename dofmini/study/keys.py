@@ -99,33 +99,17 @@ def eval_key(run: Run) -> dict:
     run verified (a superset of what an evaluation reads: a change to any of them redoes it);
     results.json's inputs["read"] gives the order they are read in."""
     cfg, inputs = run.cfg, run.inputs
-    return dict(
-        ctx=run.ctx,
-        eval_windows=cfg.eval_windows,
-        limit=cfg.limit,
-        data={k: v for k, v in inputs.items() if "/" in k},
-        error_windows=cfg.error_windows,
-        tokenizer=inputs["tokenizer"],
-        device=inputs["device"],
-    )
+    key = dict(ctx=run.ctx, eval_windows=cfg.eval_windows, error_windows=cfg.error_windows)
+    key.update(limit=cfg.limit, data={k: v for k, v in inputs.items() if "/" in k})
+    return dict(key, tokenizer=inputs["tokenizer"], device=inputs["device"])
 
 
 def stage_files(run: Run) -> dict:
     """{stage name: (its file, its key)} of the teacher's evaluation and DoF."""
     cfg, inputs, out = run.cfg, run.inputs, run.cfg.out
-    dof = dict(
-        teacher=inputs["teacher"],
-        seed=cfg.seeds[0],
-        ctx=run.ctx,
-        budgets=run.budgets,
-        calib_windows=cfg.calib_windows,
-        calib=inputs[CALIBRATION],
-        rules=ALLOCATIONS,
-        device=inputs["device"],
-        lam=run.lam,
-        J=cfg.J,
-        normalize=not cfg.raw_gram,
-    )
+    dof = dict(teacher=inputs["teacher"], calib=inputs[CALIBRATION], device=inputs["device"])
+    dof.update(seed=cfg.seeds[0], budgets=run.budgets, rules=ALLOCATIONS, lam=run.lam, J=cfg.J)
+    dof.update(ctx=run.ctx, calib_windows=cfg.calib_windows, normalize=not cfg.raw_gram)
     teacher = {"teacher": inputs["teacher"], **eval_key(run)}
     return {
         "teacher evaluation": (out / "teacher.json", teacher),
@@ -142,18 +126,10 @@ def settings(run: Run, seed: int) -> TrainSettings:
 def train_key(run: Run, spec: Student) -> dict:
     """What a student's tensors depend on."""
     inputs, corpus = run.inputs, {k: v for k, v in run.inputs.items() if k.startswith("corpus/")}
-    return dict(
-        teacher=inputs["teacher"],
-        variant=spec.variant,
-        loss=spec.loss,
-        dims=spec.dims,
-        seed=spec.seed,
-        **settings(run, spec.seed).record(),
-        train=corpus,
-        train_chars=run.cfg.train_chars,
-        tokenizer=inputs["tokenizer"],
-        device=inputs["device"],
-    )
+    key = dict(teacher=inputs["teacher"], tokenizer=inputs["tokenizer"], device=inputs["device"])
+    key.update(variant=spec.variant, loss=spec.loss, dims=spec.dims, seed=spec.seed)
+    key.update(settings(run, spec.seed).record(), train=corpus, train_chars=run.cfg.train_chars)
+    return key
 
 
 def student_file(run: Run, spec: Student, curve: bool = False) -> tuple:

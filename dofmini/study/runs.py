@@ -222,8 +222,7 @@ def missing_listing(weights: list, absent: list, root, header: str) -> str:
         lines.append(f"  weights, {len(weights)} file(s):")
         lines.append(by_hand(((url, path.resolve()) for url, path in weights), 4).lstrip("\n"))
     if absent:
-        mb = sum(f.size for f in absent) / 1e6
-        lines.append(f"  data, {len(absent)} file(s), {mb:.1f} MB:")
+        lines.append(f"  data, {len(absent)} file(s), {data.size_mb(absent)}:")
         lines.append(data.offline_listing(absent, root, 4).lstrip("\n"))
     return "\n".join(lines)
 

@@ -151,9 +151,8 @@ def fitting(run: Run, spec: Student):
 def curve_specs(run: Run) -> list:
     """The Fix students of the error curves, seed by seed, M by M."""
     n_layer, cfg = run.teacher.config.n_layer, run.cfg
-    return [
-        Student("fix", "softmax", m, s, (m,) * n_layer) for s in cfg.seeds for m in cfg.curve_dims
-    ]
+    grid = itertools.product(cfg.seeds, cfg.curve_dims)  # seed by seed, M by M
+    return [Student("fix", "softmax", m, s, (m,) * n_layer) for s, m in grid]
 
 
 def error_curves(run: Run) -> dict:
