@@ -53,7 +53,7 @@ class RunConfig:
     data: Path | None = None  # the data store; default DOFMINI_DATA or the user cache
     device: str = "cpu"
     precision: str = "fp32"  # the teacher's forward passes: fp32, or bf16 autocast (devices)
-    per_device: int | None = None  # windows back-propagated at once; None: 1 on CPU, batch/4 on GPU
+    per_device: int | None = None  # windows back-propagated at once; None: a quarter of the batch
     variants: tuple = ("performer", "dijiang", "fix", "dof", "dof_clip")
     losses: tuple = ("softmax",)  # the PRF students' losses, each at every budget
     seeds: tuple = (0,)  # each sets the feature draw and the data order; Fix and DoF share it
@@ -160,7 +160,7 @@ def check(cfg: RunConfig) -> RunConfig:
         _fail(f"--J {cfg.J}: expected 2 or more samples per head")
     if cfg.per_device is not None and cfg.per_device < 1:
         _fail(f"--batch-per-device {cfg.per_device}: expected 1 or more windows")
-    part = cfg.per_device or (1 if cfg.device == "cpu" else max(1, cfg.batch // 4))
+    part = cfg.per_device or max(1, cfg.batch // 4)  # 1, 2 or 4 devices share its parts evenly
     if -(-cfg.batch // part) < devices.world():
         why = f"the profile's {cfg.batch} windows a step, back-propagated {part} at a time"
         _fail(f"{devices.world()} ranks: expected at most one for each part ({why})")

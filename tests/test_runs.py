@@ -17,7 +17,7 @@ from dofmini.distill import TrainSettings, distill, train_direct
 from dofmini.students import load_student, make_student, read_tensors
 from dofmini.study import stages
 from dofmini.study.keys import Clock
-from dofmini.study.runs import stage, token_ids, train_into
+from dofmini.study.runs import peak_memory, stage, token_ids, train_into
 
 
 def test_stage_reuses_only_an_identical_key(tmp_path, capsys):
@@ -166,6 +166,18 @@ def test_resume_after_interruption_equals_an_uninterrupted_run(tiny, tiny_ids, t
     resumed = trainable(load_student(tiny, path)[0])
     assert all(torch.equal(whole[n], resumed[n]) for n in whole)
     assert not (tmp_path / "resumed.safetensors.progress").exists()
+
+
+def test_the_first_step_logs_the_peak_memory(tiny, tiny_ids, tmp_path):
+    lines = []
+    kept(tiny, tiny_ids, tmp_path / "s.safetensors", S(steps=2, batch=2, ctx=32), lines.append)
+    logged = [line for line in lines if line.startswith("peak memory after the first step: ")]
+    assert len(logged) == 1 and logged[0].endswith(" (each rank)")
+    if not Path("/proc/self/status").exists():  # not Linux
+        assert "not readable on this system" in logged[0]
+        return
+    gib = float(logged[0].split(": ")[1].split(" GiB resident")[0])
+    assert 0 < gib <= float(peak_memory(torch.device("cpu")).split()[0])  # a peak never falls
 
 
 def test_progress_of_other_settings_is_set_aside_and_training_starts_over(tiny, tiny_ids, tmp_path):

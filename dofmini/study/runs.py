@@ -10,6 +10,7 @@ import io
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -101,6 +102,9 @@ def train_into(path, record: dict, settings, token_ids, train, log) -> dict:
     progress = Path(f"{path}.progress")
 
     def save(state):  # every save_every steps but the last
+        if state.step == 1:
+            device = next(iter(state.params.values())).device
+            log(f"peak memory after the first step: {peak_memory(device)} (each rank)")
         if state.step % settings.save_every == 0 and state.step < settings.steps:
             tensors = {f"param.{n}": p for n, p in state.params.items()}
             tensors["rng"] = state.gen.get_state()
@@ -114,6 +118,16 @@ def train_into(path, record: dict, settings, token_ids, train, log) -> dict:
     save_student(student, path, {**record, "info": info})
     progress.unlink(missing_ok=True)
     return info
+
+
+def peak_memory(device) -> str:
+    """This process's peak so far on `device`: CUDA's allocator's, else the peak resident set
+    (Linux's VmHWM)."""
+    if device.type == "cuda":
+        return f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB allocated on {device}"
+    status = Path("/proc/self/status")
+    found = re.search(r"VmHWM:\s+(\d+) kB", status.read_text()) if status.exists() else None
+    return f"{int(found[1]) / 2**20:.2f} GiB resident" if found else "not readable on this system"
 
 
 def _resume(path: Path, keep: dict, state, log, steps: int):
