@@ -1,8 +1,8 @@
 """How a run uses its devices: data-parallel ranks under `torchrun` (without it, no-ops), and the
 teacher's precision. Rank 0 alone writes (files.WRITES is off on the rest), logs (their stdout is
-discarded) and holds the --out lock. Training and evaluation share each batch's windows and sum
-what the ranks found (distill.shared_step, evaluate); any other stage the writer computes while
-the rest wait, then read its file (runs.stage): it must not outlast TIMEOUT."""
+discarded) and holds the --out lock. Training shares each step's parts (distill.shared_step: the
+same student for any N), evaluation each batch's windows, summed; any other stage the writer
+computes while the rest wait, then read its file (runs.stage): it must not outlast TIMEOUT."""
 
 import datetime
 import os
