@@ -99,3 +99,15 @@ def test_a_device_taking_one_window_at_a_time_steps_as_the_whole_batch(tiny, tin
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-7)
     assert differences(record_a, record_b) == [] and record_a["loss_curve"]
+
+
+def test_more_ranks_than_a_step_has_parts_are_refused_before_any_work(tmp_path):
+    model, env = tiny_store(tmp_path)
+    args = [REPO / "reproduce.py", model, "--profile", "quick", "--batch-per-device", "2"]
+    done = run([*args, "--out", tmp_path / "out"], ranks=2, env=env)
+    why = "the profile's 2 windows a step, back-propagated 2 at a time"
+    assert (
+        done.returncode != 0
+        and f"2 ranks: expected at most one for each part ({why})" in done.stderr
+    )
+    assert not (tmp_path / "out").exists()
