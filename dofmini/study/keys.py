@@ -120,7 +120,9 @@ def stage_files(run: Run) -> dict:
 def settings(run: Run, seed: int) -> TrainSettings:
     cfg = run.cfg
     steps = cfg.steps or max(1, len(run.texts["train"]) // (cfg.batch * run.ctx))
-    return TrainSettings(steps, cfg.batch, run.ctx, cfg.lr, cfg.lr_a, seed, cfg.per_device)
+    return TrainSettings(
+        steps, cfg.batch, run.ctx, cfg.lr, cfg.lr_a, data_seed=seed, part=cfg.per_device
+    )
 
 
 def train_key(run: Run, spec: Student) -> dict:
