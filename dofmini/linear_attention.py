@@ -39,24 +39,26 @@ def chunked_attention(q, k, v, S, c=None):
 
 def chunk_states(S, kv, A=None):
     """Step 2: states before each chunk [B, H, N, M, E], after the last; A: decays (a scan)."""
-    X = torch.cat([S[:, :, None], kv], 2)  # [B, H, N+1, M, E]
-    P = X.cumsum(2) if A is None else scan_chunks(X, A)
-    before, after = P.split([kv.shape[2], 1], 2)
-    return before, after[:, :, 0]
+    X = torch.cat([S[:, :, None], kv[:, :, :-1]], 2)  # [B, H, N, M, E]: scan feeds step 3 as is
+    before = X.cumsum(2) if A is None else scan_chunks(X, A[..., :-1, :, :])
+    decay = 1 if A is None else torch.exp(A[..., -1, :, :] - A[..., -2, :, :])  # [..., ·, 1]
+    return before, kv[:, :, -1] + decay * before[:, :, -1]
 
 
 def scan_chunks(X, A, block=32):
     """P_n = Σ_{n'≤n} exp(A_n − A_n') X_n' along dim −3, A non-increasing: P_n = X_n +
     exp(A_n − A_n−1) P_n−1, each factor ≤ 1 formed directly. Past `block` chunks: blocks
-    side by side (the last chunk repeated), then their ends: ~2√N steps."""
+    side by side (the last filled up with the last chunk), then their ends: ~2√N steps."""
     N = X.shape[-3]
     if N > block:
-        held = torch.arange(-(-N // block) * block, device=X.device).clamp_max(N - 1)
-        X, A = (x.index_select(-3, held).unflatten(-3, (-1, block)) for x in (X, A))
+        if N % block:
+            held = torch.arange(-(-N // block) * block, device=X.device).clamp_max(N - 1)
+            X, A = (x.index_select(-3, held) for x in (X, A))
+        X, A = (x.unflatten(-3, (-1, block)) for x in (X, A))
         P = scan_chunks(X, A)  # [..., N/b, b, M, E]
-        ends = scan_chunks(P[..., -1, :, :], A[..., -1, :, :])  # [..., N/b, M, E]
+        ends = scan_chunks(P[..., -1, :, :].clone(), A[..., -1, :, :])  # [..., N/b, M, E]
         decay = torch.exp(A[..., 1:, :, :, :] - A[..., :-1, -1:, :, :])  # [.., b, ·, 1]
-        P = P + nn.functional.pad(decay * ends[..., :-1, None, :, :], (0,) * 6 + (1, 0))
+        P[..., 1:, :, :, :].addcmul_(decay, ends[..., :-1, None, :, :])  # P is ours (ends: a copy)
         return P.flatten(-4, -3)[..., :N, :, :]
     decays = torch.exp(A[..., 1:, :, :] - A[..., :-1, :, :])  # [..., N−1, ·, 1]
     P = [X[..., 0, :, :]]  # [..., M, E] each
@@ -147,8 +149,7 @@ def _log_intra(log_q, log_k, v):
 SEGMENT = {"cpu": 1024}  # tokens per part by device: cache-sized on CPU; a GPU takes one part
 
 
-def _reads_back(x) -> bool:
-    """The one device rule: a flag (a key rose?) comes back; on meta (no values) none does."""
+def _reads_back(x) -> bool:  # the one device rule: a flag (a key rose?) comes back, not on meta
     return not x.is_meta
 
 
@@ -204,7 +205,7 @@ def causal_linear_attention(
             part = [t.contiguous().unflatten(2, (-1, min(chunk, n))) for t in part]
             y, S, c = form(*part, S, c)
             ys.append(y.flatten(2, 3))  # [B, H, n, E]
-        y = torch.cat(ys, 2)  # [B, H, T, E]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, 2)  # [B, H, T, E]
     if state is not None:
         state.S, state.c, state.n = S, c, state.n + T
     if normalize:  # only the denominator is clamped, only against 0/0; one split, one backward

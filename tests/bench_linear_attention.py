@@ -1,7 +1,7 @@
 """Speed and memory of causal PRF linear attention (issues 13, 14, 33): tables, not pass/fail.
 
     python tests/bench_linear_attention.py [--quick] [--lengths 1024,4096] [--rounds R]
-        [--device cpu|cuda] [--threads N] [--cpu-time] [--old REV]
+        [--device cpu|cuda] [--threads N] [--cpu-time] [--old REV] [--default-heap]
 
 B = 1, 12 heads, d = M = 64, fp32, chunk 64, T = 1K to 32K (--quick: 1K to 4K, fewer rounds and
 decoding steps). One run prints:
@@ -10,7 +10,8 @@ decoding steps). One run prints:
   (gradients for the three inputs against a fixed random cotangent), each run two ways: whole (the
   sequence in one part, as on a GPU) and in parts (SEGMENT tokens at a time, as on CPU; on a GPU
   too, to measure the parts rule there). Every (T, pass, form, way) is timed once per round, all
-  interleaved, one untimed call first; best of rounds (other processes on a shared machine only
+  interleaved, one untimed call first; a timing spans at least 4K tokens of calls (4 calls at
+  T = 1K), so one interruption weighs less; best of rounds (other processes on a shared machine only
   add time). Also ms per 1K tokens (flat: linear in T), whole/parts, and --old REV's module (e.g.
   cd447bd, loaded from git into a temp file) timed in the same rounds, new/old.
 - decoding: one token at a time from a prefilled state (T = 1, no autograd), µs per token, log
@@ -25,12 +26,19 @@ decoding steps). One run prints:
   the longest T over the shortest per way, log decoding.
 --cpu-time times by process CPU time, which on a busy shared machine leaves out the time other
 processes hold the cores (fair with --threads 1, the default).
+
+On CPU the script runs itself again with glibc told to keep freed memory (HEAP below) unless
+--default-heap: by default glibc hands a call's freed temporaries back to the kernel and the next
+call faults them in again, page by page, at a cost set by the heap's history rather than by the
+form (a caching allocator, as torch has on CUDA, never pays it). The page faults per call are
+printed either way, so the two settings can be told apart.
 """
 
 import argparse
 import importlib.util
 import math
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -43,6 +51,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 H, D, CHUNK = 12, 64, 64
 FORMS = ("plain", "log")
+HEAP = {"MALLOC_MMAP_THRESHOLD_": str(2**25), "MALLOC_TRIM_THRESHOLD_": str(2**30)}  # 32 MiB, 1 GiB
 
 
 def load(path, name, way=None):
@@ -98,28 +107,37 @@ class Clock:
 def call(module, form, x, cot=None):
     """One forward (cot None) or forward+backward of module's attention on x = [q, k, v]."""
     with torch.set_grad_enabled(cot is not None):
+        x = [t.detach().requires_grad_(cot is not None) for t in x]  # fresh leaves, no .grad
         out = module.causal_linear_attention(*x, CHUNK, log_space=form == "log")
         if cot is not None:
             out.backward(cot)
 
 
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def training(modules, lengths, rounds, device, clock):
-    """ms per (T, pass, module name, form), a list with one time per round, all interleaved."""
-    times = {}
+    """ms per call per (T, pass, module name, form), a list with one time per round, all
+    interleaved; and page faults per call, summed over rounds."""
+    times, faulted = {}, {}
     for r in range(rounds):
         for T in lengths:
+            calls = max(1, 4096 // T)
             for form in FORMS:
                 q, k, v, cot = draws(T, device, form)
                 for name, module in modules.items():
                     if r == 0:
                         call(module, form, [q, k, v])  # untimed
                     for what in ("fwd", "fwd+bwd"):
-                        x = [t.clone().requires_grad_(what != "fwd") for t in (q, k, v)]
                         grad = cot if what != "fwd" else None
-                        ms = clock(lambda: call(module, form, x, grad))  # noqa: B023
-                        times.setdefault((T, what, name, form), []).append(ms)
+                        x, before = [q, k, v], faults()
+                        ms = clock(lambda: [call(module, form, x, grad) for _ in range(calls)])  # noqa: B023
+                        key = (T, what, name, form)
+                        times.setdefault(key, []).append(ms / calls)
+                        faulted[key] = faulted.get(key, 0) + (faults() - before) / calls / rounds
         print(f"# round {r + 1} of {rounds} done", flush=True)
-    return times
+    return times, faulted
 
 
 def training_tables(best, lengths, names, default):
@@ -164,7 +182,7 @@ def decoding(module, rounds, steps, device, clock, prefill=256):
     return best
 
 
-def acceptance(best, lengths, default, decode, times):
+def acceptance(best, lengths, default, decode, times, faulted):
     """Issue 33's figures in one place: the largest log/plain over T per pass (default way), best
     of rounds and the median over rounds of each round's own ratio (a slow round on a shared
     machine moves it less), the growth of time per token from the shortest T to the longest per
@@ -188,6 +206,9 @@ def acceptance(best, lengths, default, decode, times):
             print(f"- growth {what} {way}, plain / log: {growth}")
     ratio = decode["log"] / decode["plain"]
     print(f"- decoding, log: {decode['log']:.0f} µs per token, {ratio:.2f} x the plain step")
+    for what in ("fwd", "fwd+bwd"):
+        cells = [" / ".join(f"{faulted[T, what, default, f]:.0f}" for f in FORMS) for T in lengths]
+        print(f"- page faults per call {what}, plain / log by T: {', '.join(cells)}")
 
 
 def rss_kb(field):
@@ -241,8 +262,12 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cpu-time", action="store_true", help="process CPU time, not wall time")
     p.add_argument("--old", help="git revision whose module is timed alongside (its default way)")
+    p.add_argument("--default-heap", action="store_true", help="glibc's own trimming (see above)")
     p.add_argument("--memory", nargs=3, metavar=("WAY", "FORM", "T"), help=argparse.SUPPRESS)
     a = p.parse_args()
+    kept = all(os.environ.get(name) == value for name, value in HEAP.items())
+    if a.device == "cpu" and not a.default_heap and not a.memory and not kept:
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **HEAP})
     torch.set_num_threads(a.threads)
     path = REPO / "dofmini" / "linear_attention.py"
     if a.memory:
@@ -253,20 +278,21 @@ def main():
     lengths = lengths or [1024 * 2**i for i in range(int(math.log2(top // 1024)) + 1)]
     rounds = a.rounds or (2 if a.quick else 3)
     load_avg = os.getloadavg()[0]
+    heap = " ".join(f"{name}={value}" for name, value in HEAP.items()) if kept else "default"
     print(f"# torch {torch.__version__}, device {a.device}, {a.threads} threads, "
           f"{'CPU' if a.cpu_time else 'wall'} time, load average at start {load_avg:.1f}; "
-          f"B=1 H={H} d=M={D} fp32, chunk {CHUNK}")  # fmt: skip
+          f"B=1 H={H} d=M={D} fp32, chunk {CHUNK}; glibc heap: {heap}")  # fmt: skip
     modules = {way: load(path, "new", way) for way in ("whole", "parts")}
     if a.old:
         modules["old"] = load(old_path(a.old), "old")
     default = "parts" if a.device == "cpu" else "whole"
     clock = Clock(a.device, a.cpu_time)
-    times = training(modules, lengths, rounds, a.device, clock)
+    times, faulted = training(modules, lengths, rounds, a.device, clock)
     best = {key: min(ms) for key, ms in times.items()}
     training_tables(best, lengths, list(modules), default)
     decode = decoding(modules[default], rounds, 50 if a.quick else 200, a.device, clock)
     memory_table(lengths, a)
-    acceptance(best, lengths, default, decode, times)
+    acceptance(best, lengths, default, decode, times, faulted)
 
 
 if __name__ == "__main__":
