@@ -10,7 +10,7 @@ decoding steps). One run prints:
   (gradients for the three inputs against a fixed random cotangent), each run two ways: whole (the
   sequence in one part, as on a GPU) and in parts (SEGMENT tokens at a time, as on CPU; on a GPU
   too, to measure the parts rule there). Every (T, pass, form, way) is timed once per round, all
-  interleaved, one untimed call first; a timing spans at least 4K tokens of calls (4 calls at
+  interleaved, one untimed call first; a timing spans at least 8K tokens of calls (8 calls at
   T = 1K), so one interruption weighs less; best of rounds (other processes on a shared machine only
   add time). Also ms per 1K tokens (flat: linear in T), whole/parts, and --old REV's module (e.g.
   cd447bd, loaded from git into a temp file) timed in the same rounds, new/old.
@@ -123,7 +123,7 @@ def training(modules, lengths, rounds, device, clock):
     times, faulted = {}, {}
     for r in range(rounds):
         for T in lengths:
-            calls = max(1, 4096 // T)
+            calls = max(1, 8192 // T)
             for form in FORMS:
                 q, k, v, cot = draws(T, device, form)
                 for name, module in modules.items():
