@@ -8,6 +8,7 @@ the students' end-to-end KL (e2e_windows), then the swap curves' (e2e_windows), 
 oracle chosen on the swap curves is scored on windows it never saw."""
 
 import copy
+import math
 
 import torch
 from torch import nn
@@ -21,20 +22,28 @@ SWAP_STAGE = "end-to-end swap curves"  # its name in the plan
 
 
 @torch.no_grad()
-def e2e_kl(teacher, models, token_ids, ctx, windows, offset=0, batch=4) -> list:
-    """For each of `models`, the mean over tokens of KL(p_teacher ‖ p_model) of the next-token
-    distributions at every position of `windows` windows of ctx tokens from window `offset` on;
-    the teacher runs once per batch for all of them."""
+def window_kl(teacher, models, token_ids, ctx, windows, offset=0, batch=4) -> list:
+    """For each of `models`, [W] the mean over each window's tokens of KL(p_teacher ‖ p_model)
+    of the next-token distributions, on `windows` windows of ctx tokens from window `offset` on;
+    the teacher runs once per batch for all of them. Per window, so an interval can resample
+    the text (stats.window_bootstrap)."""
     all_windows = held_out(teacher, token_ids, ctx, windows, offset, "e2e_kl")  # [W, ctx]
-    sums = [0.0] * len(models)
+    found = [[] for _ in models]
     for ids in all_windows.split(batch):  # [b, ctx]
         target = teacher(ids).float().log_softmax(-1)  # [b, ctx, V]
         p = target.exp()  # [b, ctx, V] once per batch, shared by every model
         for i, model in enumerate(models):
             log_q = model(ids).float().log_softmax(-1)  # [b, ctx, V]
             token_kl = (p * (target - log_q)).sum(-1)  # [b, ctx]
-            sums[i] += token_kl.double().sum().item()
-    return [total / (windows * ctx) for total in sums]
+            found[i] += (token_kl.double().sum(-1) / ctx).tolist()
+    return found
+
+
+def e2e_kl(teacher, models, token_ids, ctx, windows, offset=0, batch=4) -> list:
+    """For each of `models`, window_kl's mean over the windows: the mean token KL (every window
+    has ctx tokens)."""
+    per_window = window_kl(teacher, models, token_ids, ctx, windows, offset, batch)
+    return [math.fsum(values) / len(values) for values in per_window]
 
 
 def swapped(teacher, student, layer: int):
@@ -59,20 +68,25 @@ def stage_file(run, spec, swap: bool = False) -> tuple:
     """(file, key) of a student's end-to-end KL, or with `swap` of its one-layer swaps."""
     windows = offsets(run)[swap]
     key = {"student": stages.train_key(run, spec), **stages.eval_key(run), "e2e": windows}
+    if not swap:  # its result holds each window's KL; files made before lack it and are redone
+        key["per_window"] = True
     return run.cfg.out / "eval" / f"{spec.stem}-{'swap' if swap else 'e2e'}.json", key
 
 
 def student_kl(run, spec, swap: bool = False):
-    """A trained student's end-to-end KL (eval/<student>-e2e.json), or with `swap` the teacher's
-    with each one of its layers swapped for the student's (a list, eval/<student>-swap.json)."""
+    """A trained student's end-to-end KL (eval/<student>-e2e.json: {"e2e_kl": mean, "windows":
+    [W] each window's}), or with `swap` the teacher's with each one of its layers swapped for the
+    student's (a list of means, eval/<student>-swap.json)."""
     offset, count = offsets(run)[swap]
 
     def compute():
         student, _ = load_student(run.teacher, spec.path(run.cfg.out))
         layers = range(run.teacher.config.n_layer)
-        models = [swapped(run.teacher, student, i) for i in layers] if swap else [student]
-        found = e2e_kl(run.teacher, models, run.texts["heldout"], run.ctx, count, offset)
-        return found if swap else found[0]
+        if swap:
+            models = [swapped(run.teacher, student, i) for i in layers]
+            return e2e_kl(run.teacher, models, run.texts["heldout"], run.ctx, count, offset)
+        found = window_kl(run.teacher, [student], run.texts["heldout"], run.ctx, count, offset)
+        return {"e2e_kl": math.fsum(found[0]) / count, "windows": found[0]}
 
     return runs.stage(*stage_file(run, spec, swap), compute)
 
@@ -80,8 +94,9 @@ def student_kl(run, spec, swap: bool = False):
 def evaluate(run, spec) -> dict:
     """stages.train_and_evaluate, with the student's end-to-end KL."""
     result = stages.train_and_evaluate(run, spec)
-    result["e2e_kl"] = kl = student_kl(run, spec)
-    runs.log(f"{spec.name}: end-to-end KL {kl:.4g}")
+    found = student_kl(run, spec)
+    result.update(e2e_kl=found["e2e_kl"], e2e_kl_windows=found["windows"])
+    runs.log(f"{spec.name}: end-to-end KL {found['e2e_kl']:.4g}")
     return result
 
 

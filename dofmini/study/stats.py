@@ -1,6 +1,7 @@
 """Statistics over seeds, standard library only: two-sided Student t-intervals (s with n − 1 in
-the denominator), paired differences, the share of Fix's degradation that DoF removes, Spearman's ρ
-with a permutation p-value, and the features a layer needs to reach a target error."""
+the denominator), paired differences, a bootstrap over the text's windows, the share of Fix's
+degradation that DoF removes, Spearman's ρ with a permutation p-value, the features a layer needs
+to reach a target error, and a curve's error between its measured points."""
 
 import itertools
 import math
@@ -50,6 +51,25 @@ def paired_diff(a, b, level=0.95):
     """mean_ci of a[s] − b[s] over paired seeds s."""
     a, b = _paired("paired_diff", a, b)
     return mean_ci([x - y for x, y in zip(a, b)], level)
+
+
+def window_bootstrap(rows, seed=0, draws=2000, level=0.95):
+    """(low, high): the percentile interval of the mean over seeds and windows when the text is
+    drawn again. rows[s][w] is seed s's value on window w; every seed saw the same windows (and a
+    paired difference is one row per seed of differences), so each draw takes one set of W window
+    indices, with replacement, for all seeds, by random.Random(seed). The seeds stay fixed: this
+    is the text's share of the uncertainty, beside mean_ci's over seeds."""
+    if int(draws) != draws or draws < 1 or not 0 < level < 1:
+        why = f"need an integer draws >= 1 and a level in (0, 1), got {draws}, {level}"
+        raise ValueError(f"window_bootstrap: {why}")
+    rows = [_finite(f"window_bootstrap: row {s}", row) for s, row in enumerate(rows)]
+    if not rows or len({len(row) for row in rows}) != 1:
+        raise ValueError(f"window_bootstrap: need rows of one length, got {[len(r) for r in rows]}")
+    per_window = [math.fsum(column) / len(rows) for column in zip(*rows)]  # the seeds' mean
+    rng, count = random.Random(seed), len(per_window)
+    means = sorted(math.fsum(rng.choices(per_window, k=count)) / count for _ in range(draws))
+    tail = round((1 - level) / 2 * draws)  # draws below the interval, and as many above it
+    return means[tail], means[draws - 1 - tail]
 
 
 def share_removed(teacher, fix, dof, level=0.95):
@@ -129,6 +149,17 @@ def loglog_slope(x, y):
     mx, my = math.fsum(lx) / len(lx), math.fsum(ly) / len(ly)
     spread = math.fsum((a - mx) ** 2 for a in lx)
     return math.fsum((a - mx) * (b - my) for a, b in zip(lx, ly)) / spread if spread else math.nan
+
+
+def loglog_at(ms, errors, m):
+    """The error at m features of a curve measured at ms (strictly increasing, m within them):
+    the power of M through the measured points around m, as oracle_allocate reads a curve."""
+    ms, errors = _paired("loglog_at", ms, errors, names=("ms", "errors"), least=2, unit="points")
+    if not ms[0] <= m <= ms[-1] or min(ms + errors) <= 0:
+        raise ValueError(f"loglog_at: need positive ms and errors and m within ms: {m}, {ms}")
+    k = min(bisect_right(ms, m), len(ms) - 1)  # the measured point at or above m
+    frac = math.log(m / ms[k - 1]) / math.log(ms[k] / ms[k - 1])
+    return errors[k - 1] * (errors[k] / errors[k - 1]) ** frac
 
 
 def dof_predicts(dof, needed, cap, seed=0, n=10000):
