@@ -18,6 +18,7 @@ METRICS = (
     ("WikiText-2 ppl", "wikitext2_ppl", None), ("held-out ppl", "heldout_ppl", None),
 )  # fmt: skip
 PERMUTATIONS, PERMUTATION_SEED = 10000, 0  # for the permutation p-value of a rank correlation
+BOOTSTRAP = dict(seed=0, draws=2000, level=0.95)  # stats.window_bootstrap's, kept in results.json
 
 
 def md_table(header, rows) -> str:
@@ -58,20 +59,35 @@ def students(grouped: dict, teacher: dict) -> str:
     """The summary table: every metric as mean ± CI over seeds, and the end-to-end KL against Fix
     seed by seed."""
     teacher_cells = ["—" if view else f"{teacher[key]:.2f}" for _, key, view in METRICS]
-    rows = [["teacher", "—", "—", "—", teacher_cells[0], "—", "—", *teacher_cells[1:], "—"]]
+    rows = [["teacher", "—", "—", "—", teacher_cells[0], "—", "—", "—", *teacher_cells[1:], "—"]]
     e2e = e2e_summary(grouped)
-    for (variant, loss, budget), by_seed in grouped.items():
+    for variant, loss, budget in by_e2e(grouped, e2e):
+        by_seed, found = grouped[variant, loss, budget], e2e[f"{variant}/{loss}/b{budget}"]
         values = [[metric(s, key, view) for s in by_seed.values()] for _, key, view in METRICS]
         cis = [None if None in v else stats.mean_ci(v) for v in values]
         cells = [_pm(*ci) if ci else "—" for ci in cis]
-        diff = ["—", "—"]
-        if "minus_fix" in (vs := e2e[f"{variant}/{loss}/b{budget}"]):
-            diff = [_pm(*vs["minus_fix"], "+"), _percent(vs["relative"])]
+        diff = ["—", "—", "—"]
+        if "minus_fix" in found:
+            diff = [_pm(*found["minus_fix"], "+"), _percent(found["relative"]), "—"]
+        if "minus_fix" in found.get("window_bootstrap", {}):
+            diff[2] = interval(found["window_bootstrap"]["minus_fix"], "+")
         train = f"{np.mean([s['train_seconds'] for s in by_seed.values()]):.0f}"
         rows.append([variant, loss, budget, len(by_seed), cells[0], *diff, *cells[1:], train])
     labels = [label for label, _, _ in METRICS]
     header = ["variant", "loss", "budget", "seeds", labels[0], "− fix, paired", "relative"]
-    return md_table([*header, *labels[1:], "train s"], rows)
+    return md_table([*header, "− fix, text", *labels[1:], "train s"], rows)
+
+
+def by_e2e(grouped: dict, e2e: dict) -> list:
+    """The keys of `grouped`, least mean end-to-end KL first (those without one last)."""
+    mean = lambda key: e2e["{}/{}/b{}".format(*key)]["e2e_kl"][0]
+    return sorted(grouped, key=lambda key: (mean(key) is None, mean(key) or 0.0))
+
+
+def interval(bounds, sign="") -> str:
+    """'[low, high]', a percentile interval."""
+    low, high = bounds
+    return f"[{low:{sign}.3g}, {high:{sign}.3g}]"
 
 
 def against_fix(fix: dict, other: dict) -> list:
@@ -237,14 +253,26 @@ def evidence_table(ms, views) -> str:
 def e2e_summary(grouped: dict) -> dict:
     """For results.json, per "variant/loss/bB": its seeds, "e2e_kl" (mean, 95% t half width over
     seeds; None where one seed), and where Fix has the budget "minus_fix", its paired difference
-    from Fix seed by seed (mean, half width), and "relative", its mean over Fix's less 1."""
+    from Fix seed by seed (mean, half width), and "relative", its mean over Fix's less 1. Where
+    every seed has its per-window KL, "window_bootstrap": the same two as 95% percentile
+    intervals [low, high] with the text's windows drawn again (stats.window_bootstrap), and the
+    bootstrap's seed, draws and level."""
     found, as_json = {}, lambda mean, half: [mean, half if math.isfinite(half) else None]
     for (variant, loss, budget), by_seed in grouped.items():
         e2e = stats.mean_ci([s["e2e_kl"] for s in by_seed.values()])
         row = {"seeds": sorted(by_seed), "e2e_kl": as_json(*e2e)}
-        if fix := grouped.get(("fix", loss, budget)):
+        fix = grouped.get(("fix", loss, budget))
+        if fix:
             _, _, _, diff, relative = against_fix(fix, by_seed)[0]  # METRICS[0]: end-to-end KL
             row.update(minus_fix=as_json(*diff), relative=relative)
+        windows = {seed: s.get("e2e_kl_windows") for seed, s in by_seed.items()}
+        if None not in windows.values():
+            text = dict(BOOTSTRAP, e2e_kl=stats.window_bootstrap(windows.values(), **BOOTSTRAP))
+            seeds = sorted(set(by_seed) & set(fix or {}))
+            if seeds and all(fix[s].get("e2e_kl_windows") for s in seeds):
+                diffs = [np.subtract(windows[s], fix[s]["e2e_kl_windows"]) for s in seeds]
+                text["minus_fix"] = stats.window_bootstrap(diffs, **BOOTSTRAP)
+            row["window_bootstrap"] = text
         found[f"{variant}/{loss}/b{budget}"] = row
     return found
 

@@ -54,7 +54,7 @@ def paired_diff(a, b, level=0.95):
 
 
 def window_bootstrap(rows, seed=0, draws=2000, level=0.95):
-    """(low, high): the percentile interval of the mean over seeds and windows when the text is
+    """[low, high]: the percentile interval of the mean over seeds and windows when the text is
     drawn again. rows[s][w] is seed s's value on window w; every seed saw the same windows (and a
     paired difference is one row per seed of differences), so each draw takes one set of W window
     indices, with replacement, for all seeds, by random.Random(seed). The seeds stay fixed: this
@@ -69,7 +69,7 @@ def window_bootstrap(rows, seed=0, draws=2000, level=0.95):
     rng, count = random.Random(seed), len(per_window)
     means = sorted(math.fsum(rng.choices(per_window, k=count)) / count for _ in range(draws))
     tail = round((1 - level) / 2 * draws)  # draws below the interval, and as many above it
-    return means[tail], means[draws - 1 - tail]
+    return [means[tail], means[draws - 1 - tail]]
 
 
 def share_removed(teacher, fix, dof, level=0.95):
