@@ -222,6 +222,7 @@ def _main(cfg: RunConfig):
     results = collect(run, teacher, allocation, curves, students)
     write_text(cfg.out / "results.json", json.dumps(results, indent=1, sort_keys=True))
     log("\n" + report.write(cfg.out, results))
+    log("\n" + report.closing(cfg.out, results))
 
 
 def load_teacher(cfg: RunConfig, hashes: dict) -> stages.Run:

@@ -36,6 +36,8 @@ STUDY = tuple(
         "endtoend",
         "stats",
         "compare",
+        "verdicts",
+        "figures",
         "report",
     )
 )

@@ -4,7 +4,7 @@ compare)."""
 import numpy as np
 
 from ..files import write_text
-from . import compare
+from . import compare, figures, verdicts
 from .compare import md_table, spaced
 
 
@@ -49,10 +49,11 @@ def tasks_table(students: dict, teacher: dict) -> str:
 
 
 def write(out, results: dict) -> str:
-    """report.md; returns the summary table for the terminal."""
+    """report.md and its figures; returns the summary table for the terminal."""
     teacher, students, dof, cfg = (results[k] for k in ("teacher", "students", "dof", "config"))
     grouped = compare.groups(students)
     summary = compare.students(grouped, teacher)
+    verdict_list = "\n".join(f"- {line}" for line in verdicts.verdict_lines(results))
     text = f"""# dofmini report: {teacher["name"]} ({cfg["profile"]} profile)
 
 ctx {cfg["ctx"]}, seeds {cfg["seeds"]}, budgets {cfg["budgets"]}, {cfg["steps"]} steps of
@@ -62,14 +63,26 @@ the stages took {results["timings"]["stages_seconds"]:.0f} s in all.
 Means over seeds with 95% Student-t intervals (± half width). An error is measured per layer; each
 seed's mean over layers and its worst layer are its two views.
 
+## Each rule against Fix on end-to-end KL
+
+Better or worse where the 95% t-interval of the difference from Fix, paired seed by seed, excludes
+0; "text 95%": the percentile interval of the same difference with the held-out windows drawn
+again ({_bootstrap_words()}), the seeds fixed.
+
+{verdict_list or "No rule beside Fix in this run."}
+{verdicts.power_section(results)}
 ## Students, by end-to-end KL against the teacher, the metric to choose by
 
 KL(teacher ‖ student) of the next-token distributions, mean per token, on held-out windows apart
-from all others; against Fix paired seed by seed. The layer errors feed each layer the teacher's
-own inputs and cannot weigh how a layer's error grows through the layers after it.
+from all others, least first; against Fix paired seed by seed ("− fix, text": the window
+bootstrap's 95% interval, where the run kept each window's KL). The layer errors feed each layer
+the teacher's own inputs and cannot weigh how a layer's error grows through the layers after it.
 
 {summary}
 {compare.swap_section(results)}
+## Figures
+
+{figures.write(out, results)}
 
 ## Feature dimensions per layer
 
@@ -96,3 +109,25 @@ scale free, so for students trained with them kl and output_rel are the errors t
 """
     write_text(out / "report.md", text)
     return summary
+
+
+def _bootstrap_words() -> str:
+    draws, seed = compare.BOOTSTRAP["draws"], compare.BOOTSTRAP["seed"]
+    return f"{draws} draws, random.Random({seed})"
+
+
+def closing(out, results: dict) -> str:
+    """The run's last lines: where its files are, how long it took, and each rule's verdict."""
+    made = [name for name, _, _ in figures.FIGURES if (out / name).is_file()]
+    shown = ", ".join(made) if made else f"none ({figures.INSTALL})"
+    timings = results["timings"]
+    lines = [
+        f"results: {out / 'results.json'}",
+        f"report: {out / 'report.md'}",
+        f"figures in {out}: {shown}",
+        f"time: {timings['this_invocation_seconds']:.0f} s this invocation, "
+        f"{timings['stages_seconds']:.0f} s in all the stages (reused ones included)",
+        "each rule against Fix on end-to-end KL (95% t-interval, paired by seed):",
+    ]
+    rules = verdicts.verdict_lines(results) or ["no rule beside Fix in this run"]
+    return "\n".join(lines + [f"  {line}" for line in rules])

@@ -1,0 +1,185 @@
+"""report.md's figures as PNG files beside it, one function per figure, each from results.json's
+dict alone. matplotlib is an optional extra (`pip install matplotlib`); without it the report says
+how to get them and the run goes on. The Agg backend (no display), a fixed size and dpi."""
+
+import numpy as np
+
+from . import stats
+from .compare import groups
+
+DPI = 100
+PANEL = (3.6, 3.0)  # inches per panel
+INSTALL = "`pip install matplotlib` (or `pip install dofmini[test]`)"
+
+
+def available() -> bool:
+    try:
+        import matplotlib  # noqa: F401 (only whether it imports)
+    except ImportError:
+        return False
+    return True
+
+
+def _panels(count: int, columns: int = 3):
+    """A figure of `count` panels, at most `columns` a row: (figure, flat list of its axes)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display, the same pixels everywhere
+    from matplotlib import pyplot
+
+    columns = min(count, columns)
+    rows = -(-count // columns)
+    size = (PANEL[0] * columns, PANEL[1] * rows)
+    figure, axes = pyplot.subplots(rows, columns, figsize=size, squeeze=False)
+    for extra in axes.flat[count:]:
+        extra.set_visible(False)
+    return figure, list(axes.flat[:count])
+
+
+def _save(figure, path):
+    figure.tight_layout()
+    figure.savefig(path, dpi=DPI)
+    figure.clf()
+    import matplotlib.pyplot
+
+    matplotlib.pyplot.close(figure)
+
+
+def _first_seed(results: dict) -> dict:
+    """{(variant, loss, budget): dims per layer} from each group's first seed (every seed of a
+    group has the same dims)."""
+    return {key: next(iter(by_seed.values()))["dims"] for key, by_seed in _groups(results).items()}
+
+
+def _groups(results: dict) -> dict:
+    return groups(results["students"])
+
+
+def _label(variant: str, loss: str, losses: set) -> str:
+    return variant if len(losses) == 1 else f"{variant} ({loss})"
+
+
+def allocation(results: dict, path):
+    """(a) DoF per layer, each head's and the layer's (the heads' max), beside each rule's features
+    per layer at every budget."""
+    per_head, dims = results["dof"]["per_head"], _first_seed(results)
+    budgets = sorted({budget for _, _, budget in dims})
+    losses = {loss for _, loss, _ in dims}
+    figure, axes = _panels(1 + len(budgets), columns=4)
+    layers = np.arange(len(per_head))
+    axes[0].bar(layers, [max(h) for h in per_head], color="0.85", label="layer (max of heads)")
+    for head, values in enumerate(np.transpose(per_head)):
+        axes[0].plot(layers, values, "o", ms=4, label=f"head {head}")
+    axes[0].set(title="DoF", xlabel="layer", ylabel="DoF")
+    axes[0].legend(fontsize=6)
+    for ax, budget in zip(axes[1:], budgets):
+        for (variant, loss, b), layer_dims in dims.items():
+            if b == budget:
+                ax.plot(layers, layer_dims, "o-", ms=3, label=_label(variant, loss, losses))
+        ax.set(title=f"features per layer, budget {budget}", xlabel="layer", ylabel="features")
+        ax.legend(fontsize=6)
+    _save(figure, path)
+
+
+def error_curves(results: dict, path) -> bool:
+    """(b) each layer's error against its features, the swap curves' end-to-end KL where the run
+    has them (else the layer KL curves), with each rule's features at each budget marked on the
+    curve; False (no file) where the run has no curves."""
+    curves = results.get("curves")
+    if not curves:
+        return False
+    measured = curves.get("e2e") or curves
+    what = "end-to-end KL, one layer swapped" if curves.get("e2e") else "layer KL"
+    ms, mean = measured["dims"], measured["mean_kl"]
+    dims, colours = _first_seed(results), {}
+    figure, axes = _panels(len(mean))
+    for layer, (ax, curve) in enumerate(zip(axes, mean)):
+        ax.loglog(ms, curve, "k.-", lw=1, label="Fix students")
+        for (variant, _, _), layer_dims in dims.items():
+            m = layer_dims[layer]
+            if ms[0] <= m <= ms[-1]:
+                colour = colours.setdefault(variant, f"C{len(colours) % 10}")
+                error = stats.loglog_at(ms, curve, m)
+                ax.plot(m, error, "o", color=colour, ms=4, alpha=0.8)
+        ax.set(title=f"layer {layer}", xlabel="features M", ylabel=what)
+    for variant, colour in colours.items():
+        axes[0].plot([], [], "o", color=colour, label=variant)
+    axes[0].legend(fontsize=6)
+    _save(figure, path)
+    return True
+
+
+def training_loss(results: dict, path):
+    """(c) the logged training loss, mean over layers and seeds, per student group; a panel per
+    budget."""
+    grouped = _groups(results)
+    budgets = sorted({budget for _, _, budget in grouped})
+    losses = {loss for _, loss, _ in grouped}
+    figure, axes = _panels(len(budgets))
+    for ax, budget in zip(axes, budgets):
+        for (variant, loss, b), by_seed in grouped.items():
+            curves = [s.get("loss_curve") or [] for s in by_seed.values()]
+            if b != budget or not all(curves) or len({len(c) for c in curves}) != 1:
+                continue
+            steps = [step for step, _ in curves[0]]
+            values = np.mean([[value for _, value in c] for c in curves], axis=0)
+            ax.semilogy(steps, values, lw=1, label=_label(variant, loss, losses))
+        ax.set(title=f"budget {budget}", xlabel="step", ylabel="training loss")
+        ax.legend(fontsize=6)
+    _save(figure, path)
+
+
+def e2e_kl(results: dict, path):
+    """(d) end-to-end KL per rule and budget (mean, 95% t-interval over seeds), and each rule's
+    paired difference from Fix relative to Fix's mean; no bar where one seed."""
+    e2e = results["e2e"]
+    keys = [name.split("/") for name in e2e]
+    rules = sorted({(variant, loss) for variant, loss, _ in keys})
+    budgets = sorted({int(budget.removeprefix("b")) for _, _, budget in keys})
+    losses = {loss for _, loss in rules}
+    figure, (absolute, relative) = _panels(2, columns=2)
+    for i, (variant, loss) in enumerate(rules):
+        found = [
+            (b, e2e[f"{variant}/{loss}/b{b}"]) for b in budgets if f"{variant}/{loss}/b{b}" in e2e
+        ]
+        shift = 1.03 ** (i - len(rules) / 2)  # the rules side by side on the log axis
+        style = dict(fmt="o-", ms=3, lw=1, capsize=2, color=f"C{i % 10}")
+        means = [row["e2e_kl"][0] for _, row in found]
+        halves = [row["e2e_kl"][1] or 0.0 for _, row in found]
+        label = _label(variant, loss, losses)
+        absolute.errorbar([b * shift for b, _ in found], means, halves, label=label, **style)
+        paired = [(b, row) for b, row in found if "minus_fix" in row]
+        scales = [100 / e2e[f"fix/{loss}/b{b}"]["e2e_kl"][0] for b, _ in paired]  # % of Fix
+        diffs = [row["minus_fix"][0] * scale for (_, row), scale in zip(paired, scales)]
+        spans = [(row["minus_fix"][1] or 0.0) * scale for (_, row), scale in zip(paired, scales)]
+        relative.errorbar([b * shift for b, _ in paired], diffs, spans, **dict(style, fmt="o"))
+    absolute.set(xscale="log", yscale="log", xlabel="budget (features per layer)")
+    absolute.set(ylabel="end-to-end KL (nats/token)", xticks=budgets, xticklabels=budgets)
+    absolute.legend(fontsize=6)
+    for ax in (absolute, relative):
+        ax.minorticks_off()  # the budgets alone label the log axis
+    relative.axhline(0, color="k", lw=0.8)
+    relative.set(xscale="log", xticks=budgets, xticklabels=budgets)
+    relative.set(xlabel="budget (features per layer)", ylabel="− Fix, paired, % of Fix")
+    _save(figure, path)
+
+
+FIGURES = (
+    ("allocation.png", allocation, "DoF per layer and head, and each rule's features per layer"),
+    ("error_curves.png", error_curves, "each layer's error against its features, rules marked"),
+    ("training_loss.png", training_loss, "training loss, mean over layers and seeds"),
+    ("e2e_kl.png", e2e_kl, "end-to-end KL per rule and budget, 95% t-intervals over seeds"),
+)
+
+
+def write(out, results: dict) -> str:
+    """Every figure the run's results allow, into `out`; the markdown that shows them, or that
+    says how to get them where matplotlib is absent."""
+    shown = []
+    for name, draw, caption in FIGURES:
+        (out / name).unlink(missing_ok=True)  # an earlier run's figure never stands for this one
+        if available() and draw(results, out / name) is not False:
+            shown.append(f"![{caption}]({name})")
+    if not available():
+        return f"No figures: matplotlib is not installed; {INSTALL} and run again to get them."
+    return "\n\n".join(shown)
