@@ -13,6 +13,7 @@ from dofmini.study.oracle import oracle_allocate
 from dofmini.study.stats import (
     dof_predicts,
     features_needed,
+    loglog_at,
     loglog_slope,
     mean_ci,
     paired_diff,
@@ -20,6 +21,7 @@ from dofmini.study.stats import (
     share_removed,
     spearman,
     t_critical,
+    window_bootstrap,
 )
 
 FAST = settings(max_examples=60, deadline=None)
@@ -278,3 +280,43 @@ def test_oracle_ties_go_to_the_earlier_layer():
 def test_oracle_rejects_bad_input_by_name(curves, budget, ms, match):
     with pytest.raises(ValueError, match=match):
         oracle_allocate(curves, budget, ms)
+
+
+def test_window_bootstrap_of_two_windows_spans_them():
+    # a draw's mean is a (p 1/4), (a + b)/2 (1/2) or b (1/4): 2.5% and 97.5% points are a and b
+    assert window_bootstrap([[1.0, 3.0], [3.0, 5.0]], seed=0, draws=2000) == [2.0, 4.0]
+    assert window_bootstrap([[7.0]], seed=5, draws=10) == [7.0, 7.0]  # one window: no spread
+
+
+@FAST
+@given(
+    st.lists(st.floats(-1e3, 1e3), min_size=1, max_size=12),
+    st.floats(-1e3, 1e3),
+    st.integers(0, 2**31),
+)
+def test_window_bootstrap_lies_within_the_windows_and_follows_a_shift(values, shift, seed):
+    rows = [values, [v + 1.0 for v in values]]  # two seeds; the per-window mean is v + 0.5
+    low, high = window_bootstrap(rows, seed=seed, draws=200)
+    assert min(values) + 0.5 - 1e-9 <= low <= high <= max(values) + 0.5 + 1e-9
+    moved = window_bootstrap([[v + shift for v in row] for row in rows], seed=seed, draws=200)
+    assert moved == pytest.approx([low + shift, high + shift], abs=1e-6)
+    assert window_bootstrap(rows, seed=seed, draws=200) == [low, high]  # seeded: the same again
+
+
+@pytest.mark.parametrize(
+    "rows, kwargs",
+    [([[1.0], [1.0, 2.0]], {}), ([], {}), ([[1.0, math.nan]], {}), ([[1.0]], {"draws": 0})]
+    + [([[1.0]], {"level": 1.0})],
+)
+def test_window_bootstrap_refuses_bad_input(rows, kwargs):
+    with pytest.raises(ValueError, match="window_bootstrap"):
+        window_bootstrap(rows, **kwargs)
+
+
+def test_loglog_at_is_the_power_through_the_points_around_m():
+    ms, errors = [8, 32, 128], [1.0, 0.25, 0.125]
+    assert loglog_at(ms, errors, 8) == 1.0 and loglog_at(ms, errors, 128) == 0.125
+    assert loglog_at(ms, errors, 16) == pytest.approx(0.5)  # half way in log M: √(1·0.25)
+    assert loglog_at(ms, errors, 64) == pytest.approx(0.125 * 2**0.5)
+    with pytest.raises(ValueError, match="loglog_at"):
+        loglog_at(ms, errors, 4)

@@ -30,19 +30,17 @@ def _panels(count: int, columns: int = 3):
     columns = min(count, columns)
     rows = -(-count // columns)
     size = (PANEL[0] * columns, PANEL[1] * rows)
-    figure, axes = pyplot.subplots(rows, columns, figsize=size, squeeze=False)
+    figure, axes = pyplot.subplots(rows, columns, figsize=size, squeeze=False, layout="constrained")
     for extra in axes.flat[count:]:
         extra.set_visible(False)
     return figure, list(axes.flat[:count])
 
 
 def _save(figure, path):
-    figure.tight_layout()
-    figure.savefig(path, dpi=DPI)
-    figure.clf()
-    import matplotlib.pyplot
+    from matplotlib import pyplot
 
-    matplotlib.pyplot.close(figure)
+    figure.savefig(path, dpi=DPI)
+    pyplot.close(figure)
 
 
 def _first_seed(results: dict) -> dict:
@@ -91,19 +89,17 @@ def error_curves(results: dict, path) -> bool:
     measured = curves.get("e2e") or curves
     what = "end-to-end KL, one layer swapped" if curves.get("e2e") else "layer KL"
     ms, mean = measured["dims"], measured["mean_kl"]
-    dims, colours = _first_seed(results), {}
+    by_variant = {}  # variant: its dims per layer at every budget and loss
+    for (variant, _, _), layer_dims in _first_seed(results).items():
+        by_variant.setdefault(variant, []).append(layer_dims)
     figure, axes = _panels(len(mean))
     for layer, (ax, curve) in enumerate(zip(axes, mean)):
         ax.loglog(ms, curve, "k.-", lw=1, label="Fix students")
-        for (variant, _, _), layer_dims in dims.items():
-            m = layer_dims[layer]
-            if ms[0] <= m <= ms[-1]:
-                colour = colours.setdefault(variant, f"C{len(colours) % 10}")
-                error = stats.loglog_at(ms, curve, m)
-                ax.plot(m, error, "o", color=colour, ms=4, alpha=0.8)
+        for i, (variant, all_dims) in enumerate(by_variant.items()):
+            marked = [dims[layer] for dims in all_dims if ms[0] <= dims[layer] <= ms[-1]]
+            errors = [stats.loglog_at(ms, curve, m) for m in marked]
+            ax.plot(marked, errors, "o", color=f"C{i % 10}", ms=4, alpha=0.8, label=variant)
         ax.set(title=f"layer {layer}", xlabel="features M", ylabel=what)
-    for variant, colour in colours.items():
-        axes[0].plot([], [], "o", color=colour, label=variant)
     axes[0].legend(fontsize=6)
     _save(figure, path)
     return True

@@ -1,0 +1,114 @@
+"""The report's figures, verdicts and ordering, on the committed allocation-rule study
+(runs/standin-gpt2-rules: every rule at every budget, seeds 0-2, with swap curves) and on its seed 0
+alone without curves (the quick profile's shape: one seed, no curves)."""
+
+import copy
+import json
+import re
+import sys
+
+import numpy as np
+import pytest
+from conftest import REPO
+
+from dofmini.study import compare, figures, report, verdicts
+from dofmini.study.stats import window_bootstrap
+
+RULES_RUN = REPO / "runs" / "standin-gpt2-rules" / "results.json"
+
+
+@pytest.fixture(scope="module")
+def study():
+    return json.loads(RULES_RUN.read_text())
+
+
+@pytest.fixture(scope="module")
+def one_seed(study):
+    """Seed 0's students alone, no curves: what a one-seed run without oracles writes."""
+    found = copy.deepcopy(study)
+    found["students"] = {k: s for k, s in found["students"].items() if s["seed"] == 0}
+    found["curves"] = None
+    found["config"]["seeds"] = [0]
+    found["e2e"] = compare.e2e_summary(compare.groups(found["students"]))
+    return found
+
+
+def test_the_figures_are_made_for_three_seeds_with_curves(study, tmp_path):
+    pytest.importorskip("matplotlib", reason="the figures are an optional extra")
+    text = figures.write(tmp_path, study)
+    for name, _, _ in figures.FIGURES:
+        assert (tmp_path / name).stat().st_size > 10_000, name
+        assert f"]({name})" in text
+
+
+def test_one_seed_without_curves_has_no_curves_figure_and_no_bars(one_seed, tmp_path):
+    pytest.importorskip("matplotlib", reason="the figures are an optional extra")
+    assert figures.error_curves(one_seed, tmp_path / "curves.png") is False
+    figures.e2e_kl(one_seed, tmp_path / "e2e_kl.png")
+    assert (tmp_path / "e2e_kl.png").stat().st_size > 10_000
+    assert not (tmp_path / "curves.png").exists()
+
+
+def test_without_matplotlib_the_report_says_how_to_get_the_figures(one_seed, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails, as if absent
+    (tmp_path / "e2e_kl.png").write_bytes(b"an earlier run's figure")
+    report.write(tmp_path, one_seed)
+    assert "`pip install matplotlib`" in (tmp_path / "report.md").read_text()
+    assert not list(tmp_path.glob("*.png"))
+    assert "figures in" in report.closing(tmp_path, one_seed)
+
+
+def test_verdicts_agree_with_the_recorded_intervals(study):
+    lines, gains = verdicts.verdict_lines(study), verdicts.headroom(study)
+    rules = [name for name in study["e2e"] if not name.startswith("fix/")]
+    assert sorted(line.split(":")[0] for line in lines) == sorted(rules)
+    for line in lines:
+        name, word = line.split(": ")[:2]
+        mean, half = study["e2e"][name]["minus_fix"]
+        fix = study["e2e"]["fix/softmax/" + name.split("/")[-1]]["e2e_kl"][0]
+        gain = gains[name.split("/b")[-1]]["gain"]
+        expected = "better" if mean + half < 0 else "worse" if mean - half > 0 else None
+        expected = expected or ("cannot resolve" if gain < half / fix else "inconclusive")
+        assert word.startswith(expected), line
+        assert f"{mean:+.3g} ± {half:.2g}" in line
+    assert "dof/softmax/b32: worse" in "\n".join(lines)
+
+
+def test_one_seed_verdicts_ask_for_seeds(one_seed):
+    lines = verdicts.verdict_lines(one_seed)
+    assert lines and all("one seed: no interval; run `--seeds 0,1,2`" in line for line in lines)
+    assert "not measured" in verdicts.regime(one_seed)
+
+
+def test_headroom_is_the_oracle_against_fix_on_the_summed_swaps(study):
+    gains = verdicts.headroom(study)
+    swap = study["curves"]["e2e"]
+    fix_16 = sum(curve[1] for curve in swap["mean_kl"])  # M = 16 is measured: no interpolation
+    assert gains["16"]["fix"] == pytest.approx(fix_16)
+    assert [round(100 * gains[b]["gain"], 1) for b in ("16", "32", "64")] == [1.4, 4.4, 8.1]
+
+
+def test_the_students_table_is_sorted_by_end_to_end_kl(study):
+    table = compare.students(compare.groups(study["students"]), study["teacher"])
+    rows = [line.split(" | ") for line in table.splitlines()[3:]]  # after the teacher's row
+    means = [float(re.match(r"[0-9.e-]+", row[4]).group()) for row in rows]
+    assert means == sorted(means) and len(means) == len(study["e2e"])
+
+
+def test_the_window_bootstrap_of_the_difference_pairs_windows_and_seeds():
+    errors = {"kl": [0.1], "output_rel": [0.2], "kernel_l2": [0.3]}
+
+    def student(seed, windows):
+        found = dict(seed=seed, e2e_kl=float(np.mean(windows)), e2e_kl_windows=windows)
+        return dict(found, layer_error=errors, wikitext2_ppl=10.0, heldout_ppl=11.0)
+
+    windows = {"fix": [[1.0, 2.0, 4.0], [2.0, 2.0, 3.0]], "dof": [[1.5, 2.0, 5.0], [2.0, 3.0, 3.0]]}
+    grouped = {
+        (variant, "softmax", 8): {s: student(s, w) for s, w in enumerate(rows)}
+        for variant, rows in windows.items()
+    }
+    found = compare.e2e_summary(grouped)["dof/softmax/b8"]["window_bootstrap"]
+    diffs = np.subtract(windows["dof"], windows["fix"])
+    assert found["minus_fix"] == window_bootstrap(diffs, **compare.BOOTSTRAP)
+    assert found["e2e_kl"] == window_bootstrap(windows["dof"], **compare.BOOTSTRAP)
+    assert found["seed"] == compare.BOOTSTRAP["seed"] and found["draws"] == 2000
