@@ -112,3 +112,15 @@ def test_the_window_bootstrap_of_the_difference_pairs_windows_and_seeds():
     assert found["minus_fix"] == window_bootstrap(diffs, **compare.BOOTSTRAP)
     assert found["e2e_kl"] == window_bootstrap(windows["dof"], **compare.BOOTSTRAP)
     assert found["seed"] == compare.BOOTSTRAP["seed"] and found["draws"] == 2000
+
+
+def test_the_regime_line_sets_untrained_features_against_trained_fix(one_seed):
+    results = copy.deepcopy(one_seed)
+    fix = results["students"]["fix/softmax/b32/s0"]
+    untrained = dict(fix, variant="performer", loss="none", e2e_kl=0.039)
+    results["students"]["performer/none/b32/s0"] = untrained
+    trained = f"{fix['e2e_kl']:.3g} ({0.039 / fix['e2e_kl']:.0f}×)"
+    assert (
+        verdicts.regime(results)
+        == f"budget 32: untrained 0.039 nats against Fix's trained {trained}"
+    )

@@ -78,10 +78,15 @@ def _order(name: str) -> tuple:
 
 def regime(results: dict) -> str:
     """How much attention matters on this teacher: the end-to-end KL of untrained random features
-    in every layer (the Performer students) against the trained Fix students' at each budget."""
+    in every layer (the Performer students, which have no loss) against the trained Fix students'
+    (the first loss run) at each budget."""
     grouped, parts = groups(results["students"]), []
-    for (variant, loss, budget), by_seed in grouped.items():
-        fix = grouped.get(("fix", loss, budget))
+    fixes = {}
+    for (variant, _, budget), by_seed in grouped.items():
+        if variant == "fix":
+            fixes.setdefault(budget, by_seed)
+    for (variant, _, budget), by_seed in grouped.items():
+        fix = fixes.get(budget)
         if variant != UNTRAINED or not fix:
             continue
         untrained = stats.mean_ci([s["e2e_kl"] for s in by_seed.values()])
