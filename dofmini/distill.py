@@ -68,7 +68,8 @@ def chunk_terms(features, q, k, v, unit_k, top_k, lo: int, hi: int, want: set) -
     log_q = features.log_features(q[:, :, lo:hi], "q")  # [B, H, c, M]
     unit_q, top_q = unit_features(log_q)  # [B, H, c, M], [B, H, c, 1]
     dot = unit_q @ unit_k[:, :, :hi].mT  # [B, H, c, hi]
-    seen = causal & (dot > 0)  # [B, H, c, hi]
+    # below float's least normal number dot has lost digits, and 1/dot (log's gradient) overflows
+    seen = causal & (dot > torch.finfo(dot.dtype).tiny)  # [B, H, c, hi]
     # log K̂ − top_q, −inf above the diagonal and where dot underflowed (log 1 keeps grads finite)
     log_dot = torch.where(seen, dot, 1).log()  # [B, H, c, hi]
     log_k = torch.where(seen, log_dot + top_k[:, :, :hi].mT, -math.inf)
@@ -169,28 +170,33 @@ def capture_upto(teacher, ids, count: int) -> list:
     return layers
 
 
+def layer_backward(features, q, k, term: str, chunk: int) -> torch.Tensor:
+    """Back-propagates one layer's head-mean `term` chunk by chunk, one chunk's graph in memory
+    at a time, through a KeysLeaf; returns its per-head means [H]."""
+    keys = KeysLeaf(features, k)
+    sums = {}
+    for terms in layer_chunks(features, q, k, None, keys.leaf, keys.top, {term}, chunk):
+        t, count = terms[term]
+        (t.sum() / (count * q.shape[1])).backward()
+        add_means(sums, terms)
+    keys.backward()
+    return sums[term]
+
+
 def layerwise_backward(teacher, layers: dict, loss: str, s: TrainSettings):
     """backward(ids) -> per-layer losses: each of `layers` ({index: PRFFeatures}) back-propagates
-    `loss` on the teacher's q, k of its own layer, chunk by chunk through a KeysLeaf."""
+    `loss` on the teacher's q, k of its own layer alone."""
     term = TERMS[loss]
     dtype = DTYPES[s.dtype]
-    count = max(layers) + 1
 
     def backward(ids):
-        captured = capture_upto(teacher, ids, count)
+        captured = capture_upto(teacher, ids, max(layers) + 1)
         losses = []
         for index, features in layers.items():
             q = captured[index][0].to(dtype)  # [B, H, T, d]
             k = captured[index][1].to(dtype)  # [B, H, T, d]
-            keys = KeysLeaf(features, k)
-            sums = {}
-            parts = layer_chunks(features, q, k, None, keys.leaf, keys.top, {term}, s.chunk)
-            for terms in parts:
-                t, n = terms[term]
-                (t.sum() / (n * q.shape[1])).backward()
-                add_means(sums, terms)
-            keys.backward()
-            losses.append(sums[term].mean())
+            means = layer_backward(features, q, k, term, s.chunk)  # [H]
+            losses.append(means.mean())
         return torch.stack(losses).tolist()  # one read from the device per step
 
     return backward
@@ -253,16 +259,18 @@ def adam(params: dict, s: TrainSettings) -> torch.optim.Adam:
     return torch.optim.Adam([g for g in groups if g["params"]])
 
 
-def fit(model, params, step, token_ids, what, s, log=print, resume=None, on_step=None):
-    """The loop: draw a batch of windows of `model`'s token ids (with s.data_seed), step(ids)
-    back-propagates it and returns per-layer losses (a non-finite one stops training), Adam
-    steps `params`, the mean loss is logged. resume(state) may restore a saved TrainState
-    first, on_step(state) sees it after each step.
-    Returns {"train_seconds" (all runs), "loss_curve"}."""
+def fit(
+    model, params, backward, tokens, what, s, share=in_parts, log=print, resume=None, on_step=None
+):
+    """The loop: draw a batch of windows of `model`'s token ids (with s.data_seed), back-propagate
+    it (share(backward, …) splits it in parts; a non-finite loss stops training), Adam steps
+    `params`, log the mean loss. resume(state) may restore a saved TrainState first,
+    on_step(state) sees it after each step. Returns {"train_seconds" (all runs), "loss_curve"}."""
     n_ctx = model.config.n_ctx
     if s.ctx > n_ctx:
         raise ValueError(f"{what}: need ctx <= {n_ctx}; got ctx={s.ctx}")
-    token_ids = model.token_ids(token_ids, s.ctx, what)
+    token_ids = model.token_ids(tokens, s.ctx, what)
+    step = share(backward, list(params.values()), s.part)
     gen = torch.Generator().manual_seed(s.data_seed)
     state = TrainState(params, adam(params, s), gen)
     if resume:
@@ -278,7 +286,7 @@ def fit(model, params, step, token_ids, what, s, log=print, resume=None, on_step
     for done in range(start + 1, s.steps + 1):
         first = torch.randint(0, last_first + 1, (s.batch, 1), generator=gen)  # [B, 1]
         ids = token_ids[first + offsets].to(device)  # [B, ctx]
-        losses = step(ids)
+        losses = step(ids)  # per layer
         if not all(map(math.isfinite, losses)):
             raise FloatingPointError(f"{what}: per-layer losses {losses} at step {done}")
         state.opt.step()
@@ -315,9 +323,7 @@ def distill(teacher, dims, token_ids, settings=TrainSettings(), *, loss="softmax
     layers = {i: block.attn.features for i, block in enumerate(student.blocks)}
     params = trainable(student)
     backward = layerwise_backward(teacher, layers, loss, settings)
-    share = loop.pop("share", in_parts)
-    step = share(backward, list(params.values()), settings.part)
-    return student, fit(student, params, step, token_ids, loss, settings, **loop)
+    return student, fit(student, params, backward, token_ids, loss, settings, **loop)
 
 
 def distill_layer(teacher, layer: int, n_features: int, token_ids, settings, *, loss, **loop):
@@ -336,10 +342,8 @@ def distill_layer(teacher, layer: int, n_features: int, token_ids, settings, *, 
     prefix = f"blocks.{layer}.attn.features."
     params = {prefix + n: p for n, p in features.named_parameters()}
     backward = layerwise_backward(teacher, {layer: features}, loss, settings)
-    share = loop.pop("share", in_parts)
-    step = share(backward, list(params.values()), settings.part)
     what = f"{loss} layer {layer}, M={n_features}"
-    return features, fit(teacher, params, step, token_ids, what, settings, **loop)
+    return features, fit(teacher, params, backward, token_ids, what, settings, **loop)
 
 
 def train_direct(student, token_ids, settings=TrainSettings(), **loop):
@@ -353,6 +357,4 @@ def train_direct(student, token_ids, settings=TrainSettings(), **loop):
         return [nll.item()]
 
     params = trainable(student)
-    share = loop.pop("share", in_parts)
-    step = share(backward, list(params.values()), settings.part)
-    return student, fit(student, params, step, token_ids, "direct", settings, **loop)
+    return student, fit(student, params, backward, token_ids, "direct", settings, **loop)
