@@ -9,7 +9,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .linear_attention import PRFFeatures, unit_features
+from .linear_attention import LinearAttention, unit_features
 from .students import make_student, trainable
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -24,10 +24,9 @@ def need(ok: bool, name: str, value, expected: str):
 
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
-    """`steps` Adam steps on `batch` windows of ctx tokens drawn with data_seed, back-propagated
-    `part` windows at a time (in_parts); lr for z (and DiJiang's), lr_a for a = log α (the
-    paper's 0.02, 0.2); `chunk` queries a piece and `dtype` for layerwise losses; the loss is
-    logged every log_every steps (None: a tenth of them)."""
+    """`steps` Adam steps on `batch` windows of ctx tokens drawn with data_seed, `part` at a time
+    (in_parts); lr for z (and DiJiang's), lr_a for a = log α (the paper's 0.02, 0.2); `chunk`
+    queries a piece and `dtype` for layerwise losses; a log line every log_every (None: 1/10)."""
 
     steps: int = 200
     batch: int = 8
@@ -41,14 +40,12 @@ class TrainSettings:
     log_every: int | None = None
 
     def __post_init__(self):
-        for name in ("steps", "batch", "part", "chunk"):
+        for name, least in dict(steps=1, batch=1, part=1, chunk=1, ctx=2).items():
             count = getattr(self, name)
-            need(count >= 1, name, count, "an integer >= 1")
-        need(self.ctx >= 2, "ctx", self.ctx, "an integer >= 2")
+            need(count >= least, name, count, f"an integer >= {least}")
         for name in ("lr", "lr_a"):
             rate = getattr(self, name)
-            ok = math.isfinite(rate) and rate > 0
-            need(ok, name, rate, "a positive finite number")
+            need(math.isfinite(rate) and rate > 0, name, rate, "a positive finite number")
         need(self.dtype in DTYPES, "dtype", self.dtype, f"one of {list(DTYPES)}")
         every = self.log_every
         need(every is None or every >= 1, "log_every", every, "None or >= 1")
@@ -94,9 +91,8 @@ def chunk_terms(features, q, k, v, unit_k, top_k, lo: int, hi: int, want: set) -
 
 
 def exact_where_lost(features, log_q, top_q, k, log_k, lost):
-    """log_k [B, H, c, hi] with its `lost` pairs recomputed in log space, log Σ_m Φ_im Φ_jm −
-    top_q: large q·k (issue 45) leaves a query's and a key's unit features no shared m, their
-    product 0, and the softmax loss of a pair the teacher attends to infinite."""
+    """log_k with its `lost` pairs [B, H, c, hi] in log space, log Σ_m Φ_im Φ_jm − top_q: large
+    q·k (issue 45) leaves unit features no shared m, so a pair the teacher attends to lost."""
     if not lost.any():  # the common case: no pair lost, nothing recomputed
         return log_k
     b, h, i, j = lost.nonzero(as_tuple=True)  # [n] each
@@ -107,8 +103,7 @@ def exact_where_lost(features, log_q, top_q, k, log_k, lost):
 
 
 def layer_chunks(features, q, k, v, unit_k, top_k, want: set, chunk: int):
-    """Per chunk of queries, {term: (its sums [B, H], the count its mean divides by)} (l2 per
-    causal pair, the rest per query)."""
+    """Per chunk of queries, {term: (its sums [B, H], its mean's count)} (l2 per causal pair)."""
     B, _, T, _ = q.shape
     pairs = B * T * (T + 1) / 2
     for lo in range(0, T, chunk):
@@ -126,7 +121,7 @@ def add_means(sums: dict, terms: dict):
 def layer_pass(features, q, k, v, want: set, chunk: int, dtype=torch.float32) -> dict:
     """Per-head means [H] of the terms in `want` over one layer's batch, in `dtype`."""
     q = q.to(dtype)  # [B, H, T, d]
-    k = k.to(dtype)  # [B, H, T, d]
+    k = k.to(dtype)
     v = None if v is None else v.to(dtype)  # [B, H, T, dv]
     unit_k, top_k = unit_features(features.log_features(k, "k"))  # [B, H, T, M], [.., 1]
     sums = {}
@@ -135,21 +130,8 @@ def layer_pass(features, q, k, v, want: set, chunk: int, dtype=torch.float32) ->
     return sums
 
 
-class KeysLeaf:
-    """The detached-leaf trick: the keys' unit features, computed once per layer, enter each
-    chunk's graph as a leaf, so a chunk's backward stops there (one chunk's graph in memory);
-    backward() then takes the leaf's summed gradient through the features once."""
-
-    def __init__(self, features, k):
-        self.unit, self.top = unit_features(features.log_features(k, "k"))
-        self.leaf = self.unit.detach().requires_grad_()  # [B, H, T, M]
-
-    def backward(self):
-        self.unit.backward(self.leaf.grad)
-
-
-class _Enough(Exception):
-    """Raised by the hook that stops the teacher's forward pass early."""
+class _Enough(Exception):  # raised by the hook that stops the teacher's forward pass
+    pass
 
 
 def _stop(*_):
@@ -172,20 +154,24 @@ def capture_upto(teacher, ids, count: int) -> list:
 
 def layer_backward(features, q, k, term: str, chunk: int) -> torch.Tensor:
     """Back-propagates one layer's head-mean `term` chunk by chunk, one chunk's graph in memory
-    at a time, through a KeysLeaf; returns its per-head means [H]."""
-    keys = KeysLeaf(features, k)
+    at a time: the keys' unit features enter each chunk's graph as a detached leaf, whose summed
+    gradient goes through the features once, last. Returns the per-head means [H]."""
+    unit_k, top_k = unit_features(features.log_features(k, "k"))  # [B, H, T, M], [.., 1]
+    leaf = unit_k.detach().requires_grad_()  # [B, H, T, M]
     sums = {}
-    for terms in layer_chunks(features, q, k, None, keys.leaf, keys.top, {term}, chunk):
+    for terms in layer_chunks(features, q, k, None, leaf, top_k, {term}, chunk):
         t, count = terms[term]
         (t.sum() / (count * q.shape[1])).backward()
         add_means(sums, terms)
-    keys.backward()
+    unit_k.backward(leaf.grad)
     return sums[term]
 
 
 def layerwise_backward(teacher, layers: dict, loss: str, s: TrainSettings):
     """backward(ids) -> per-layer losses: each of `layers` ({index: PRFFeatures}) back-propagates
     `loss` on the teacher's q, k of its own layer alone."""
+    if loss not in TERMS:
+        raise ValueError(f"layerwise distillation: loss {loss!r}; expected 'l2' or 'softmax'")
     term = TERMS[loss]
     dtype = DTYPES[s.dtype]
 
@@ -203,8 +189,8 @@ def layerwise_backward(teacher, layers: dict, loss: str, s: TrainSettings):
 
 
 def flat_grad_part(backward, ids, part_ids, params: list) -> tuple:
-    """(per-layer losses [L] float64, gradients [n] of every param) of the part `part_ids` of
-    the batch `ids`, each weighted by the part's share of the batch; the params' grads cleared."""
+    """(per-layer losses [L] float64, all params' gradients [n]) of the part `part_ids` of the
+    batch `ids`, each weighted by its share of the batch; the params' grads cleared."""
     weight = len(part_ids) / len(ids)
     losses = torch.tensor(backward(part_ids), dtype=torch.float64)  # [L]
     row = torch.cat([p.grad.flatten() for p in params]) * weight  # [n]
@@ -215,8 +201,7 @@ def flat_grad_part(backward, ids, part_ids, params: list) -> tuple:
 
 def set_grads(params: list, total: torch.Tensor):
     """Each param's .grad from its slice of the flat gradient `total` [n]."""
-    sizes = [p.numel() for p in params]
-    for p, grad in zip(params, total.split(sizes)):
+    for p, grad in zip(params, total.split([p.numel() for p in params])):
         p.grad = grad.view_as(p)
 
 
@@ -226,8 +211,7 @@ def in_parts(backward, params: list, part: int):
     (study.devices.shared does so over torchrun's ranks, to the same bits)."""
 
     def step(ids):
-        size = sum(p.numel() for p in params)
-        total = params[0].new_zeros(size)  # [n]
+        total = params[0].new_zeros(sum(p.numel() for p in params))  # [n]
         losses = 0.0
         for part_ids in ids.split(part):
             weighted, row = flat_grad_part(backward, ids, part_ids, params)
@@ -309,16 +293,10 @@ def fit(
     return {"train_seconds": state.seconds, "loss_curve": state.curve}
 
 
-def check_loss(loss: str, what: str):
-    if loss not in TERMS:
-        raise ValueError(f"{what}: loss {loss!r}; expected 'l2' or 'softmax'")
-
-
 def distill(teacher, dims, token_ids, settings=TrainSettings(), *, loss="softmax", **loop):
     """(A PRF student, its record): dims[i] features in layer i, seed feature_seed + i (default
-    0), each trained by `loss` ("l2" or "softmax") on the teacher's q, k of layer i; `share`
-    wraps the backward in a step (default in_parts); the rest of `loop`: fit's keywords."""
-    check_loss(loss, "distill")
+    0), each trained by `loss` ("l2" or "softmax") on the teacher's q, k of layer i, all from one
+    teacher pass; the rest of `loop`: fit's keywords (share, log, resume, on_step)."""
     student = make_student(teacher, "prf", dims, loop.pop("feature_seed", 0))
     layers = {i: block.attn.features for i, block in enumerate(student.blocks)}
     params = trainable(student)
@@ -327,18 +305,14 @@ def distill(teacher, dims, token_ids, settings=TrainSettings(), *, loss="softmax
 
 
 def distill_layer(teacher, layer: int, n_features: int, token_ids, settings, *, loss, **loop):
-    """(Layer `layer`'s PRF features, their record), trained alone to the tensors distill gives
-    that layer in any student of its n_features, seed and settings (seed feature_seed + layer,
-    the same windows, Adam per tensor); the teacher runs up to that layer only. The features'
-    tensors are named as in a student, blocks.{layer}.attn.features.{z, a}."""
-    check_loss(loss, "distill_layer")
+    """(Layer `layer`'s PRF features, their record): the tensors distill gives that layer in any
+    student (seed feature_seed + layer, the same windows, Adam per tensor), the teacher run up to
+    that layer only; params named as in a student, blocks.{layer}.attn.features.{z, a}."""
     n_layer = teacher.config.n_layer
     if not 0 <= layer < n_layer:
         raise ValueError(f"distill_layer: layer {layer}; the teacher has 0..{n_layer - 1}")
-    base = teacher.blocks[layer].attn
     seed = loop.pop("feature_seed", 0) + layer
-    features = PRFFeatures(base.n_head, base.head_dim, n_features, seed)
-    features.to(next(teacher.parameters()).device)
+    features = LinearAttention(teacher.blocks[layer].attn, n_features, seed).features
     prefix = f"blocks.{layer}.attn.features."
     params = {prefix + n: p for n, p in features.named_parameters()}
     backward = layerwise_backward(teacher, {layer: features}, loss, settings)

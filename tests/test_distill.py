@@ -6,6 +6,7 @@ test_core_on_fixtures.py."""
 import copy
 import hashlib
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +24,9 @@ from dofmini.distill import (
 from dofmini.files import changed_settings
 from dofmini.linear_attention import PRFFeatures, causal_linear_attention
 from dofmini.students import make_student
+from dofmini.study import bank, stages
 from dofmini.study.evaluate import layer_errors, perplexity
+from dofmini.study.keys import Clock, Student
 
 S = TrainSettings
 
@@ -242,7 +245,7 @@ def test_bad_train_settings_are_named_before_any_work(kwargs, message):
 def test_layers_trained_alone_assemble_the_jointly_trained_student_bit_for_bit(tiny, tiny_ids):
     """Each layer learns from its own teacher q, k (seed + layer, the same windows, Adam per
     tensor): layer l with M features is one tensor whichever student it sits in."""
-    settings = S(steps=3, batch=4, ctx=16, data_seed=3, part=2, log_every=1)
+    settings = S(steps=2, batch=2, ctx=16, data_seed=3, log_every=1)
     joint, record = distill(tiny, [3, 5], tiny_ids, settings, feature_seed=3, log=quiet)
     curves = []
     for layer, m in enumerate([3, 5]):
@@ -271,3 +274,27 @@ def test_losses_stay_finite_for_queries_and_keys_scaled_100_times(tiny, tiny_ids
     assert all(math.isfinite(loss) for _, loss in record["loss_curve"])
     errors = layer_errors(big, student, tiny_ids, 32, windows=2, batch=2)
     assert all(math.isfinite(x) for name in ("kl", "kernel_l2") for x in errors[name])
+
+
+def test_a_second_rule_trains_only_the_units_no_earlier_student_had(tiny, tiny_ids, tmp_path):
+    cfg = SimpleNamespace(
+        out=tmp_path, steps=2, batch=2, lr=0.02, lr_a=0.2, train_chars=None, per_device=1
+    )
+    inputs = {"teacher": tiny.identity, "tokenizer": "t", "device": "cpu/float32"}
+    run = stages.Run(cfg, tiny, None, 16, 0.0625, (4,), inputs, texts={"train": tiny_ids})
+    first = Student("fix", "softmax", 4, 0, (3, 5))
+    second = Student("dof", "softmax", 4, 0, (3, 7))  # layer 0 as the first's
+    units = ["softmax/l0/m3/s0", "softmax/l1/m5/s0", "softmax/l1/m7/s0"]
+    plan = bank.plan(run, [first, second])
+    assert [u["unit"] for u in plan] == units and not any(u["done"] for u in plan)
+    lines = []
+    bank.train_unit(run, bank.Unit("softmax", 0, 3, 0), log=lines.append)
+    bank.train_unit(run, bank.Unit("softmax", 0, 3, 0), log=lines.append)  # the second rule's
+    assert lines[-1].startswith("unit softmax/l0/m3/s0: trained already")
+    assert [u["done"] for u in bank.plan(run, [first, second])] == [True, False, False]
+    run.clock = Clock([first.name, second.name])
+    assembled, info = stages.train_student(run, second)
+    joint, record = distill(tiny, (3, 7), tiny_ids, stages.settings(run, 0), log=quiet)
+    assert tensors_hash(assembled) == tensors_hash(joint) and info == {**record, **info}
+    assert info["loss_curve"] == record["loss_curve"]
+    assert [u["done"] for u in bank.plan(run, [first, second])] == [True, False, True]
