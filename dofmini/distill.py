@@ -1,29 +1,32 @@
 """Layerwise distillation of PRF features (paper §4), the direct baseline, and their training loop.
-Each layer's features learn from the frozen teacher's own q, k of that layer: one teacher pass feeds
-every layer, and one layer and one chunk of queries are in memory at a time."""
+Each layer's features learn from the frozen teacher's q, k of that layer alone: distill trains a
+whole student from one teacher pass, distill_layer one layer (the same tensors, bit for bit)."""
 
 import dataclasses
 import math
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from .linear_attention import unit_features
-from .model import check_args
+from .linear_attention import LinearAttention, unit_features
 from .students import make_student, trainable
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+TERMS = {"l2": "l2", "softmax": "ce"}  # each layerwise loss's term in chunk_terms
+
+
+def need(ok: bool, name: str, value, expected: str):
+    """TrainSettings' one check: an error naming the field, its value and what it must be."""
+    if not ok:
+        raise ValueError(f"TrainSettings: {name}={value!r}; expected {expected}")
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
-    """`steps` Adam steps on `batch` windows of ctx tokens drawn with data_seed, back-propagated
-    `part` windows at a time (shared_step); lr for z (and DiJiang's), lr_a for a = log α (the
-    paper's 0.02, 0.2); `chunk` queries a piece and `dtype` for layerwise losses. Progress is saved
-    every save_every steps, logged every log_every (None: a tenth); the other fields decide the
-    result (.record())."""
+    """`steps` Adam steps on `batch` windows of ctx tokens drawn with data_seed, `part` at a time
+    (in_parts); lr for z (and DiJiang's), lr_a for a = log α (the paper's 0.02, 0.2); `chunk`
+    queries a piece and `dtype` for layerwise losses; a log line every log_every (None: 1/10)."""
 
     steps: int = 200
     batch: int = 8
@@ -34,20 +37,18 @@ class TrainSettings:
     part: int = 1
     chunk: int = 256
     dtype: str = "float32"
-    save_every: int = 50
     log_every: int | None = None
 
     def __post_init__(self):
-        check_args("TrainSettings", "a positive finite number", lr=self.lr, lr_a=self.lr_a)
-        low = dict(steps=1, batch=1, part=1, ctx=2, chunk=1, save_every=1, log_every=1)
-        bad = [f"{n}={v}" for n, m in low.items() if (v := getattr(self, n)) is not None and v < m]
-        if bad or self.dtype not in DTYPES:
-            need = f"ctx >= 2, the other counts >= 1, dtype in {list(DTYPES)}"
-            got = f"{', '.join(bad)} dtype={self.dtype!r}"
-            raise ValueError(f"TrainSettings: need {need}; got {got}")
-
-    def record(self) -> dict:
-        return {k: v for k, v in dataclasses.asdict(self).items() if not k.endswith("_every")}
+        for name, least in dict(steps=1, batch=1, part=1, chunk=1, ctx=2).items():
+            count = getattr(self, name)
+            need(count >= least, name, count, f"an integer >= {least}")
+        for name in ("lr", "lr_a"):
+            rate = getattr(self, name)
+            need(math.isfinite(rate) and rate > 0, name, rate, "a positive finite number")
+        need(self.dtype in DTYPES, "dtype", self.dtype, f"one of {list(DTYPES)}")
+        every = self.log_every
+        need(every is None or every >= 1, "log_every", every, "None or >= 1")
 
 
 def chunk_terms(features, q, k, v, unit_k, top_k, lo: int, hi: int, want: set) -> dict:
@@ -64,9 +65,13 @@ def chunk_terms(features, q, k, v, unit_k, top_k, lo: int, hi: int, want: set) -
     log_q = features.log_features(q[:, :, lo:hi], "q")  # [B, H, c, M]
     unit_q, top_q = unit_features(log_q)  # [B, H, c, M], [B, H, c, 1]
     dot = unit_q @ unit_k[:, :, :hi].mT  # [B, H, c, hi]
-    seen = causal & (dot > 0)  # [B, H, c, hi]
+    # below float's least normal number dot has lost digits, and 1/dot (log's gradient) overflows
+    seen = causal & (dot > torch.finfo(dot.dtype).tiny)  # [B, H, c, hi]
     # log K̂ − top_q, −inf above the diagonal and where dot underflowed (log 1 keeps grads finite)
-    log_k = torch.where(seen, torch.where(seen, dot, 1).log() + top_k[:, :, :hi].mT, -math.inf)
+    log_dot = torch.where(seen, dot, 1).log()  # [B, H, c, hi]
+    log_k = torch.where(seen, log_dot + top_k[:, :, :hi].mT, -math.inf)
+    lost = causal & ~seen & (kern > 0)  # [B, H, c, hi] the teacher attends, K̂ underflowed
+    log_k = exact_where_lost(features, log_q, top_q, k[:, :, :hi], log_k, lost)
     out = {}
     if "l2" in want:
         out["l2"] = (torch.exp(log_k + (top_q - m)) - kern).square().sum((-2, -1))
@@ -80,30 +85,142 @@ def chunk_terms(features, q, k, v, unit_k, top_k, lo: int, hi: int, want: set) -
         if "err" in want:
             y = p @ v[:, :, :hi]  # [B, H, c, dv]
             y_hat = log_p_hat.exp() @ v[:, :, :hi]  # [B, H, c, dv]
-            out["err"], out["norm"] = (y_hat - y).square().sum((-2, -1)), y.square().sum((-2, -1))
+            out["err"] = (y_hat - y).square().sum((-2, -1))
+            out["norm"] = y.square().sum((-2, -1))
     return out
 
 
-def layer_pass(features, q, k, v, want: set, chunk: int, train: bool = False, dtype=torch.float32):
-    """Per-head means [H] of the terms in `want` over one layer's batch, in `dtype` (l2 per causal
-    pair, the rest per query). train=True back-propagates each chunk's share of the head-mean of the
-    one term in `want`, the keys' features a detached leaf whose gradient is passed on last."""
-    q, k = q.to(dtype), k.to(dtype)  # [B, H, T, d]
-    v = None if v is None else v.to(dtype)  # [B, H, T, dv]
-    B, H, T, _ = q.shape
-    unit_k, top_k = unit_features(features.log_features(k, "k"))  # [B, H, T, M], [B, H, T, 1]
-    keys = unit_k.detach().requires_grad_() if train else unit_k
-    sums = {}
+def exact_where_lost(features, log_q, top_q, k, log_k, lost):
+    """log_k with its `lost` pairs [B, H, c, hi] in log space, log Σ_m Φ_im Φ_jm − top_q: large
+    q·k (issue 45) leaves unit features no shared m, so a pair the teacher attends to lost."""
+    if not lost.any():  # the common case: no pair lost, nothing recomputed
+        return log_k
+    b, h, i, j = lost.nonzero(as_tuple=True)  # [n] each
+    log_keys = features.log_features(k, "k")  # [B, H, hi, M]
+    pairs = log_q[b, h, i] + log_keys[b, h, j]  # [n, M]
+    exact = pairs.logsumexp(-1) - top_q[b, h, i, 0]  # [n]
+    return log_k.index_put((b, h, i, j), exact)
+
+
+def layer_chunks(features, q, k, v, unit_k, top_k, want: set, chunk: int):
+    """Per chunk of queries, {term: (its sums [B, H], its mean's count)} (l2 per causal pair)."""
+    B, _, T, _ = q.shape
+    pairs = B * T * (T + 1) / 2
     for lo in range(0, T, chunk):
-        terms = chunk_terms(features, q, k, v, keys, top_k, lo, min(lo + chunk, T), want)
-        for name, t in terms.items():
-            count = B * T * (T + 1) / 2 if name == "l2" else B * T
-            if train:
-                (t.sum() / (count * H)).backward()
-            sums[name] = sums.get(name, 0) + t.detach().sum(0) / count  # [H]
-    if train:
-        unit_k.backward(keys.grad)
+        hi = min(lo + chunk, T)
+        terms = chunk_terms(features, q, k, v, unit_k, top_k, lo, hi, want)
+        yield {n: (t, pairs if n == "l2" else B * T) for n, t in terms.items()}
+
+
+def add_means(sums: dict, terms: dict):
+    """Adds each chunk term's share of its per-head mean [H] to sums[term]."""
+    for name, (t, count) in terms.items():
+        sums[name] = sums.get(name, 0) + t.detach().sum(0) / count
+
+
+def layer_pass(features, q, k, v, want: set, chunk: int, dtype=torch.float32) -> dict:
+    """Per-head means [H] of the terms in `want` over one layer's batch, in `dtype`."""
+    q = q.to(dtype)  # [B, H, T, d]
+    k = k.to(dtype)
+    v = None if v is None else v.to(dtype)  # [B, H, T, dv]
+    unit_k, top_k = unit_features(features.log_features(k, "k"))  # [B, H, T, M], [.., 1]
+    sums = {}
+    for terms in layer_chunks(features, q, k, v, unit_k, top_k, want, chunk):
+        add_means(sums, terms)
     return sums
+
+
+class _Enough(Exception):  # raised by the hook that stops the teacher's forward pass
+    pass
+
+
+def _stop(*_):
+    raise _Enough
+
+
+@torch.no_grad()
+def capture_upto(teacher, ids, count: int) -> list:
+    """(q, k, v) [B, H, T, d] of the teacher's first `count` layers; the rest are not run."""
+    layers = []
+    hook = teacher.blocks[count - 1].attn.register_forward_hook(_stop)
+    try:
+        teacher(ids, capture=layers)
+    except _Enough:
+        pass
+    finally:
+        hook.remove()
+    return layers
+
+
+def layer_backward(features, q, k, term: str, chunk: int) -> torch.Tensor:
+    """Back-propagates one layer's head-mean `term` chunk by chunk, one chunk's graph in memory
+    at a time: the keys' unit features enter each chunk's graph as a detached leaf, whose summed
+    gradient goes through the features once, last. Returns the per-head means [H]."""
+    unit_k, top_k = unit_features(features.log_features(k, "k"))  # [B, H, T, M], [.., 1]
+    leaf = unit_k.detach().requires_grad_()  # [B, H, T, M]
+    sums = {}
+    for terms in layer_chunks(features, q, k, None, leaf, top_k, {term}, chunk):
+        t, count = terms[term]
+        (t.sum() / (count * q.shape[1])).backward()
+        add_means(sums, terms)
+    unit_k.backward(leaf.grad)
+    return sums[term]
+
+
+def layerwise_backward(teacher, layers: dict, loss: str, s: TrainSettings):
+    """backward(ids) -> per-layer losses: each of `layers` ({index: PRFFeatures}) back-propagates
+    `loss` on the teacher's q, k of its own layer alone."""
+    if loss not in TERMS:
+        raise ValueError(f"layerwise distillation: loss {loss!r}; expected 'l2' or 'softmax'")
+    term = TERMS[loss]
+    dtype = DTYPES[s.dtype]
+
+    def backward(ids):
+        captured = capture_upto(teacher, ids, max(layers) + 1)
+        losses = []
+        for index, features in layers.items():
+            q = captured[index][0].to(dtype)  # [B, H, T, d]
+            k = captured[index][1].to(dtype)  # [B, H, T, d]
+            means = layer_backward(features, q, k, term, s.chunk)  # [H]
+            losses.append(means.mean())
+        return torch.stack(losses).tolist()  # one read from the device per step
+
+    return backward
+
+
+def flat_grad_part(backward, ids, part_ids, params: list) -> tuple:
+    """(per-layer losses [L] float64, all params' gradients [n]) of the part `part_ids` of the
+    batch `ids`, each weighted by its share of the batch; the params' grads cleared."""
+    weight = len(part_ids) / len(ids)
+    losses = torch.tensor(backward(part_ids), dtype=torch.float64)  # [L]
+    row = torch.cat([p.grad.flatten() for p in params]) * weight  # [n]
+    for p in params:
+        p.grad = None
+    return weight * losses, row
+
+
+def set_grads(params: list, total: torch.Tensor):
+    """Each param's .grad from its slice of the flat gradient `total` [n]."""
+    for p, grad in zip(params, total.split([p.numel() for p in params])):
+        p.grad = grad.view_as(p)
+
+
+def in_parts(backward, params: list, part: int):
+    """step(ids) -> per-layer losses of the batch ids [B, ctx], back-propagated `part` windows at
+    a time: each part's gradients weighted by its share of the batch and added in part order
+    (study.devices.shared does so over torchrun's ranks, to the same bits)."""
+
+    def step(ids):
+        total = params[0].new_zeros(sum(p.numel() for p in params))  # [n]
+        losses = 0.0
+        for part_ids in ids.split(part):
+            weighted, row = flat_grad_part(backward, ids, part_ids, params)
+            losses = losses + weighted
+            total += row
+        set_grads(params, total)
+        return losses.tolist()
+
+    return step
 
 
 @dataclasses.dataclass
@@ -118,37 +235,49 @@ class TrainState:
     seconds: float = 0.0
 
 
-def fit(student, step_fn, token_ids, what, s, log=print, resume=None, on_step=None):
-    """distill's and train_direct's loop: Adam over the trainable tensors (`*.a` at s.lr_a, the rest
-    at s.lr) on windows drawn with s.data_seed; step_fn(ids) back-propagates and returns per-layer
-    losses (a non-finite one stops training). resume(state) may restore a saved TrainState first,
-    on_step(state) sees it after each step.
-    Returns {"train_seconds" (all runs), "loss_curve"}."""
-    if s.ctx > (n_ctx := student.config.n_ctx):
-        raise ValueError(f"{what}: need ctx <= {n_ctx}; got ctx={s.ctx}")
-    token_ids = student.token_ids(token_ids, s.ctx, what)
-    params = trainable(student)
+def adam(params: dict, s: TrainSettings) -> torch.optim.Adam:
+    """Adam over `params`: each `*.a` (a = log α) at s.lr_a, the rest at s.lr."""
     z_rate = [p for n, p in params.items() if not n.endswith(".a")]
     a_rate = [p for n, p in params.items() if n.endswith(".a")]
     groups = [{"params": z_rate, "lr": s.lr}, {"params": a_rate, "lr": s.lr_a}]
-    opt = torch.optim.Adam([g for g in groups if g["params"]])
+    return torch.optim.Adam([g for g in groups if g["params"]])
+
+
+def fit(
+    model, params, backward, tokens, what, s, share=in_parts, log=print, resume=None, on_step=None
+):
+    """The loop: draw a batch of windows of `model`'s token ids (with s.data_seed), back-propagate
+    it (share(backward, …) splits it in parts; a non-finite loss stops training), Adam steps
+    `params`, log the mean loss. resume(state) may restore a saved TrainState first,
+    on_step(state) sees it after each step. Returns {"train_seconds" (all runs), "loss_curve"}."""
+    n_ctx = model.config.n_ctx
+    if s.ctx > n_ctx:
+        raise ValueError(f"{what}: need ctx <= {n_ctx}; got ctx={s.ctx}")
+    token_ids = model.token_ids(tokens, s.ctx, what)
+    step = share(backward, list(params.values()), s.part)
     gen = torch.Generator().manual_seed(s.data_seed)
-    state = TrainState(params, opt, gen)
+    state = TrainState(params, adam(params, s), gen)
     if resume:
         resume(state)
-    start, before, t0, window = state.step, state.seconds, time.time(), []
+    start = state.step
+    before = state.seconds
+    t0 = time.time()
+    window = []
     every = s.log_every or max(1, s.steps // 10)
-    device = next(student.parameters()).device
+    device = next(iter(params.values())).device
+    offsets = torch.arange(s.ctx)  # [ctx]
+    last_first = len(token_ids) - s.ctx
     for done in range(start + 1, s.steps + 1):
-        first = torch.randint(0, len(token_ids) - s.ctx + 1, (s.batch, 1), generator=gen)  # [b, 1]
-        ids = token_ids[first + torch.arange(s.ctx)]  # [batch, ctx]
-        losses = shared_step(step_fn, ids.to(device), list(params.values()), s.part)
+        first = torch.randint(0, last_first + 1, (s.batch, 1), generator=gen)  # [B, 1]
+        ids = token_ids[first + offsets].to(device)  # [B, ctx]
+        losses = step(ids)  # per layer
         if not all(map(math.isfinite, losses)):
             raise FloatingPointError(f"{what}: per-layer losses {losses} at step {done}")
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        state.opt.step()
+        state.opt.zero_grad(set_to_none=True)
         window.append(losses)
-        state.step, state.seconds = done, before + time.time() - t0
+        state.step = done
+        state.seconds = before + time.time() - t0
         report = done % every == 0 or done == s.steps
         if report:
             mean = [sum(col) / len(col) for col in zip(*window)]  # per layer
@@ -161,69 +290,45 @@ def fit(student, step_fn, token_ids, what, s, log=print, resume=None, on_step=No
             left = elapsed / (done - start) * (s.steps - done)
             text = " ".join(f"{x:.4g}" for x in mean)
             log(f"{what} {done}/{s.steps}: loss {text} ({elapsed:.0f}s, ~{left:.0f}s left)")
-    return {"train_seconds": before + time.time() - t0, "loss_curve": state.curve}
-
-
-def shared_step(step_fn, ids, params: list, part: int) -> list:
-    """step_fn's per-layer losses, and gradients in `params`, of the batch ids [B, ctx]: its parts
-    of `part` windows are back-propagated one at a time and their B-weighted gradients added in
-    part order. Under torch.distributed rank r takes parts r, r + world, … (each rank at least
-    one), and each round's gradients are gathered and added in that same order: any number of
-    ranks gives the one-process student bit for bit."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    parts = ids.split(part)  # each [b, ctx]
-    if len(parts) < world:
-        raise ValueError(f"shared_step: {world} ranks share {len(parts)} parts of {part} windows")
-    sizes = [p.numel() for p in params]
-    total = torch.zeros(sum(sizes), dtype=params[0].dtype, device=ids.device)  # [n] all params
-    losses = 0.0
-    for first in range(0, len(parts), world):
-        rows = [torch.zeros_like(total) for _ in range(world)]  # [n] each: the round's gradients
-        if first + rank < len(parts):
-            weight = len(parts[first + rank]) / len(ids)
-            step = torch.tensor(step_fn(parts[first + rank]), dtype=torch.float64)  # [L]
-            losses = losses + weight * step
-            rows[rank] = torch.cat([p.grad.flatten() for p in params]) * weight
-            for p in params:
-                p.grad = None
-        if world > 1:
-            dist.all_gather(rows, rows[rank])
-        for row in rows[: len(parts) - first]:  # in part order
-            total += row
-    if world > 1:
-        dist.all_reduce(losses)
-    for p, grad in zip(params, total.split(sizes)):
-        p.grad = grad.view_as(p)
-    return losses.tolist()
+    return {"train_seconds": state.seconds, "loss_curve": state.curve}
 
 
 def distill(teacher, dims, token_ids, settings=TrainSettings(), *, loss="softmax", **loop):
-    """(A PRF student, its record): dims[i] features in layer i, seed feature_seed + i (default 0),
-    each trained by `loss` ("l2" or "softmax") on the teacher's q, k; `loop`: fit's keywords."""
-    if loss not in ("l2", "softmax"):
-        raise ValueError(f"distill: loss {loss!r}; expected 'l2' or 'softmax'")
+    """(A PRF student, its record): dims[i] features in layer i, seed feature_seed + i (default
+    0), each trained by `loss` ("l2" or "softmax") on the teacher's q, k of layer i, all from one
+    teacher pass; the rest of `loop`: fit's keywords (share, log, resume, on_step)."""
     student = make_student(teacher, "prf", dims, loop.pop("feature_seed", 0))
-    term = "l2" if loss == "l2" else "ce"
-    dtype = DTYPES[settings.dtype]
+    layers = {i: block.attn.features for i, block in enumerate(student.blocks)}
+    params = trainable(student)
+    backward = layerwise_backward(teacher, layers, loss, settings)
+    return student, fit(student, params, backward, token_ids, loss, settings, **loop)
 
-    def step(ids):
-        losses = []
-        for block, (q, k, _) in zip(student.blocks, teacher.capture(ids)):
-            terms = layer_pass(block.attn.features, q, k, None, {term}, settings.chunk, True, dtype)
-            losses.append(terms[term].mean())
-        return torch.stack(losses).tolist()  # one read from the device per step
 
-    return student, fit(student, step, token_ids, loss, settings, **loop)
+def distill_layer(teacher, layer: int, n_features: int, token_ids, settings, *, loss, **loop):
+    """(Layer `layer`'s PRF features, their record): the tensors distill gives that layer in any
+    student (seed feature_seed + layer, the same windows, Adam per tensor), the teacher run up to
+    that layer only; params named as in a student, blocks.{layer}.attn.features.{z, a}."""
+    n_layer = teacher.config.n_layer
+    if not 0 <= layer < n_layer:
+        raise ValueError(f"distill_layer: layer {layer}; the teacher has 0..{n_layer - 1}")
+    seed = loop.pop("feature_seed", 0) + layer
+    features = LinearAttention(teacher.blocks[layer].attn, n_features, seed).features
+    prefix = f"blocks.{layer}.attn.features."
+    params = {prefix + n: p for n, p in features.named_parameters()}
+    backward = layerwise_backward(teacher, {layer: features}, loss, settings)
+    what = f"{loss} layer {layer}, M={n_features}"
+    return features, fit(teacher, params, backward, token_ids, what, settings, **loop)
 
 
 def train_direct(student, token_ids, settings=TrainSettings(), **loop):
     """(The student, its record), trained in place by the direct baseline (arguments as distill's):
     its next-token cross-entropy on positions 1..ctx-1 of each window, its own tensors only."""
 
-    def step(ids):
+    def backward(ids):
         logits = student(ids[:, :-1]).flatten(0, 1).float()  # [B * (T-1), V]
         nll = F.cross_entropy(logits, ids[:, 1:].flatten())
         nll.backward()
         return [nll.item()]
 
-    return student, fit(student, step, token_ids, "direct", settings, **loop)
+    params = trainable(student)
+    return student, fit(student, params, backward, token_ids, "direct", settings, **loop)

@@ -22,6 +22,7 @@ from dofmini.distill import (  # noqa: E402
     DTYPES,
     TrainSettings,
     distill,
+    layer_backward,
     layer_pass,
     train_direct,
 )
@@ -96,7 +97,7 @@ def precision(teacher, ids, held, args):
         for name, dtype in DTYPES.items():
             t0 = time.perf_counter()
             for b, (q, k, _) in zip(student.blocks, qkv):
-                layer_pass(b.attn.features, q, k, None, {"ce"}, 256, train=True, dtype=dtype)
+                layer_backward(b.attn.features, q.to(dtype), k.to(dtype), "ce", 256)
             seconds[name].append(time.perf_counter() - t0)
             student.zero_grad(set_to_none=True)
     best = {name: min(t) for name, t in seconds.items()}

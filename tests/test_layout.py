@@ -32,6 +32,7 @@ STUDY = tuple(
         "runs",
         "oracle",
         "keys",
+        "bank",
         "stages",
         "endtoend",
         "stats",

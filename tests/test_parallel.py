@@ -28,14 +28,14 @@ from dofmini.study import devices, runs
 devices.start()
 teacher = load({str(FIXTURES / "gpt2-tiny")!r})
 ids = torch.randint(0, 96, (2048,), generator=torch.Generator().manual_seed(0))
-settings = TrainSettings(steps=6, batch=4, ctx=16, save_every=2)
+settings = TrainSettings(steps=6, batch=4, ctx=16)
 def train(on_step, **loop):
     def step(state):
         on_step(state)
         if state.step == int(sys.argv[2]) and devices.rank() == devices.world() - 1:
             os.kill(os.getpid(), signal.SIGKILL)
-    return distill(teacher, [8, 8], ids, settings, on_step=step, **loop)
-runs.train_into(Path(sys.argv[1]), {{"loss": "softmax"}}, settings, ids, train, print)
+    return distill(teacher, [8, 8], ids, settings, on_step=step, share=devices.shared, **loop)
+runs.train_into(Path(sys.argv[1]), {{"loss": "softmax"}}, settings, ids, train, print, 2)
 """
 
 

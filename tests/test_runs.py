@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from dofmini.distill import TrainSettings, distill, train_direct
 from dofmini.students import load_student, make_student, read_tensors
-from dofmini.study import stages
+from dofmini.study import bank, stages
 from dofmini.study.keys import Clock
 from dofmini.study.runs import peak_memory, stage, token_ids, train_into
 
@@ -97,18 +97,15 @@ def test_a_resumed_training_counts_its_whole_training(tiny, tiny_ids, tmp_path, 
     inputs = {"teacher": tiny.identity, "tokenizer": "t", "device": "cpu/float32"}
     run = stages.Run(cfg, tiny, None, 16, 0.0625, (8,), inputs, texts={"train": tiny_ids})
     spec = stages.Student("fix", "softmax", 8, 0, (8, 8))
-    path = spec.path(tmp_path)
 
     def interrupt_after_the_save_at_step_50(line):
         if "54/60" in line:
             raise KeyboardInterrupt
 
-    record = {"loss": "softmax", "variant": "fix", "key": stages.train_key(run, spec)}
-    settings, train = stages.settings(run, spec.seed), stages.fitting(run, spec)
-    interrupt = interrupt_after_the_save_at_step_50
+    unit = bank.units_of(spec)[0]  # the student's first layer, trained alone
     with pytest.raises(KeyboardInterrupt):
-        train_into(path, record, settings, tiny_ids, train, interrupt)
-    before = read_tensors(Path(f"{path}.progress"))[1]["seconds"]
+        bank.train_unit(run, unit, log=interrupt_after_the_save_at_step_50)
+    before = read_tensors(Path(f"{unit.path(tmp_path)}.progress"))[1]["seconds"]
     run.clock = Clock([spec.name])
     _, info = stages.train_student(run, spec)
     assert "at step 50/60" in capsys.readouterr().out
@@ -124,7 +121,7 @@ def trainable(student) -> dict:
     return {n: p.detach().clone() for n, p in student.named_parameters() if p.requires_grad}
 
 
-def kept(tiny, tiny_ids, path, settings, log, loss="softmax", dims=(4, 4), seed=0, record=None):
+def kept(tiny, tiny_ids, path, settings, log, loss="softmax", dims=(4, 4), seed=0, **options):
     """train_into's record of a student trained into `path`, as stages.train_student runs it."""
     if loss == "direct":
         start = make_student(tiny, "prf", dims, seed)
@@ -132,8 +129,9 @@ def kept(tiny, tiny_ids, path, settings, log, loss="softmax", dims=(4, 4), seed=
     else:
         common = dict(loss=loss, feature_seed=seed)
         train = functools.partial(distill, tiny, dims, tiny_ids, settings, **common)
-    record = {"loss": loss} if record is None else record
-    return train_into(path, record, settings, tiny_ids, train, log)
+    record = options.get("record", {"loss": loss})
+    every = options.get("save_every", 50)
+    return train_into(path, record, settings, tiny_ids, train, log, every)
 
 
 def interrupt_at(step):
@@ -146,10 +144,10 @@ def interrupt_at(step):
 
 @pytest.mark.parametrize("loss", ["softmax", "direct"])
 def test_resume_after_interruption_equals_an_uninterrupted_run(tiny, tiny_ids, tmp_path, loss):
-    settings = S(steps=6, batch=2, ctx=32, data_seed=1, save_every=2, log_every=2)
+    settings = S(steps=6, batch=2, ctx=32, data_seed=1, log_every=2)
     # a tuple, as a stage key holds, comes back as a list
     record = {"loss": loss, "key": {"dims": (5, 7)}}
-    options = dict(settings=settings, loss=loss, dims=[5, 7], seed=1, record=record)
+    options = dict(settings=settings, loss=loss, dims=[5, 7], seed=1, record=record, save_every=2)
     run = functools.partial(kept, tiny, tiny_ids, **options)
     run(tmp_path / "whole.safetensors", log=quiet)
     whole = trainable(load_student(tiny, tmp_path / "whole.safetensors")[0])
@@ -182,9 +180,9 @@ def test_the_first_step_logs_the_peak_memory(tiny, tiny_ids, tmp_path):
 
 def test_progress_of_other_settings_is_set_aside_and_training_starts_over(tiny, tiny_ids, tmp_path):
     path = tmp_path / "s.safetensors"
-    first = S(steps=4, batch=2, ctx=32, save_every=2, log_every=2)
+    first = S(steps=4, batch=2, ctx=32, log_every=2)
     with pytest.raises(KeyboardInterrupt):
-        kept(tiny, tiny_ids, path, first, interrupt_at(2), loss="l2")
+        kept(tiny, tiny_ids, path, first, interrupt_at(2), loss="l2", save_every=2)
     assert path.with_name(path.name + ".progress").exists()
     lines, other = [], dataclasses.replace(first, lr=0.01, dtype="float64")
     kept(tiny, tiny_ids, path, other, lines.append, loss="l2")

@@ -1,7 +1,7 @@
 """How a run uses its devices: data-parallel ranks under `torchrun` (without it, no-ops), and the
 teacher's precision. Rank 0 alone writes (files.WRITES is off on the rest), logs (their stdout is
-discarded) and holds the --out lock. Training shares each step's parts (distill.shared_step: the
-same student for any N), evaluation each batch's windows, summed; any other stage the writer
+discarded) and holds the --out lock. Training shares each step's parts (shared: the same
+student for any N), evaluation each batch's windows, summed; any other stage the writer
 computes while the rest wait, then read its file (runs.stage): it must not outlast TIMEOUT."""
 
 import datetime
@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .. import files
+from ..distill import flat_grad_part, in_parts, set_grads
 
 TIMEOUT = datetime.timedelta(hours=1)
 
@@ -79,3 +80,34 @@ def teacher_precision(teacher, precision: str) -> str:
     teacher.register_forward_pre_hook(switch)
     teacher.register_forward_hook(switch, always_call=True)
     return f"+{precision}"
+
+
+def shared(backward, params: list, part: int):
+    """distill.in_parts over torchrun's ranks: rank r takes parts r, r + world, … of `part`
+    windows (each rank at least one), and each round's weighted gradients are gathered and
+    added in part order: any number of ranks gives the one-process student bit for bit."""
+    if world() == 1:
+        return in_parts(backward, params, part)
+
+    def step(ids):
+        parts = ids.split(part)  # each [b, ctx]
+        if len(parts) < world():
+            raise ValueError(f"shared: {world()} ranks share {len(parts)} parts of {part} windows")
+        size = sum(p.numel() for p in params)
+        total = params[0].new_zeros(size)  # [n]
+        losses = 0.0
+        for first in range(0, len(parts), world()):
+            rows = [torch.zeros_like(total) for _ in range(world())]  # the round's, [n] each
+            if first + rank() < len(parts):
+                weighted, rows[rank()] = flat_grad_part(
+                    backward, ids, parts[first + rank()], params
+                )
+                losses = losses + weighted
+            dist.all_gather(rows, rows[rank()])
+            for row in rows[: len(parts) - first]:  # in part order
+                total += row
+        dist.all_reduce(losses)
+        set_grads(params, total)
+        return losses.tolist()
+
+    return step

@@ -125,13 +125,19 @@ def settings(run: Run, seed: int) -> TrainSettings:
     )
 
 
-def train_key(run: Run, spec: Student) -> dict:
-    """What a student's tensors depend on."""
+def training_inputs(run: Run, seed: int) -> dict:
+    """What every training's tensors depend on besides what it trains: the teacher, tokenizer,
+    device, corpus and the settings of `seed`."""
     inputs, corpus = run.inputs, {k: v for k, v in run.inputs.items() if k.startswith("corpus/")}
     key = dict(teacher=inputs["teacher"], tokenizer=inputs["tokenizer"], device=inputs["device"])
-    key.update(variant=spec.variant, loss=spec.loss, dims=spec.dims, seed=spec.seed)
-    key.update(settings(run, spec.seed).record(), train=corpus, train_chars=run.cfg.train_chars)
-    return key
+    key.update(runs.training_record(settings(run, seed)))
+    return dict(key, train=corpus, train_chars=run.cfg.train_chars)
+
+
+def train_key(run: Run, spec: Student) -> dict:
+    """What a student's tensors depend on."""
+    key = dict(variant=spec.variant, loss=spec.loss, dims=spec.dims, seed=spec.seed)
+    return {**training_inputs(run, spec.seed), **key}
 
 
 def student_file(run: Run, spec: Student, curve: bool = False) -> tuple:

@@ -4,6 +4,7 @@ resumable trainings, one lock per output folder, and the record of what made the
 file goes through files.atomic_write, so a kill leaves a stage either whole or absent."""
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import io
@@ -91,21 +92,27 @@ def token_ids(path: Path, key: dict, texts, tokenizer, max_chars, keep=True) -> 
     return torch.from_numpy(ids)
 
 
-def train_into(path, record: dict, settings, token_ids, train, log) -> dict:
-    """The record {"train_seconds", "loss_curve"} of train(log=, resume=, on_step=) -> (student,
-    record) (distill or train_direct, partly applied). Its progress goes to `<path>.progress` every
-    save_every steps, and one of the same record, settings and tokens resumes from it exactly
-    (tensors, Adam, the data order, the loss curve; its seconds add up); the student goes to `path`
-    once, at the end, with `record` and that as "info"."""
+def training_record(settings) -> dict:
+    """The training settings a result depends on: all but how often it logs."""
+    fields = dataclasses.asdict(settings)
+    return {k: v for k, v in fields.items() if k != "log_every"}
+
+
+def train_into(path, record, settings, token_ids, train, log, save_every=50, save=save_student):
+    """The record {"train_seconds", "loss_curve"} of train(log=, resume=, on_step=) -> (model,
+    record) (distill, distill_layer or train_direct, partly applied). Its progress goes to
+    `<path>.progress` every save_every steps, and one of the same record, settings and tokens
+    resumes from it exactly (tensors, Adam, the data order, the loss curve; its seconds add up);
+    the model goes to `path` once, at the end, by save(model, path, {**record, "info": that})."""
     tokens = hashlib.sha256(torch.as_tensor(token_ids).long().cpu().numpy().tobytes()).hexdigest()
-    keep = as_json({**record, **settings.record(), "tokens": tokens[:16]})  # as a file gives back
+    keep = as_json({**record, **training_record(settings), "tokens": tokens[:16]})
     progress = Path(f"{path}.progress")
 
-    def save(state):  # every save_every steps but the last
+    def save_progress(state):  # every save_every steps but the last
         if state.step == 1:
             device = next(iter(state.params.values())).device
             log(f"peak memory after the first step: {peak_memory(device)} (each rank)")
-        if state.step % settings.save_every == 0 and state.step < settings.steps:
+        if state.step % save_every == 0 and state.step < settings.steps:
             tensors = {f"param.{n}": p for n, p in state.params.items()}
             tensors["rng"] = state.gen.get_state()
             for index, adam in state.opt.state_dict()["state"].items():
@@ -114,8 +121,8 @@ def train_into(path, record: dict, settings, token_ids, train, log) -> dict:
             save_tensors(tensors, progress, {**meta, "loss_curve": state.curve})
 
     resume = lambda state: progress.exists() and _resume(progress, keep, state, log, settings.steps)
-    student, info = train(log=log, resume=resume, on_step=save)
-    save_student(student, path, {**record, "info": info})
+    model, info = train(log=log, resume=resume, on_step=save_progress)
+    save(model, path, {**record, "info": info})
     progress.unlink(missing_ok=True)
     return info
 

@@ -6,16 +6,14 @@ import dataclasses
 import functools
 import itertools
 import time
-from pathlib import Path
 
 import numpy as np
 
 from .. import dof
-from ..checkpoint import CheckpointError
-from ..distill import distill, train_direct
-from ..files import as_json
+from ..distill import TERMS, train_direct
 from ..students import load_student, make_student, read_tensors, save_tensors
-from . import devices, evaluate, runs
+from . import bank, devices, evaluate, runs
+from .bank import trained
 from .keys import (
     ALLOCATIONS,
     CALIBRATION,
@@ -32,6 +30,7 @@ from .runs import log
 
 ORACLES = ("oracle", "oracle_e2e")  # least summed layer KL; least summed one-layer-swap e2e KL
 TRAINED_PRF = ("fix", *ALLOCATIONS, *ORACLES)  # variants whose draw is trained
+LAYERWISE = tuple(TERMS)  # losses trained layer by layer, in the bank's units
 
 
 def student_keys(run: Run) -> list:
@@ -95,28 +94,17 @@ def estimate_allocation(run: Run) -> dict:
     return run.stage("DoF estimate", *stage_files(run)["DoF estimate"], compute)
 
 
-def trained(path: Path, key: dict, own: bool = True) -> bool:
-    """Whether `path` holds a finished student (its record has "info") trained with `key`; one
-    that cannot be read (cut short, damaged) is not, and is named when it is the student's `own`
-    file (it is then trained again), not when it is only a candidate twin."""
-    try:
-        meta = read_tensors(path)[1] if path.is_file() else {}
-    except CheckpointError as err:
-        if own:
-            log(f"redo: {err}")
-        return False
-    return meta.get("key") == as_json(key) and "info" in meta
-
-
 def train_student(run: Run, spec: Student):
     """Train one student (draw it, for the Performer) into its file, or load it if finished with
     this key, or copy a finished twin: another PRF variant trained with exactly this key (the
-    oracle often allocates Fix's dims). An interrupted training resumes from its progress file."""
+    oracle often allocates Fix's dims). A layerwise one is assembled from the bank's units
+    (bank.assemble); an interrupted training resumes from its progress file."""
     run.clock.begin(spec.name)
     key, path, out = train_key(run, spec), spec.path(run.cfg.out), run.cfg.out
     others = TRAINED_PRF if spec.variant in TRAINED_PRF else ()
     twins = [dataclasses.replace(spec, variant=v) for v in others if v != spec.variant]
     twins = [t for t in twins if trained(t.path(out), {**key, "variant": t.variant}, own=False)]
+    record = {"loss": spec.loss, "variant": spec.variant, "key": key}
     if trained(path, key):
         log(f"skip: {path} done")
     elif twins:
@@ -124,9 +112,11 @@ def train_student(run: Run, spec: Student):
         info = {**meta["info"], "same_training_as": twins[0].name}
         save_tensors(tensors, path, {**meta, "variant": spec.variant, "key": key, "info": info})
         log(f"{spec.name}: the same training as {twins[0].name} (same dims, loss and seed): copied")
+    elif spec.loss in LAYERWISE:
+        log(f"{spec.name}: dims {list(spec.dims)}, from units")
+        bank.assemble(run, spec, path, record)
     else:
         log(f"{spec.name}: dims {list(spec.dims)}")
-        record = {"loss": spec.loss, "variant": spec.variant, "key": key}
         train, tokens = settings(run, spec.seed), run.texts["train"]
         runs.train_into(path, record, train, tokens, fitting(run, spec), log)
     devices.barrier()  # the writer has saved it
@@ -135,17 +125,15 @@ def train_student(run: Run, spec: Student):
 
 
 def fitting(run: Run, spec: Student):
-    """train(log=, resume=, on_step=) -> (student, record): one student's training."""
+    """train(log=, resume=, on_step=) -> (student, record): a whole student's training, the
+    direct baseline's (PRF or DiJiang) or the Performer's draw, untrained."""
     tokens, train = run.texts["train"], settings(run, spec.seed)
     if spec.variant == "performer":  # the draw, untrained
         untrained = {"train_seconds": 0.0, "loss_curve": []}
         return lambda **_: (performer(run, spec), untrained)
-    if spec.loss != "direct":
-        options = dict(loss=spec.loss, feature_seed=spec.seed)
-        return functools.partial(distill, run.teacher, spec.dims, tokens, train, **options)
     kind = "dijiang" if spec.variant == "dijiang" else "prf"
     start = make_student(run.teacher, kind, spec.dims, spec.seed)
-    return functools.partial(train_direct, start, tokens, train)
+    return functools.partial(train_direct, start, tokens, train, share=devices.shared)
 
 
 def curve_specs(run: Run) -> list:

@@ -83,7 +83,7 @@ def run(teacher, tokens: dict, args, out: Path, log=runs.log) -> dict:
 
     def errors(dims, seed):
         """A student of these dims and seed: its per-layer held-out KL, each stage saved."""
-        key = {**base, "dims": list(dims), "seed": seed, **settings(seed).record()}
+        key = {**base, "dims": list(dims), "seed": seed, **runs.training_record(settings(seed))}
         path = out / "students" / f"{'-'.join(map(str, dims))}-s{seed}.json"
 
         def compute():
