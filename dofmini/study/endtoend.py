@@ -16,6 +16,7 @@ from ..students import load_student
 from . import runs, stages
 from .evaluate import held_out
 from .oracle import seed_mean_oracle
+from .progress import Progress
 
 SWAP_STAGE = "end-to-end swap curves"  # its name in the plan
 
@@ -26,14 +27,16 @@ def e2e_kl(teacher, models, token_ids, ctx, windows, offset=0, batch=4) -> list:
     distributions at every position of `windows` windows of ctx tokens from window `offset` on;
     the teacher runs once per batch for all of them."""
     all_windows = held_out(teacher, token_ids, ctx, windows, offset, "e2e_kl")  # [W, ctx]
-    sums = [0.0] * len(models)
-    for ids in all_windows.split(batch):  # [b, ctx]
-        target = teacher(ids).float().log_softmax(-1)  # [b, ctx, V]
-        p = target.exp()  # [b, ctx, V] once per batch, shared by every model
-        for i, model in enumerate(models):
-            log_q = model(ids).float().log_softmax(-1)  # [b, ctx, V]
-            token_kl = (p * (target - log_q)).sum(-1)  # [b, ctx]
-            sums[i] += token_kl.double().sum().item()
+    sums, what = [0.0] * len(models), f"end-to-end KL of {len(models)} model(s)"
+    with Progress(what, windows, "windows") as progress:
+        for ids in all_windows.split(batch):  # [b, ctx]
+            target = teacher(ids).float().log_softmax(-1)  # [b, ctx, V]
+            p = target.exp()  # [b, ctx, V] once per batch, shared by every model
+            for i, model in enumerate(models):
+                log_q = model(ids).float().log_softmax(-1)  # [b, ctx, V]
+                token_kl = (p * (target - log_q)).sum(-1)  # [b, ctx]
+                sums[i] += token_kl.double().sum().item()
+            progress.update(len(ids))
     return [total / (windows * ctx) for total in sums]
 
 
