@@ -83,8 +83,9 @@ def evaluation(run: Run, name: str, path: Path, key: dict, model, student=False)
     folder = parts_folder(run, path)
     if devices.is_writer() and folder.exists():
         shutil.rmtree(folder)
-        if not any(folder.parent.iterdir()):  # eval/parts, when no other stage left parts
-            folder.parent.rmdir()
+        for above in (folder.parent, folder.parent.parent):  # eval/parts, eval: left empty
+            if not any(above.iterdir()):
+                above.rmdir()
     return result
 
 
