@@ -25,6 +25,7 @@ CORE = (
 STUDY = tuple(
     f"study.{name}"
     for name in (
+        "progress",
         "devices",
         "tasks",
         "data",

@@ -70,7 +70,8 @@ def test_a_stage_gets_one_progress_line(capsys):
     for name in ("teacher evaluation", "fix/softmax/b8/s0", "fix/softmax/b8/s0"):
         clock.begin(name)
     lines = capsys.readouterr().out.splitlines()
-    assert lines == ["[1/2] teacher evaluation", "[2/2] fix/softmax/b8/s0"]
+    elapsed = " (run: 0 s elapsed)"  # no estimates: the wall time since the run began alone
+    assert lines == [f"[1/2] teacher evaluation{elapsed}", f"[2/2] fix/softmax/b8/s0{elapsed}"]
 
 
 def test_a_token_cache_replaced_or_cut_is_encoded_again(tmp_path, capsys):

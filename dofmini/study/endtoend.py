@@ -17,6 +17,7 @@ from ..students import load_student
 from . import runs, stages
 from .evaluate import held_out
 from .oracle import seed_mean_oracle
+from .progress import Progress
 
 SWAP_STAGE = "end-to-end swap curves"  # its name in the plan
 
@@ -29,13 +30,16 @@ def window_kl(teacher, models, token_ids, ctx, windows, offset=0, batch=4) -> li
     the text (stats.window_bootstrap)."""
     all_windows = held_out(teacher, token_ids, ctx, windows, offset, "e2e_kl")  # [W, ctx]
     found = [[] for _ in models]
-    for ids in all_windows.split(batch):  # [b, ctx]
-        target = teacher(ids).float().log_softmax(-1)  # [b, ctx, V]
-        p = target.exp()  # [b, ctx, V] once per batch, shared by every model
-        for i, model in enumerate(models):
-            log_q = model(ids).float().log_softmax(-1)  # [b, ctx, V]
-            token_kl = (p * (target - log_q)).sum(-1)  # [b, ctx]
-            found[i] += (token_kl.double().sum(-1) / ctx).tolist()
+    what = f"end-to-end KL of {len(models)} model(s)"
+    with Progress(what, windows, "windows") as progress:
+        for ids in all_windows.split(batch):  # [b, ctx]
+            target = teacher(ids).float().log_softmax(-1)  # [b, ctx, V]
+            p = target.exp()  # [b, ctx, V] once per batch, shared by every model
+            for i, model in enumerate(models):
+                log_q = model(ids).float().log_softmax(-1)  # [b, ctx, V]
+                token_kl = (p * (target - log_q)).sum(-1)  # [b, ctx]
+                found[i] += (token_kl.double().sum(-1) / ctx).tolist()
+            progress.update(len(ids))
     return found
 
 

@@ -3,33 +3,30 @@ lm-evaluation-harness scores it, and the students' per-layer attention errors. C
 continuation are encoded separately and concatenated, so the scored tokens are exactly the
 continuation's own encoding; over-long inputs lose tokens from the left."""
 
+import functools
 import math
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from ..distill import layer_pass
 from ..model import check_args
 from . import data, devices
+from .progress import Progress, duration
 from .tasks import TASKS, load_task
 
 # the perplexity texts, relative to the data folder; each name is also its dofmini.data group
 PPL_TEXTS = {"wikitext2": "wikitext-2-raw/wiki.test.raw", "heldout": "corpus/wikipedia-heldout.txt"}
 
 
-def _progress(what: str, total: int):
-    return tqdm(total=total, desc=what, file=sys.stdout, disable=total < 500, mininterval=5)
-
-
 @torch.no_grad()
-def perplexity(model, token_ids, ctx: int, batch: int = 8):
+def perplexity(model, token_ids, ctx: int, batch: int = 8, what: str = "perplexity"):
     """(ppl, total NLL, scored tokens): non-overlapping windows of `ctx` tokens from the start, the
-    last partial one dropped, positions 1..ctx-1 of each scored from their in-window prefix."""
+    last partial one dropped, positions 1..ctx-1 of each scored from their in-window prefix;
+    `what` names it in the progress lines."""
     n_pos = model.config.n_ctx
     if not 2 <= ctx <= n_pos:
         raise ValueError(f"ctx={ctx}: expected 2..{n_pos} (the positions of {model.config.name})")
@@ -37,16 +34,15 @@ def perplexity(model, token_ids, ctx: int, batch: int = 8):
     token_ids = token_ids.to(next(model.parameters()).device)
     if len(token_ids) < ctx:
         raise ValueError(f"{len(token_ids)} tokens do not fill one window of ctx={ctx}")
-    windows = token_ids.unfold(0, ctx, ctx)  # [W, ctx]
-    nll, scored, progress = 0.0, 0, _progress(f"perplexity ctx={ctx}", len(windows))
-    for chunk in devices.share(windows).split(batch):  # [b, ctx]
-        logits = model(chunk[:, :-1])  # [b, ctx-1, V]
-        targets = chunk[:, 1:].flatten()
-        token_nll = F.cross_entropy(logits.flatten(0, 1).float(), targets, reduction="none")
-        nll += token_nll.sum().item()  # one read from the device per batch
-        scored += len(targets)
-        progress.update(len(chunk))
-    progress.close()
+    windows, nll, scored = devices.share(token_ids.unfold(0, ctx, ctx)), 0.0, 0  # [W, ctx]
+    with Progress(what, len(windows), "windows") as progress:
+        for chunk in windows.split(batch):  # [b, ctx]
+            logits = model(chunk[:, :-1])  # [b, ctx-1, V]
+            targets = chunk[:, 1:].flatten()
+            token_nll = F.cross_entropy(logits.flatten(0, 1).float(), targets, reduction="none")
+            nll += token_nll.sum().item()  # one read from the device per batch
+            scored += len(targets)
+            progress.update(len(chunk))
     nll, scored = devices.all_sum(torch.tensor([nll, scored], dtype=torch.float64)).tolist()
     return math.exp(nll / scored), nll, int(scored)
 
@@ -68,38 +64,45 @@ def score_requests(model, requests, batch_tokens: int = 4096, what: str = "scori
         rows.setdefault(tuple((list(context) + list(continuation))[:-1][-max_len:]), []).append(i)
     inputs = devices.share(sorted(rows, key=len, reverse=True))
     found = torch.zeros(len(requests), 2, dtype=torch.float64)  # [n, 2] log-likelihood, greedy
-    start, progress = 0, _progress(what, len(inputs))
     device = next(model.parameters()).device
-    while start < len(inputs):
-        batch = inputs[start : start + max(1, batch_tokens // len(inputs[start]))]
-        ids = torch.zeros(len(batch), len(batch[0]), dtype=torch.long)  # [b, T] padded with 0
-        keep = torch.zeros(len(batch), len(batch[0]), dtype=torch.bool)  # [b, T] scored positions
-        # every request of the batch gathered at once, one read from the device per batch
-        where, targets, owner, served, end = [], [], [], [], 0
-        for b, row in enumerate(batch):
-            n = max(len(requests[i][1]) for i in rows[row])
-            ids[b, : len(row)] = torch.tensor(row)
-            keep[b, len(row) - n : len(row)] = True
-            end += n
-            for i in rows[row]:
-                k = len(requests[i][1])
-                where += range(end - k, end)
-                targets += requests[i][1]
-                owner += [len(served)] * k
-                served.append(i)
-        ids, keep = ids.to(device), keep.to(device)
-        logprobs = model(ids, keep=keep).float().log_softmax(-1)  # [N, V], rows in `keep` order
-        where, targets, owner = (torch.tensor(x, device=device) for x in (where, targets, owner))
-        token_ll = logprobs[where, targets]  # [n]
-        misses = (logprobs[where].argmax(-1) != targets).float()  # [n]
-        sums = torch.zeros(2, len(served), device=device)  # [2, requests]
-        sums[0].index_add_(0, owner, token_ll)
-        sums[1].index_add_(0, owner, misses)
-        found[served] = torch.stack((sums[0], sums[1] == 0), 1).double().cpu()  # [b, 2]
-        start += len(batch)
-        progress.update(len(batch))
-    progress.close()
+    start = 0
+    with Progress(what, len(inputs), "inputs") as progress:
+        while start < len(inputs):
+            batch = inputs[start : start + max(1, batch_tokens // len(inputs[start]))]
+            ids, keep, where, targets, owner, served = _gather(batch, rows, requests, device)
+            logprobs = model(ids, keep=keep).float().log_softmax(-1)  # [N, V], rows in `keep` order
+            token_ll = logprobs[where, targets]  # [n]
+            misses = (logprobs[where].argmax(-1) != targets).float()  # [n]
+            sums = torch.zeros(2, len(served), device=device)  # [2, requests]
+            sums[0].index_add_(0, owner, token_ll)
+            sums[1].index_add_(0, owner, misses)
+            found[served] = torch.stack((sums[0], sums[1] == 0), 1).double().cpu()  # [b, 2]
+            start += len(batch)
+            progress.update(len(batch))
     return [(ll, greedy == 1) for ll, greedy in devices.all_sum(found).tolist()]
+
+
+def _gather(batch: list, rows: dict, requests, device) -> tuple:
+    """Every request of a batch of model inputs gathered at once, for one read from the device
+    per batch: on `device`, ids [b, T] right-padded with 0, keep [b, T] the scored positions, and
+    per scored token its row in `keep` order, its target and its request's place in `served`;
+    then `served`, the requests served in order."""
+    ids = torch.zeros(len(batch), len(batch[0]), dtype=torch.long)  # [b, T]
+    keep = torch.zeros(len(batch), len(batch[0]), dtype=torch.bool)  # [b, T]
+    where, targets, owner, served, end = [], [], [], [], 0
+    for b, row in enumerate(batch):
+        n = max(len(requests[i][1]) for i in rows[row])
+        ids[b, : len(row)] = torch.tensor(row)
+        keep[b, len(row) - n : len(row)] = True
+        end += n
+        for i in rows[row]:
+            k = len(requests[i][1])
+            where += range(end - k, end)
+            targets += requests[i][1]
+            owner += [len(served)] * k
+            served.append(i)
+    tokens = (torch.tensor(x, device=device) for x in (where, targets, owner))
+    return ids.to(device), keep.to(device), *tokens, served
 
 
 def score_examples(model, tokenizer, examples, what: str = "scoring") -> dict:
@@ -154,13 +157,15 @@ def layer_errors(teacher, student, token_ids, ctx, windows, offset=0, batch=4, c
     check_args("layer_errors", "an integer >= 1", **sizes)
     all_windows = held_out(teacher, token_ids, ctx, windows, offset, "layer_errors")  # [W, ctx]
     sums = [{} for _ in student.blocks]
-    for ids in all_windows.split(batch):
-        for acc, block, (q, k, v) in zip(sums, student.blocks, teacher.capture(ids)):
-            if not hasattr(block.attn, "features"):
-                continue
-            terms = layer_pass(block.attn.features, q, k, v, {"l2", "kl", "err"}, chunk)
-            for name, t in terms.items():
-                acc[name] = acc.get(name, 0) + t * len(ids)  # [H] weighted by windows
+    with Progress("layer errors", windows, "windows") as progress:
+        for ids in all_windows.split(batch):
+            for acc, block, (q, k, v) in zip(sums, student.blocks, teacher.capture(ids)):
+                if not hasattr(block.attn, "features"):
+                    continue
+                terms = layer_pass(block.attn.features, q, k, v, {"l2", "kl", "err"}, chunk)
+                for name, t in terms.items():
+                    acc[name] = acc.get(name, 0) + t * len(ids)  # [H] weighted by windows
+            progress.update(len(ids))
     errors = {"kernel_l2": [], "kl": [], "output_rel": [], "kl_heads": []}
     for acc in sums:
         if not acc:
@@ -176,25 +181,56 @@ def layer_errors(teacher, student, token_ids, ctx, windows, offset=0, batch=4, c
 
 
 def evaluate_model(
-    model, tokenizer, texts: dict, ctx: int, data_dir, windows=None, limit=None, tasks=tuple(TASKS)
+    model,
+    tokenizer,
+    texts: dict,
+    ctx: int,
+    data_dir,
+    windows=None,
+    limit=None,
+    tasks=tuple(TASKS),
+    part=None,
 ) -> dict:
     """Perplexity of each {name: token ids} text on its first `windows` windows of ctx tokens (all
     when None), then each of `tasks` on its first `limit` examples: {"<name>_ppl", "<name>_tokens"
-    per text, "tasks": {task: score_examples(...)}, "ppl_seconds", "eval_seconds"}."""
-    t0, result = time.time(), {}
+    per text, "tasks": {task: score_examples(...)}, "ppl_seconds", "eval_seconds"}. Each text and
+    each task is a part, {"result", "seconds"} from part(name, compute): compute() by default;
+    stages.saved_parts saves each as it finishes and gives back those saved before."""
+    part = part or (lambda name, compute: compute())
+    result, ppl_seconds, seconds = {"tasks": {}}, 0.0, 0.0
     for name, ids in texts.items():
         scored = ids if windows is None else ids[: windows * ctx]
-        ppl, _, n = perplexity(model, scored, ctx)
-        result[f"{name}_ppl"], result[f"{name}_tokens"] = ppl, n
-        print(f"{name} perplexity {ppl:.4f} over {n} tokens ({time.time() - t0:.0f}s)", flush=True)
-    result["ppl_seconds"] = time.time() - t0
-    result["tasks"] = {}
+        compute = functools.partial(perplexity, model, scored, ctx, what=f"perplexity {name}")
+        found = part(name, _timed(name, compute, _says_perplexity))
+        result[f"{name}_ppl"], _, result[f"{name}_tokens"] = found["result"]
+        ppl_seconds += found["seconds"]
     for name in tasks:
-        started = time.time()
-        pinned = {Path(f.path).name for f in data.files(name)}  # no other file in its folder
-        examples = load_task(name, data_dir, limit, pinned)
-        scores = score_examples(model, tokenizer, examples, what=name)
-        print(f"{name}: {scores} ({time.time() - started:.0f}s)", flush=True)
-        result["tasks"][name] = scores
-    result["eval_seconds"] = time.time() - t0
-    return result
+        compute = functools.partial(_task, model, tokenizer, name, data_dir, limit)
+        found = part(name, _timed(name, compute, str))
+        result["tasks"][name] = found["result"]
+        seconds += found["seconds"]
+    return dict(result, ppl_seconds=ppl_seconds, eval_seconds=ppl_seconds + seconds)
+
+
+def _task(model, tokenizer, name: str, data_dir, limit) -> dict:
+    pinned = {Path(f.path).name for f in data.files(name)}  # no other file in its folder
+    return score_examples(model, tokenizer, load_task(name, data_dir, limit, pinned), what=name)
+
+
+def _says_perplexity(found) -> str:
+    ppl, _, scored = found
+    return f"perplexity {ppl:.4f} over {scored} tokens"
+
+
+def _timed(name: str, compute, says):
+    """Part `name`'s compute: {"result": compute(), "seconds"}, with a line of what it found,
+    says(result), and its time."""
+
+    def timed() -> dict:
+        start = time.time()
+        found = compute()
+        seconds = time.time() - start
+        print(f"{name}: {says(found)} in {duration(seconds)}", flush=True)
+        return {"result": found, "seconds": seconds}
+
+    return timed

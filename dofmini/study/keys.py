@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..distill import TrainSettings
 from . import data, evaluate, runs
+from .progress import duration
 
 # DoF's allocations (dof.allocate): (rule, how a layer's heads combine, capped at the head size,
 # each layer's floor as a share of the budget; None: 1 feature).
@@ -46,17 +47,28 @@ class Student:
 
 
 class Clock:
-    """The run's start time and its stages in order, [name]: the first time a stage begins, a
-    progress line says which of how many it is (a curve student evaluated again later is part of
-    its stage)."""
+    """The run's start time, its stages in order, [name], and `estimates`, {stage name: estimated
+    seconds} (empty unless the plan fills them). The first time a stage begins, a progress line
+    says which of how many it is and the wall time since the run started ("run: 3 min 05 s
+    elapsed"); with estimates, also the wall time estimated from now to the end of the run ("~25
+    min left"): the estimates of this stage and of every stage not yet begun, summed unscaled (a
+    resumed run skips its saved stages in no time, so their times say nothing of the estimates'
+    scale); a stage without an estimate counts 0. A curve student evaluated again later is part
+    of its stage."""
 
-    def __init__(self, plan: list):
+    def __init__(self, plan: list, estimates: dict | None = None):
         self.plan, self.t0, self.begun = plan, time.time(), set()
+        self.estimates = dict(estimates or {})
 
     def begin(self, name: str):
-        if name not in self.begun:
-            self.begun.add(name)
-            runs.log(f"[{self.plan.index(name) + 1}/{len(self.plan)}] {name}")
+        if name in self.begun:
+            return
+        self.begun.add(name)
+        times = f"run: {duration(time.time() - self.t0)} elapsed"
+        if self.estimates:
+            ahead = [n for n in self.plan if n == name or n not in self.begun]
+            times += f", ~{duration(sum(self.estimates.get(n, 0.0) for n in ahead))} left"
+        runs.log(f"[{self.plan.index(name) + 1}/{len(self.plan)}] {name} ({times})")
 
 
 @dataclass

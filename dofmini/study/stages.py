@@ -5,6 +5,7 @@ result under the file and key keys.py gives it (runs.stage)."""
 import dataclasses
 import functools
 import itertools
+import shutil
 import time
 
 import numpy as np
@@ -59,15 +60,62 @@ def dims_of(run: Run, variant: str, budget: int, allocation, curves=None):
     return (budget,) * run.teacher.config.n_layer
 
 
-def evaluate_model(run: Run, model) -> dict:
+def evaluate_model(run: Run, model, part=None) -> dict:
     cfg, texts = run.cfg, {name: run.texts[name] for name in evaluate.PPL_TEXTS}
-    options = (cfg.data, cfg.eval_windows, cfg.limit, run.tasks())
+    options = (cfg.data, cfg.eval_windows, cfg.limit, run.tasks(), part)
     return evaluate.evaluate_model(model, run.tokenizer, texts, run.ctx, *options)
 
 
+def evaluation(run: Run, name: str, path: Path, key: dict, model, student=False) -> dict:
+    """The stage `name` saved at `path` with `key`: `model`'s perplexity and tasks, a `student`'s
+    layer errors first, each part saved as it finishes (saved_parts), which a rerun after an
+    interrupt reuses; the parts are removed once the whole is saved."""
+    parts = [*(["layer_error"] if student else []), *evaluate.PPL_TEXTS, *run.tasks()]
+
+    def compute():
+        part = saved_parts(run, name, path, key, parts)
+        errors = lambda: layer_errors(run, model)
+        found = {"layer_error": part("layer_error", errors)} if student else {}
+        return {**found, **evaluate_model(run, model, part)}
+
+    result = run.stage(name, path, key, compute, split=True)
+    folder = parts_folder(run, path)
+    if devices.is_writer() and folder.exists():
+        shutil.rmtree(folder)
+        for above in (folder.parent, folder.parent.parent):  # eval/parts, eval: left empty
+            if not any(above.iterdir()):
+                above.rmdir()
+    return result
+
+
+def parts_folder(run: Run, path: Path) -> Path:
+    return run.cfg.out / "eval" / "parts" / path.stem
+
+
+def saved_parts(run: Run, name: str, path: Path, key: dict, parts: list):
+    """part(part name, compute) for stage `name`'s evaluation: each part's result saved as it
+    finishes under eval/parts/<stage file>/<part>.json with the stage's key and its own name
+    (runs.stage: reused only for that exact key; under torchrun every rank shares the work and the
+    writer alone saves). One line names the parts a rerun reuses and those it does again."""
+    folder = parts_folder(run, path)
+    file = lambda part: (folder / f"{part}.json", {**key, "part": part})
+    found = {part: runs.saved(*file(part)) for part in parts}
+    done = [part for part in parts if found[part] is not None]
+    if done:
+        todo = [part for part in parts if found[part] is None]
+        log(f"{name}: {', '.join(done)} done; redoing {', '.join(todo) or 'nothing'}")
+
+    def part(which: str, compute):
+        if found[which] is not None:
+            return found[which]
+        return runs.stage(*file(which), compute, split=True)
+
+    return part
+
+
 def evaluate_teacher(run: Run) -> dict:
-    name, compute = "teacher evaluation", lambda: evaluate_model(run, run.teacher)
-    result = run.stage(name, *stage_files(run)[name], compute, split=True)
+    name = "teacher evaluation"
+    result = evaluation(run, name, *stage_files(run)[name], run.teacher)
     log(f"teacher: WikiText-2 perplexity {result['wikitext2_ppl']:.2f} (ctx {run.ctx})")
     return result
 
@@ -170,8 +218,8 @@ def specs(run: Run, allocation: dict, curves) -> list:
 def train_and_evaluate(run: Run, spec: Student) -> dict:
     """One student's training record, layer errors before and after training, perplexity, tasks."""
     student, info = train_student(run, spec)
-    compute = lambda: {"layer_error": layer_errors(run, student), **evaluate_model(run, student)}
-    result = {**run.stage(spec.name, *student_file(run, spec), compute, split=True), **info}
+    evaluated = evaluation(run, spec.name, *student_file(run, spec), student, student=True)
+    result = {**evaluated, **info}
     result.update(dataclasses.asdict(spec), dims=list(spec.dims))
     if spec.variant in TRAINED_PRF:  # the draw training started from (a Performer of these dims)
         key = {"teacher": run.inputs["teacher"], "dims": spec.dims, "seed": spec.seed}
