@@ -26,10 +26,10 @@ from .tasks import (
 # task: (its training split, its data group, or None where no split is pinned); in Table 3's order
 SPLITS = {
     "piqa": ("train.jsonl (16,113): 4.4 MB, no public Git copy under 4 MiB was found", None),
-    "logiqa": ("Eval.txt, the dev split (651): Train.txt (7,376) has no pinned copy yet", "logiqa_ft"),
+    "logiqa": ("Eval.txt, the dev split (651): Train.txt (7,376) is not pinned", "logiqa_ft"),
     "arc_easy": ("ARC-Easy train (2,251)", "arc_easy_train"),
     "arc_challenge": ("ARC-Challenge train (1,119)", "arc_challenge_train"),
-    "winogrande": ("winogrande_1.1 train_l (10,234): train_xl has no copy under 4 MiB", "winogrande_train"),
+    "winogrande": ("winogrande_1.1 train_l (10,234): train_xl is not pinned", "winogrande_train"),
     "mmlu": ("MMLU validation (1,531, 57 subjects): disjoint from test, 5x dev", "mmlu_train"),
     "wsc": ("SuperGLUE WSC train (554); scored on its validation (104)", "superglue_wsc"),
 }  # fmt: skip
@@ -101,4 +101,3 @@ def load_split(task: str, split: str, data_dir, limit=None) -> list:
         return (TRAIN[task] if split == "train" else EVAL_WSC)(data_dir)[:limit]
     except ValueError as err:  # a malformed row, named by _parse
         raise DataError(f"a {task} {split} file under {data_dir} is malformed: {err}") from None
-
