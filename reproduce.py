@@ -24,18 +24,8 @@ import torch
 from dofmini import hub
 from dofmini.distill import TrainSettings
 from dofmini.files import sha256_file, write_text
-from dofmini.study import (
-    compare,
-    data,
-    devices,
-    endtoend,
-    evaluate,
-    finetune,
-    report,
-    runs,
-    stages,
-    task_train,
-)
+from dofmini.study import compare, data, devices, endtoend, evaluate, report, runs, stages
+from dofmini.study.finetune import data_groups, parse_lr, report_table, run_all
 from dofmini.study.runs import log
 
 VARIANTS = ("performer", "dijiang", "fix", *stages.ALLOCATIONS, *stages.ORACLES)
@@ -160,7 +150,7 @@ def _split(text: str) -> tuple:
 
 def _finetune_lr(text: str) -> tuple:
     try:
-        return finetune.parse_lr(text)
+        return parse_lr(text)
     except ValueError as err:
         _fail(f"--finetune-lr {err}")
 
@@ -227,8 +217,7 @@ def _main(cfg: RunConfig):
     tasks = [] if cfg.limit == 0 else list(evaluate.TASKS)
     groups = ["wikitext2", "corpus", "heldout", *tasks]
     if cfg.finetune:  # only then: the default run's downloads stay as they are
-        groups += [g for t in task_train.trainable_tasks() for g in task_train.groups(t)]
-        groups = list(dict.fromkeys(groups))
+        groups = list(dict.fromkeys(groups + data_groups()))
     needed = {stages.CALIBRATION, *evaluate.PPL_TEXTS.values()}
     if unlisted := needed - {f.path for f in data.files(groups)}:
         _fail(f"the data registry has no row for {', '.join(sorted(unlisted))}; the run reads it")
@@ -249,8 +238,8 @@ def _main(cfg: RunConfig):
     students, curves = endtoend.evaluate_students(run, allocation, curves)
     results = collect(run, teacher, allocation, curves, students)
     if cfg.finetune:
-        results["finetune"] = finetune.run_all(run, stages.specs(run, allocation, curves))
-        log(finetune.table(results["finetune"]))
+        results["finetune"] = run_all(run, stages.specs(run, allocation, curves))
+        log(report_table(results["finetune"]))
     write_text(cfg.out / "results.json", json.dumps(results, indent=1, sort_keys=True))
     log("\n" + report.write(cfg.out, results))
 

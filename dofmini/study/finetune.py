@@ -211,6 +211,11 @@ def _restore(path: Path, keep: dict, params: dict, opt, state: dict, log):
     log(f"resuming from {path} at step {state['step']}")
 
 
+def data_groups() -> list:
+    """The data groups fine-tuning reads (downloaded only when a run fine-tunes)."""
+    return [g for task in task_train.trainable_tasks() for g in task_train.groups(task)]
+
+
 def settings_for(run, task: str, lr: float, seed: int) -> Settings:
     """The run's profile's sizes (PROFILES), MMLU's one epoch, --limit evaluation examples."""
     sizes = dict(PROFILES[run.cfg.profile])
@@ -277,7 +282,7 @@ def _cell(values) -> str:
     return f"{mean:.4f}" if math.isnan(half) else f"{mean:.4f} ± {half:.4f}"
 
 
-def table(found: dict) -> str:
+def report_table(found: dict) -> str:
     """Table 3's shape: fine-tuned accuracy per task and the mean over the tasks run (mean ± 95%
     t over seeds), each model's degradation from the teacher, and, for every student beside a
     Fix of its loss and budget, the share of Fix's degradation it removes (stats.share_removed
