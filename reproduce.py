@@ -25,6 +25,7 @@ from dofmini import hub
 from dofmini.distill import TrainSettings
 from dofmini.files import sha256_file, write_text
 from dofmini.study import compare, data, devices, endtoend, evaluate, report, runs, stages
+from dofmini.study.finetune import data_groups, parse_lr, report_table, run_all
 from dofmini.study.runs import log
 
 VARIANTS = ("performer", "dijiang", "fix", *stages.ALLOCATIONS, *stages.ORACLES)
@@ -76,6 +77,8 @@ class RunConfig:
     curve_windows: int = 16  # the next held-out windows, for the error curves
     e2e_windows: int = 32  # the next ones, for end-to-end KL; the next ones, for the swap curves
     max_ctx: int = 2048
+    finetune: bool = False  # fine-tune every model on the seven tasks (finetune.py)
+    finetune_lr: tuple = ()  # ((task, rate), ...): these tasks skip the teacher's grid search
 
 
 ENVIRONMENT = """environment:
@@ -115,6 +118,8 @@ def parse_args(argv) -> RunConfig:
     p.add_argument("--J", type=int, help="queries and keys sampled per head for DoF")
     p.add_argument("--raw-gram", action="store_true", help="DoF from the raw Gram G, not G/J")
     p.add_argument("--plan-only", action="store_true", help="print the plan and stop")
+    p.add_argument("--finetune", action="store_true", help="fine-tune every model on the tasks")
+    p.add_argument("--finetune-lr", type=_finetune_lr, help="TASK=LR,... or paper (Table 8)")
     given = vars(p.parse_args(argv))
     return check(RunConfig(**PROFILES[given["profile"]] | given))
 
@@ -143,6 +148,13 @@ def _split(text: str) -> tuple:
     return tuple(text.split(","))
 
 
+def _finetune_lr(text: str) -> tuple:
+    try:
+        return parse_lr(text)
+    except ValueError as err:
+        _fail(f"--finetune-lr {err}")
+
+
 def _variants(text: str) -> tuple:
     return () if text == "none" else _split(text)
 
@@ -156,6 +168,8 @@ def check(cfg: RunConfig) -> RunConfig:
         _fail(f"--lam {cfg.lam}: expected a positive finite number")
     if cfg.limit is not None and cfg.limit < 0:
         _fail(f"--limit {cfg.limit}: expected 0 (no tasks) or more")
+    if (cfg.finetune or cfg.finetune_lr) and (cfg.limit == 0 or devices.world() > 1):
+        _fail("--finetune scores tasks in one process: not with --limit 0 or under torchrun")
     if cfg.J < 2:
         _fail(f"--J {cfg.J}: expected 2 or more samples per head")
     if cfg.per_device is not None and cfg.per_device < 1:
@@ -185,7 +199,8 @@ def check(cfg: RunConfig) -> RunConfig:
     store = data.store_dir(cfg.data)
     if store.exists() and not store.is_dir():
         _fail(f"--data {store} is a file; expected the data store's folder")
-    return dataclasses.replace(cfg, out=out, data=store, per_device=part)
+    tuned = cfg.finetune or bool(cfg.finetune_lr)  # rates given ask for fine-tuning
+    return dataclasses.replace(cfg, out=out, data=store, per_device=part, finetune=tuned)
 
 
 def main(argv=None):
@@ -201,6 +216,8 @@ def main(argv=None):
 def _main(cfg: RunConfig):
     tasks = [] if cfg.limit == 0 else list(evaluate.TASKS)
     groups = ["wikitext2", "corpus", "heldout", *tasks]
+    if cfg.finetune:  # only then: the default run's downloads stay as they are
+        groups = list(dict.fromkeys(groups + data_groups()))
     needed = {stages.CALIBRATION, *evaluate.PPL_TEXTS.values()}
     if unlisted := needed - {f.path for f in data.files(groups)}:
         _fail(f"the data registry has no row for {', '.join(sorted(unlisted))}; the run reads it")
@@ -220,6 +237,9 @@ def _main(cfg: RunConfig):
     curves = stages.error_curves(run) if set(stages.ORACLES) & set(cfg.variants) else None
     students, curves = endtoend.evaluate_students(run, allocation, curves)
     results = collect(run, teacher, allocation, curves, students)
+    if cfg.finetune:
+        results["finetune"] = run_all(run, stages.specs(run, allocation, curves))
+        log(report_table(results["finetune"]))
     write_text(cfg.out / "results.json", json.dumps(results, indent=1, sort_keys=True))
     log("\n" + report.write(cfg.out, results))
     log("\n" + report.closing(cfg.out, results))

@@ -32,6 +32,13 @@ GROUPS = {
     "mmlu": ("MMLU test, 57 subjects", "MIT"),
     "logiqa": ("LogiQA (English) test", "none stated by its authors; research use"),
     "lambada": ("LAMBADA, OpenAI's detokenised test", "CC BY 4.0"),
+    # fine-tuning only (task_train.SPLITS): read when a run fine-tunes
+    "logiqa_ft": ("LogiQA (English) dev, LogiQA's fine-tuning split", "none stated; research use"),
+    "arc_easy_train": ("ARC-Easy train", "CC BY-SA 4.0"),
+    "arc_challenge_train": ("ARC-Challenge train", "CC BY-SA 4.0"),
+    "winogrande_train": ("Winogrande 1.1 train_l", "CC BY"),
+    "mmlu_train": ("MMLU validation, 57 subjects", "MIT"),
+    "superglue_wsc": ("SuperGLUE WSC train and validation", "CC BY 4.0"),
 }
 WIKIEXTRACTOR_GROUPS = ("corpus", "heldout")
 

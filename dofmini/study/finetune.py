@@ -1,0 +1,312 @@
+"""Fine-tuning, as the paper's Tables 3 and 6 score its models: every parameter of a model (the
+teacher's own copy, or a student: its PRF features and every weight it shares with the teacher)
+trained on a task's training split (task_train.py), the accuracy on the evaluation split after each
+epoch, the best epoch's reported (MMLU: its one epoch, the last). Objective: cross-entropy over the
+choices' summed continuation log-likelihoods, the zero-shot scorer's framing, so acc scores
+exactly what is trained. AdamW (β 0.9, 0.999, weight decay 0.01), the rate falling linearly from
+its value to 0 over all steps, no warm-up. Learning rates: a grid searched on the teacher, the
+best reused for every student (the paper's procedure), or --finetune-lr TASK=LR,... ("paper": its
+Table 8 rates for GPT-2). One stage per model x task x seed, resumable mid-epoch."""
+
+import copy
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..checkpoint import CheckpointError
+from ..files import changed_settings
+from ..students import read_tensors, save_tensors
+from . import data, evaluate, runs, stages, stats, task_train
+from .compare import md_table
+
+TASKS = task_train.TASKS  # Table 3's columns
+PAPER_LR = {  # Table 8, GPT-2: each task's rate chosen on the original model
+    "piqa": 1e-4, "logiqa": 5e-5, "arc_easy": 1e-4, "arc_challenge": 1e-5,
+    "winogrande": 5e-4, "mmlu": 1e-6, "wsc": 1e-6,
+}  # fmt: skip
+GRIDS = {  # the paper's grids, by teacher family
+    "gpt2": (1e-6, 5e-6, 1e-5, 5e-5, 1e-4, 5e-4),
+    "neox": (1e-7, 5e-7, 1e-6, 5e-6, 1e-5, 5e-5),
+}
+PAPER_BATCH = {"gpt2": 128, "neox": 64}  # the paper's first sizes; see README "Fine-tuning"
+# per reproduce.py profile: training examples per task (None: all), epochs, examples a step
+PROFILES = {
+    "quick": dict(train_limit=8, epochs=1, batch=4),
+    "default": dict(train_limit=256, epochs=3, batch=16),
+    "study": dict(train_limit=256, epochs=3, batch=16),
+    "paper": dict(train_limit=None, epochs=3, batch=None),
+}
+LAST_EPOCH = ("mmlu",)  # one epoch, its accuracy reported
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """One fine-tuning: `epochs` passes over the first `train_limit` training examples in a
+    seeded order, `batch` a step, back-propagated `part` at a time (gradient accumulation: the
+    same step for any part); progress saved every `save_every` steps and at each epoch's end."""
+
+    lr: float
+    epochs: int = 3
+    batch: int = 16
+    part: int = 4
+    seed: int = 0
+    train_limit: int | None = None
+    eval_limit: int | None = None
+    save_every: int = 20
+
+    def record(self) -> dict:
+        return {
+            k: v for k, v in dataclasses.asdict(self).items() if k not in ("part", "save_every")
+        }
+
+
+def parse_lr(text: str) -> tuple:
+    """((task, rate), ...) of "TASK=LR,..." or of "paper" (PAPER_LR); a ValueError names the bad
+    part: an unknown task, a task twice, a rate that is not a positive finite number."""
+    if text == "paper":
+        return tuple(PAPER_LR.items())
+    found = {}
+    for item in text.split(","):
+        task, _, rate = item.partition("=")
+        if task not in TASKS or task in found:
+            seen = "given twice" if task in found else f"expected a task of {', '.join(TASKS)}"
+            raise ValueError(f"{item!r}: {seen}, as TASK=LR (or 'paper')")
+        try:
+            found[task] = float(rate)
+        except ValueError:
+            found[task] = math.nan
+        if not (found[task] > 0 and math.isfinite(found[task])):
+            raise ValueError(f"{item!r}: expected a positive finite learning rate after '='")
+    return tuple(found.items())
+
+
+def encode(tokenizer, examples) -> list:
+    """[(choices [(context ids, continuation ids)], label)] as the zero-shot scorer encodes."""
+    texts = sorted({s for e in examples for s in (*e.contexts, *e.continuations)})
+    found = tokenizer.encode_batch(texts, add_special_tokens=False)
+    ids = dict(zip(texts, (e.ids for e in found)))
+    pairs = [list(zip(e.contexts, e.continuations)) for e in examples]
+    return [([(ids[c], ids[x]) for c, x in p], e.label) for p, e in zip(pairs, examples)]
+
+
+def choice_scores(model, pairs) -> torch.Tensor:
+    """Summed log-likelihood [len(pairs)] of each (context, continuation) pair, with gradients;
+    inputs cut from the left to the model's context as evaluate.score_requests cuts them."""
+    n_ctx, device = model.config.n_ctx, next(model.parameters()).device
+    rows = [(list(c) + list(x))[:-1][-n_ctx:] for c, x in pairs]
+    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)  # [n, T] right-padded
+    keep = torch.zeros_like(ids, dtype=torch.bool)  # [n, T] the positions that predict a target
+    for i, (row, (_, x)) in enumerate(zip(rows, pairs)):
+        ids[i, : len(row)] = torch.tensor(row)
+        keep[i, len(row) - len(x) : len(row)] = True
+    logprobs = model(ids.to(device), keep=keep.to(device)).float().log_softmax(-1)  # [N, V]
+    targets = torch.tensor([t for _, x in pairs for t in x], device=device)  # [N] row-major
+    lengths = torch.tensor([len(x) for _, x in pairs])
+    owner = torch.repeat_interleave(torch.arange(len(pairs)), lengths).to(device)  # [N]
+    token_ll = logprobs.gather(1, targets[:, None])[:, 0]  # [N]
+    return torch.zeros(len(pairs), device=device).index_add(0, owner, token_ll)
+
+
+def loss(model, batch) -> torch.Tensor:
+    """Summed cross-entropy over each example's choices (their counts may differ)."""
+    scores = choice_scores(model, [pair for choices, _ in batch for pair in choices])
+    total, start = scores.new_zeros(()), 0
+    for choices, label in batch:
+        logits = scores[start : start + len(choices)]
+        total = total + F.cross_entropy(logits[None], torch.tensor([label], device=logits.device))
+        start += len(choices)
+    return total
+
+
+def accuracy(model, encoded) -> float:
+    """Share of examples whose gold choice has the highest summed log-likelihood (acc)."""
+    pairs = [pair for choices, _ in encoded for pair in choices]
+    scores, start, hits = evaluate.score_requests(model, pairs, what="fine-tuned"), 0, 0
+    for choices, label in encoded:
+        ll = [s for s, _ in scores[start : start + len(choices)]]
+        hits += max(range(len(ll)), key=ll.__getitem__) == label
+        start += len(choices)
+    return hits / len(encoded)
+
+
+def fine_tune(model, train, test, settings: Settings, progress: Path, log, on_step=None) -> dict:
+    """Fine-tune a copy of `model` on the encoded `train` examples, scoring `test` after each
+    epoch; {"epoch_acc", "acc" (the best epoch's, the last with one epoch), "epoch", "steps",
+    "train_seconds", "loss_curve"}. Progress goes to `progress` and a run of the same settings
+    resumes from it exactly (tensors, AdamW, the step, the curves); on_step(step) after each."""
+    s, n = settings, len(train)
+    model = copy.deepcopy(model).requires_grad_(True)  # its own tensors: every one trains
+    params = dict(model.named_parameters())
+    opt = torch.optim.AdamW(params.values(), lr=s.lr, betas=(0.9, 0.999), weight_decay=0.01)
+    per_epoch = -(-n // s.batch)
+    total, keep = per_epoch * s.epochs, {**s.record(), "train_examples": n, "test": len(test)}
+    state = dict(step=0, seconds=0.0, loss_curve=[], epoch_acc=[])
+    _restore(progress, keep, params, opt, state, log)
+    while state["step"] < total:
+        started, (epoch, index) = time.time(), divmod(state["step"], per_epoch)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(s.seed * 1000 + epoch))
+        for group in opt.param_groups:
+            group["lr"] = s.lr * (1 - state["step"] / total)
+        opt.zero_grad()
+        chosen = [train[i] for i in order[index * s.batch : (index + 1) * s.batch].tolist()]
+        step_loss = 0.0
+        for start in range(0, len(chosen), s.part):
+            part_loss = loss(model, chosen[start : start + s.part]) / len(chosen)
+            part_loss.backward()
+            step_loss += part_loss.item()
+        opt.step()
+        state["step"] += 1
+        state["loss_curve"].append(step_loss)
+        if state["step"] % per_epoch == 0:
+            with torch.no_grad():
+                state["epoch_acc"].append(accuracy(model, test))
+            log(f"  epoch {epoch + 1}/{s.epochs}: acc {state['epoch_acc'][-1]:.4f}")
+        state["seconds"] += time.time() - started
+        if state["step"] < total and (state["step"] % min(s.save_every, per_epoch) == 0):
+            _save(progress, keep, params, opt, state)
+        if on_step:
+            on_step(state["step"])
+    progress.unlink(missing_ok=True)
+    accs = state["epoch_acc"]
+    best = len(accs) - 1 if s.epochs == 1 else max(range(len(accs)), key=accs.__getitem__)
+    found = dict(epoch_acc=accs, acc=accs[best], epoch=best + 1, steps=total)
+    return dict(found, train_seconds=state["seconds"], loss_curve=state["loss_curve"])
+
+
+def _save(path: Path, keep: dict, params: dict, opt, state: dict):
+    tensors = {f"param.{n}": p for n, p in params.items()}
+    for index, adam in opt.state_dict()["state"].items():
+        tensors |= {f"adam.{index}.{key}": t for key, t in adam.items()}
+    save_tensors(tensors, path, {"settings": keep, **state})
+
+
+def _restore(path: Path, keep: dict, params: dict, opt, state: dict, log):
+    """`state` and the tensors from a progress file of the settings `keep`; one of other
+    settings, or that cannot be read, is named and set aside."""
+    if not path.exists():
+        return
+    try:
+        stored, meta = read_tensors(path)
+        changed = changed_settings(meta.get("settings", {}), keep)
+        why = changed and f"progress of other settings ({changed} changed)"
+    except CheckpointError as err:
+        why = f"unreadable ({err})"
+    if why:
+        log(f"{path}: {why}; starting over")
+        return path.unlink()
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(stored[f"param.{n}"])
+    adam = opt.state_dict()
+    for name, t in stored.items():
+        if name.startswith("adam."):  # adam.{index}.{exp_avg, exp_avg_sq, step}
+            _, index, key = name.split(".")
+            adam["state"].setdefault(int(index), {})[key] = t
+    opt.load_state_dict(adam)
+    state.update({k: meta[k] for k in state})
+    log(f"resuming from {path} at step {state['step']}")
+
+
+def data_groups() -> list:
+    """The data groups fine-tuning reads (downloaded only when a run fine-tunes)."""
+    return [g for task in task_train.trainable_tasks() for g in task_train.groups(task)]
+
+
+def settings_for(run, task: str, lr: float, seed: int) -> Settings:
+    """The run's profile's sizes (PROFILES), MMLU's one epoch, --limit evaluation examples."""
+    sizes = dict(PROFILES[run.cfg.profile])
+    batch = sizes.pop("batch") or PAPER_BATCH[run.teacher.config.family]
+    epochs = 1 if task in LAST_EPOCH else sizes.pop("epochs")
+    limits = dict(train_limit=sizes["train_limit"], eval_limit=run.cfg.limit)
+    return Settings(lr, epochs, batch, max(1, batch // 4), seed, **limits)
+
+
+def stage(run, name: str, model, model_key, task: str, lr: float, seed: int) -> dict:
+    """One model's fine-tuning on one task, saved under finetune/ with everything it depends on:
+    the model's own key, the task's data files, the settings, the tokenizer and the device."""
+    s, cfg = settings_for(run, task, lr, seed), run.cfg
+    files = {f.path: run.inputs[f.path] for g in task_train.groups(task) for f in data.files(g)}
+    key = dict(model=model_key, task=task, settings=s.record(), data=files)
+    key.update(tokenizer=run.inputs["tokenizer"], device=run.inputs["device"])
+    path = cfg.out / "finetune" / f"{name.replace('/', '-')}-{task}-lr{lr:g}-s{seed}.json"
+
+    def compute():
+        train = task_train.load_split(task, "train", cfg.data, s.train_limit)
+        test = task_train.load_split(task, "eval", cfg.data, s.eval_limit)
+        runs.log(f"fine-tuning {name} on {task}: {len(train)} examples, lr {lr:g}, seed {seed}")
+        encoded = [encode(run.tokenizer, examples) for examples in (train, test)]
+        return fine_tune(model, *encoded, s, Path(f"{path}.progress"), runs.log)
+
+    return runs.stage(path, key, compute)
+
+
+def learning_rates(run) -> dict:
+    """{task: {"lr", "source", "grid"}}: --finetune-lr's rate, else the grid's best on the
+    teacher (first seed; the smaller rate on a tie), each grid point's accuracy recorded."""
+    given, family, chosen = dict(run.cfg.finetune_lr), run.teacher.config.family, {}
+    for task in task_train.trainable_tasks():
+        if task in given:
+            chosen[task] = dict(lr=given[task], source="--finetune-lr", grid=None)
+            continue
+        teacher = (run.teacher, run.inputs["teacher"], task)
+        grid = {lr: stage(run, "teacher", *teacher, lr, run.cfg.seeds[0]) for lr in GRIDS[family]}
+        best = max(grid, key=lambda lr: grid[lr]["acc"])
+        recorded = {f"{lr:g}": found["acc"] for lr, found in grid.items()}
+        chosen[task] = dict(lr=best, source="grid on the teacher", grid=recorded)
+    return chosen
+
+
+def run_all(run, specs) -> dict:
+    """Every model fine-tuned on every task with a training split, at every seed: the teacher
+    once per seed, each student (stages.Student) at its own seed. {"lr": learning_rates,
+    "models": {label: {seed: {task: fine_tune's record}}}}, a student's label its name less seed."""
+    rates, models = learning_rates(run), {}
+    tasks = task_train.trainable_tasks()
+    teacher = ("teacher", run.teacher, run.inputs["teacher"])
+    for seed in run.cfg.seeds:
+        by_task = {t: stage(run, *teacher, t, rates[t]["lr"], seed) for t in tasks}
+        models.setdefault("teacher", {})[str(seed)] = by_task
+    for spec in specs:
+        student = (spec.name, stages.train_student(run, spec)[0], stages.train_key(run, spec))
+        by_task = {t: stage(run, *student, t, rates[t]["lr"], spec.seed) for t in tasks}
+        models.setdefault(spec.name.rsplit("/s", 1)[0], {})[str(spec.seed)] = by_task
+    return dict(lr=rates, models=models)
+
+
+def _cell(values) -> str:
+    mean, half = stats.mean_ci(values)
+    return f"{mean:.4f}" if math.isnan(half) else f"{mean:.4f} ± {half:.4f}"
+
+
+def report_table(found: dict) -> str:
+    """Table 3's shape: fine-tuned accuracy per task and the mean over the tasks run (mean ± 95%
+    t over seeds), each model's degradation from the teacher, and, for every student beside a
+    Fix of its loss and budget, the share of Fix's degradation it removes (stats.share_removed
+    on 1 − mean accuracy, seed by seed)."""
+    models, run = found["models"], [t for t in TASKS if t in task_train.trainable_tasks()]
+    mean_of = lambda by_task: sum(by_task[t]["acc"] for t in run) / len(run)  # noqa: E731
+    means = {label: [mean_of(r) for r in by_seed.values()] for label, by_seed in models.items()}
+    teacher = sum(means["teacher"]) / len(means["teacher"])
+    rows = []
+    for label, by_seed in models.items():
+        cells = [_cell([r[t]["acc"] for r in by_seed.values()]) if t in run else "—" for t in TASKS]
+        drop = "" if label == "teacher" else _cell([teacher - m for m in means[label]])
+        rows.append([label, *cells, _cell(means[label]), drop, _share(label, means, teacher)])
+    header = ["model", *TASKS, "mean", "teacher − model", "share of Fix's degradation removed"]
+    lrs = ", ".join(f"{t} {r['lr']:g} ({r['source']})" for t, r in found["lr"].items())
+    caption = f"Fine-tuned accuracy (acc; —: no pinned training split). Rates: {lrs}."
+    return f"{caption}\n\n{md_table(header, rows)}"
+
+
+def _share(label: str, means: dict, teacher: float) -> str:
+    variant, _, rest = label.partition("/")
+    fix = f"fix/{rest}"
+    if label == "teacher" or variant == "fix" or fix not in means:
+        return ""
+    errors = [[1 - m for m in means[name]] for name in (fix, label)]
+    found, why = stats.share_removed(1 - teacher, *errors)
+    return why if found is None else f"{found[0]:.2f} ± {found[1]:.2f}"

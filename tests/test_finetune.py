@@ -1,0 +1,95 @@
+"""Fine-tuning (dofmini/study/finetune.py) on the tiny fixture: a made-up task a model can learn
+is learnt, an interrupted fine-tuning resumes to the same result, a bad --finetune-lr is refused
+before any work; the training splits load where the data store holds them."""
+
+import random
+import sys
+
+import pytest
+from conftest import REPO, data_path
+
+from dofmini.students import make_student
+from dofmini.study import finetune, task_train
+
+sys.path.insert(0, str(REPO))
+import reproduce  # noqa: E402
+
+MARK, ANSWERS = 3, (90, 91, 92, 93)
+
+
+def marked_task(n: int, seed: int) -> list:
+    """Encoded examples: random tokens, then MARK and the answer; the choices are the four
+    answer tokens, so a model that copies the marked token is right (chance: 1/4)."""
+    rng, examples = random.Random(seed), []
+    for _ in range(n):
+        label = rng.randrange(len(ANSWERS))
+        context = [rng.randrange(10, 80) for _ in range(5)] + [MARK, ANSWERS[label]]
+        examples.append(([(context, [a]) for a in ANSWERS], label))
+    return examples
+
+
+def test_fine_tuning_learns_a_marked_answer(tiny, tmp_path):
+    train, test = marked_task(32, seed=1), marked_task(32, seed=2)
+    before = finetune.accuracy(tiny, test)
+    settings = finetune.Settings(lr=3e-2, epochs=2, batch=4, part=4)
+    found = finetune.fine_tune(tiny, train, test, settings, tmp_path / "p", lambda _: None)
+    assert before < 0.5 and found["acc"] >= 0.9, (before, found["epoch_acc"])
+    assert found["acc"] == max(found["epoch_acc"]) and len(found["epoch_acc"]) == 2
+    assert finetune.accuracy(tiny, test) == before  # the model given is left as it was
+
+
+def test_a_killed_fine_tuning_resumes_to_the_same_result(tiny, tmp_path):
+    """A PRF student (features and shared weights all training) stopped mid-epoch, after a save,
+    then run again, ends where an uninterrupted run ends."""
+    student = make_student(tiny, "prf", (8, 8), 0)
+    train, test = marked_task(24, seed=3), marked_task(8, seed=4)
+    settings = finetune.Settings(lr=1e-2, epochs=2, batch=4, part=2, save_every=2)
+    run = lambda path, on_step=None: finetune.fine_tune(  # noqa: E731
+        student, train, test, settings, path, lambda _: None, on_step
+    )
+    whole = run(tmp_path / "whole")
+
+    def kill(step):
+        if step == 3:  # mid-epoch (6 steps each), one step past the save at step 2
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "cut", kill)
+    assert (tmp_path / "cut").exists()
+    resumed = run(tmp_path / "cut")
+    assert not (tmp_path / "cut").exists()
+    drop = lambda r: {k: v for k, v in r.items() if k != "train_seconds"}  # noqa: E731
+    assert drop(resumed) == drop(whole)
+
+
+@pytest.mark.parametrize(
+    "value, named",
+    [("hellaswag=1e-4", "'hellaswag=1e-4'"), ("piqa=-1", "'piqa=-1'"), ("piqa=x", "'piqa=x'"),
+     ("mmlu=1e-6,mmlu=1e-5", "given twice")],
+)  # fmt: skip
+def test_a_bad_finetune_lr_is_refused_before_work(tmp_path, value, named):
+    with pytest.raises(SystemExit, match=f"--finetune-lr .*{named}"):
+        reproduce.parse_args(["no-such-model", "--finetune-lr", value, "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())
+
+
+def test_finetune_lr_values_and_the_paper_preset():
+    assert finetune.parse_lr("wsc=1e-6,piqa=5e-5") == (("wsc", 1e-6), ("piqa", 5e-5))
+    assert dict(finetune.parse_lr("paper")) == finetune.PAPER_LR
+    assert set(finetune.PAPER_LR) == set(task_train.TASKS)
+
+
+SPLIT_SIZES = {  # training and evaluation examples of each pinned split
+    "logiqa": (651, 651), "arc_easy": (2251, 2376), "arc_challenge": (1119, 1172),
+    "winogrande": (10234, 1267), "mmlu": (1531, 14042), "wsc": (554, 104),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("task", task_train.trainable_tasks())
+def test_training_splits_load_with_valid_labels(task):
+    store = data_path("superglue_wsc")  # the newest group: absent, the store predates them
+    store = store.parent
+    train, test = (task_train.load_split(task, split, store) for split in ("train", "eval"))
+    assert (len(train), len(test)) == SPLIT_SIZES[task]
+    for e in train:
+        assert 0 <= e.label < len(e.contexts) == len(e.continuations)
