@@ -3,6 +3,7 @@ only. A teacher is any module with `config`, `capture(ids)` and `token_ids(ids, 
 
 import math
 import numbers
+import warnings
 from fractions import Fraction
 
 import torch
@@ -15,8 +16,18 @@ def dof_by_definition(x, lam, normalize=True):
     x = x.double()
     gram = torch.exp(x @ x.mT / math.sqrt(d))  # [..., J, J]
     sigma = gram / J if normalize else gram  # [..., J, J]
-    e = torch.linalg.eigvalsh(sigma).clamp(min=0)  # [..., J]
-    return (e / (e + lam)).sum(-1)  # eigenvalues below 0 are rounding
+    e = torch.linalg.eigvalsh(sigma).clamp(min=0)  # [..., J] below 0 is rounding
+    # eigvalsh's error is ~J·eps·max e: where it reaches λ, the eigenvalues that set the DoF
+    # (those near λ or below) are rounding too
+    noise = J * torch.finfo(torch.float64).eps * e.amax()
+    if not noise < lam:
+        warnings.warn(
+            f"dof_by_definition: the Gram's eigenvalues carry errors ~{noise:.3g} >= lam={lam}"
+            " (its entries reach exp(‖x‖²/√d)); use degrees_of_freedom, the stable form",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return (e / (e + lam)).sum(-1)
 
 
 def degrees_of_freedom(x, lam, normalize=True):

@@ -654,3 +654,24 @@ def test_linear_attention_reports_q_k_v_to_capture():
         teacher_capture[:1], student_capture[:1]
     ):  # layer 0 sees the same input in both
         assert all(torch.equal(a, b) for a, b in zip(t, s))
+
+
+def test_calls_a_vendoring_engineer_makes_are_refused_by_name():
+    """Each input that gave a wrong answer, uninitialised memory or NaN is refused before any
+    work, naming the argument and what was expected."""
+    phi = torch.rand(1, 2, 5, 4)
+    v = torch.randn(1, 2, 5, 3)
+    with pytest.raises(TypeError, match="v is torch.int64; expected a floating dtype"):
+        causal_linear_attention(phi, phi, torch.ones(1, 2, 5, 3, dtype=torch.long))
+    with pytest.raises(TypeError, match="phi_k is torch.int32; expected a floating dtype"):
+        causal_linear_attention(phi, phi.int(), v)
+    with pytest.raises(ValueError, match="phi_q holds negative .* expected finite features >= 0"):
+        causal_linear_attention(phi - 0.5, phi, v)
+    with pytest.raises(ValueError, match="phi_k is on meta, v on cpu; expected one device"):
+        causal_linear_attention(phi, phi.to("meta"), v)
+    overflowed = torch.randn(1, 2, 5, 4).mul(100).exp()  # features of ‖k‖ ≫ 5√d: inf in fp32
+    with pytest.raises(ValueError, match=r"phi_q holds .* infinite .*log_space=True"):
+        causal_linear_attention(overflowed, phi, v)
+    with pytest.raises(ValueError, match="recurrent_step: q has 2 tokens; expected 1"):
+        linear_attention.recurrent_step(phi[:, :, :2], phi[:, :, :2], v[:, :, :2],
+                                        torch.zeros(1, 2, 4, 3))  # fmt: skip
