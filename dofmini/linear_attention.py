@@ -1,9 +1,10 @@
 """Positive-random-feature (PRF) linear attention, torch and the standard library only.
 
-The paper's Eq. 2: y_t = φ_q,t·S_t / φ_q,t·s_t, S_t = Σ_{s≤t} φ_k,s v_sᵀ, s_t = Σ_{s≤t} φ_k,s
-(normalize=False: no denominator; ones in v make S carry s_t). In order: `recurrent_step`,
-`chunked_attention` (four steps), `log_chunks` (the same relative to running maxima),
-`causal_linear_attention` (any T), the features, the module."""
+The paper's Eq. 2: y_t = φ_q,t·S_t / φ_q,t·s_t, S_t = Σ_{s≤t} φ_k,s v_sᵀ,
+s_t = Σ_{s≤t} φ_k,s (normalize=False: no denominator; ones in v make S carry s_t).
+In order: the plain forms (`recurrent_step`, `chunked_attention`: four steps), the
+same in log space (`log_step`, `log_loop`, `log_chunks`), `causal_linear_attention`
+(any T), the features, the module."""
 
 import math
 from dataclasses import dataclass
@@ -34,10 +35,8 @@ def chunked_attention(q, k, v, S):
 def chunk_states(S, kv, A=None):
     """Step 2: states before each chunk [B, H, N, M, E], after the last; A: decays (a scan)."""
     X = torch.cat([S[:, :, None], kv[:, :, :-1]], 2)  # [B, H, N, M, E]: scan feeds step 3 as is
-    if A is None:
-        return X.cumsum(2), kv[:, :, -1] + X.sum(2)
-    before = scan_chunks(X, A[..., :-1, :, :])
-    decay = torch.exp(A[..., -1, :, :] - A[..., -2, :, :])  # [..., ·, 1]
+    before = X.cumsum(2) if A is None else scan_chunks(X, A[..., :-1, :, :])
+    decay = 1 if A is None else torch.exp(A[..., -1, :, :] - A[..., -2, :, :])  # [..., ·, 1]
     return before, kv[:, :, -1] + decay * before[:, :, -1]
 
 
@@ -70,8 +69,8 @@ RISE = 40.0
 
 
 def log_step(q, k, v, S, c):
-    """recurrent_step on log-features, S relative to c (each feature's largest log φ_k so
-    far): the state moves to the new maximum (a factor ≤ 1), the key is taken over it."""
+    """recurrent_step on log-features, S relative to c (each feature's largest key so
+    far): the state moves to the new maximum (a factor ≤ 1), the key over it."""
     new = torch.maximum(c, k.detach().mT)  # [B, H, M, 1]
     shrink = torch.exp(c - new)  # [B, H, M, 1] ≤ 1
     S = S * shrink if torch.is_grad_enabled() else S.mul_(shrink)
@@ -82,30 +81,27 @@ def log_step(q, k, v, S, c):
 
 
 def log_loop(q, k, v, S, c):
-    """log_chunks as a loop, one chunk at a time, for reading and tests: c moves to the
-    largest key so far and the state with it (S·exp(c_old − c_new), as gated linear attention
-    rescales by its decays), then steps 3, 4 and 1 over c. A row whose keys all sit e^87 below
-    c underflows here; log_chunks keeps it."""
+    """log_chunks as a loop, for reading and tests: per chunk, c moves to the largest key
+    so far, the state with it (S·exp(c_old − c_new), as gated linear attention rescales by
+    its decays). A row whose keys all sit e^87 below c underflows; log_chunks keeps it."""
     ys = []
     for q_n, k_n, v_n in zip(q.unbind(2), k.unbind(2), v.unbind(2)):  # [B, H, L, ·]
         new = torch.maximum(c, k_n.detach().amax(2, keepdim=True).mT)  # [B, H, M, 1]
         S = S * torch.exp(c - new)
         keys = torch.exp(k_n - new.mT)  # [B, H, L, M] ≤ 1
         a = torch.softmax(q_n + new.mT, -1)  # [B, H, L, M]
-        intra = (a @ keys.mT).tril() @ v_n
-        ys.append(a @ S + intra)
+        ys.append(a @ S + (a @ keys.mT).tril() @ v_n)  # 3. and 4.
         S = S + keys.mT @ v_n
         c = new
     return torch.stack(ys, 2), S, c
 
 
 def log_chunks(q, k, v, S, c):
-    """The four steps relative to running maxima, on log-features (PRF features leave fp32
-    once ‖k‖ ≳ 5√d). No feature underflows at any norm: keys over `start` (the running maximum
-    `refs` raised to the chunk's first key; capped at e^RISE, the chunk's rows then redone by
-    `_exact_rows`), queries over their log-sum-exp (softmax: largest ≥ 1/M). Shifts only look
-    back and cancel in the normalised output. Step 4's keys serve step 1 (one exponential)
-    over the next chunk's start: the scan hands each chunk its state over its own start."""
+    """The four steps on log-features (PRF features leave fp32 once ‖k‖ ≳ 5√d), relative
+    to running maxima: no feature underflows at any norm. Keys over `start` (the running
+    maximum `refs` raised to the chunk's first key; capped at e^RISE: `_exact_rows`),
+    queries over their log-sum-exp (softmax: largest ≥ 1/M); the shifts look back and
+    cancel. Step 4's keys serve step 1 over the next start, where the scan wants them."""
     top = k.detach().amax(3, keepdim=True)  # [B, H, N, 1, M] each chunk's largest
     refs = torch.cat([c.mT[:, :, None], top], 2).cummax(2).values  # [B, H, N+1, 1, M]
     start = torch.maximum(refs[:, :, :-1], k.detach()[:, :, :, :1])  # [B, H, N, 1, M]
@@ -124,20 +120,19 @@ def log_chunks(q, k, v, S, c):
     return y, S, refs[:, :, -1].mT
 
 
-def _pick(chunks, x):  # chunks [n] of x [B, H, N, ...] as [n, ...]
+def _pick(chunks, x):  # [n, ...]: chunks [n] of x [B, H, N, ...]
     return x.flatten(0, 2)[chunks]
 
 
 def _exact_sums(chunks, k, v, ends):
-    """Step 1 of capped chunks [n] over the next start, uncapped (each key ≤ it): [n, M, E]."""
+    """Step 1 of capped chunks [n], uncapped, over the next start: [n, M, E]."""
     keys = torch.exp(_pick(chunks, k) - _pick(chunks, ends[:, :, 1:]))  # [n, L, M] ≤ 1
     return keys.mT @ _pick(chunks, v)
 
 
 def _exact_rows(chunks, q, k, v, start, inter, fast):
-    """Capped chunks [n] as [n, L, E]: rows from a key risen past e^RISE over start on exact
-    (`_log_intra` merged with the state's part, over the query's log-sum-exp), the rows
-    before it as `fast` has them."""
+    """Capped chunks [n] as [n, L, E]: from a key risen past e^RISE on exact (`_log_intra`
+    merged with the state's part), the rows before it as `fast` has them."""
     q_n, k_n, v_n = (_pick(chunks, x) for x in (q, k, v))  # [n, L, ·]
     start_n = _pick(chunks, start)  # [n, 1, M]
     rise = (k_n.detach() - start_n).amax(-1, keepdim=True)  # [n, L, 1]
@@ -213,9 +208,7 @@ def causal_linear_attention(
     B, H, T, M = phi_q.shape
     E = v.shape[-1] + normalize
     carried = start_state(state, v, (B, H, M, E), f, log_space)  # [S] or [S, c]
-    q = phi_q.to(f)
-    k = phi_k.to(f)
-    x = v.to(f)
+    q, k, x = (t.to(f) for t in (phi_q, phi_k, v))
     if normalize:
         x = nn.functional.pad(x, (0, 1), value=1.0)  # [B, H, T, E]
     if T == 1 and form is None:
@@ -235,8 +228,7 @@ def causal_linear_attention(
 
 
 def in_parts(form, q, k, x, carried, chunk):
-    """form on q, k, x [B, H, T, ·]'s whole chunks, CPU_PART tokens at a time on CPU (all at
-    once elsewhere), then on the rest as one shorter chunk: y [B, H, T, E], the state after."""
+    """form on the whole chunks, CPU_PART tokens at a time on CPU, then on the rest."""
     T = q.shape[2]
     whole = T - T % chunk
     part = CPU_PART if q.device.type == "cpu" else T
@@ -263,10 +255,10 @@ def check_inputs(phi_q, phi_k, v, chunk, normalize, log_space):  # each refused 
         if not x.is_floating_point():
             raise TypeError(f"{name} is {x.dtype}; expected a floating dtype")
         if x.device != v.device:
-            raise ValueError(f"{name} is on {x.device}, v on {v.device}; expected one device")
+            raise ValueError(f"{name} is on {x.device}, v on {v.device}; expected one")
     if log_space and not normalize:
         raise ValueError("log_space=True needs normalize=True: its shifts cancel only there")
-    # the denominator needs features >= 0 (an unnormalised form takes any, and reads none back)
+    # the denominator needs features >= 0 (unnormalised, any: no value read back)
     for name, phi in list(named.items())[:2] if normalize and not log_space else ():
         low, high = torch.aminmax(phi)  # one pass; NaN fails both comparisons
         if not bool((low >= 0) & (high < math.inf)):
@@ -289,8 +281,6 @@ def start_state(state, v, shape, f, log_space):
         space = "log space: c [B, H, M, 1]" if log_space else "linear space: c None"
         raise ValueError(f"state S {got[0]}, c {got[1]} does not fit S [B, H, M, E] = "
                          f"{shape} (E = dv + 1 when normalize=True; {space})")  # fmt: skip
-    if S.device != v.device:
-        raise ValueError(f"state S is on {S.device}, v on {v.device}; expected one device")
     return [S, c] if log_space else [S]
 
 

@@ -201,8 +201,7 @@ class Model(nn.Module):
 
 
 def need_integers(what: str, **values) -> None:
-    """A ValueError naming `what`, the argument and its value unless each value is an integer
-    >= 1 (a bool is not)."""
+    """A ValueError naming `what`, an argument and its value, unless each is an integer >= 1."""
     for name, value in values.items():
         whole = isinstance(value, numbers.Integral) and not isinstance(value, bool)
         if not (whole and value >= 1):
@@ -210,8 +209,7 @@ def need_integers(what: str, **values) -> None:
 
 
 def need_positive(what: str, **values) -> None:
-    """A ValueError naming `what`, the argument and its value unless each value is a positive
-    finite number (a bool is not)."""
+    """need_integers' error unless each value is a positive finite number (no bool)."""
     for name, value in values.items():
         real = isinstance(value, numbers.Real) and not isinstance(value, bool)
         if not (real and math.isfinite(value) and value > 0):

@@ -30,14 +30,15 @@ def make_student(teacher, kind: str, dims, feature_seed: int, orthogonal: bool =
     """An untrained student sharing the teacher's tensors: "dijiang", or "prf" with dims[i]
     PRF features in layer i, seed feature_seed + i (FAVOR+ unless orthogonal=False)."""
     need_integers("make_student", **{f"dims[{i}]": m for i, m in enumerate(dims)})
-    dims, n_layer = [int(m) for m in dims], teacher.config.n_layer
+    dims = [int(m) for m in dims]
+    n_layer = teacher.config.n_layer
     if len(dims) != n_layer:
         raise ValueError(f"make_student: {len(dims)} dims for {n_layer} layers")
     if kind not in KINDS:
         raise ValueError(f"make_student: kind {kind!r}; expected one of {KINDS}")
     shared = (*teacher.parameters(), *teacher.buffers())
     student = copy.deepcopy(teacher, {id(t): t for t in shared})
-    # what rebuilds this untrained student, for its file
+    # what rebuilds it, for its file
     student.draw = {"kind": kind, "dims": dims, "feature_seed": feature_seed}
     if kind == "prf":
         student.draw["orthogonal"] = orthogonal

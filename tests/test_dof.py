@@ -176,9 +176,9 @@ def test_samples_are_nested_in_draw_order(standin_gpt2):
 
 
 def test_the_definition_warns_where_its_eigenvalues_are_rounding():
-    """32 orthogonal points with ‖x‖²/√d from 70 to 80: the Gram's entries pass e^70, eigvalsh's
-    errors dwarf λ, and the definition gives ~23 where the DoF is 32; it says so and names the
-    stable form, which gives 32."""
+    """32 orthogonal points with ‖x‖²/√d from 70 to 80: the Gram's entries pass e^70 and
+    eigvalsh's errors dwarf λ (0.7.1's answer there could be 23 for 32): the definition says so
+    and names the stable form, which gives 32."""
     J = 32
     s = torch.linspace(70, 80, J, dtype=torch.float64)
     x = torch.diag((s * math.sqrt(J)).sqrt())  # [J, J], ‖xᵢ‖²/√d = sᵢ
