@@ -665,7 +665,7 @@ def test_calls_a_vendoring_engineer_makes_are_refused_by_name():
         causal_linear_attention(phi, phi, torch.ones(1, 2, 5, 3, dtype=torch.long))
     with pytest.raises(TypeError, match="phi_k is torch.int32; expected a floating dtype"):
         causal_linear_attention(phi, phi.int(), v)
-    with pytest.raises(ValueError, match="phi_q holds negative .* expected finite features >= 0"):
+    with pytest.raises(ValueError, match="phi_q holds negative.* expected finite features >= 0"):
         causal_linear_attention(phi - 0.5, phi, v)
     with pytest.raises(ValueError, match="phi_k is on meta, v on cpu; expected one"):
         causal_linear_attention(phi, phi.to("meta"), v)
