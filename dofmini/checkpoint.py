@@ -214,7 +214,10 @@ def converted(stored, name: str, dtype: torch.dtype, file: Path) -> torch.Tensor
 def load_folder(folder, dtype: torch.dtype = torch.float32) -> Model:
     """A frozen teacher from a folder holding config.json and model.safetensors. Its `identity` is
     the folder's name; hub.load sets the fingerprint of the content."""
-    cfg, file = read_config(folder), Path(folder) / "model.safetensors"
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"load: dtype={dtype!r}; expected a floating torch.dtype")
+    cfg = read_config(folder)
+    file = Path(folder) / "model.safetensors"
     if not file.is_file():
         raise CheckpointError(f"missing {file}")
     try:

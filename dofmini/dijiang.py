@@ -13,7 +13,7 @@ from torch import nn
 from .linear_attention import CausalMixer, chunk_states
 
 
-def decayed_chunks(q, k, v, S, c, log_g):
+def decayed_chunks(q, k, v, S, log_g):
     """chunked_attention with each term weighed by γ^(t−s) (log_g = log γ [H, 1, 1]; the released
     code is quadratic). Keys weigh γ^(L−1−j) (their age at the chunk's end), states shrink by γ^L
     per chunk (a scan), token i reads the state before its chunk with γ^(i+1), the L×L product
@@ -28,7 +28,7 @@ def decayed_chunks(q, k, v, S, c, log_g):
     inter = (q * torch.exp((i + 1) * log_g)[:, None]) @ before  # [B, H, N, L, E]
     lag = i - i.mT  # [L, L]
     weights = torch.exp((lag * log_g).masked_fill(lag < 0, -math.inf))[:, None]  # [H, 1, L, L]
-    return inter + (q @ k.mT * weights) @ v, S, c
+    return inter + (q @ k.mT * weights) @ v, S
 
 
 def decay_form(decay: torch.Tensor):

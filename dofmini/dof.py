@@ -3,9 +3,12 @@ only. A teacher is any module with `config`, `capture(ids)` and `token_ids(ids, 
 
 import math
 import numbers
+import warnings
 from fractions import Fraction
 
 import torch
+
+from .model import need_integers, need_positive
 
 
 def dof_by_definition(x, lam, normalize=True):
@@ -15,18 +18,24 @@ def dof_by_definition(x, lam, normalize=True):
     x = x.double()
     gram = torch.exp(x @ x.mT / math.sqrt(d))  # [..., J, J]
     sigma = gram / J if normalize else gram  # [..., J, J]
-    e = torch.linalg.eigvalsh(sigma).clamp(min=0)  # [..., J]
-    return (e / (e + lam)).sum(-1)  # eigenvalues below 0 are rounding
+    e = torch.linalg.eigvalsh(sigma).clamp(min=0)  # [..., J] below 0 is rounding
+    # eigvalsh's error is ~J·eps·max e: once it reaches λ, so do those of the eigenvalues near λ
+    noise = J * torch.finfo(torch.float64).eps * e.amax()
+    if not noise < lam:
+        says = f"eigenvalues carry errors ~{noise:.3g} >= lam={lam}"
+        stable = "use degrees_of_freedom, the stable form"
+        warnings.warn(f"dof_by_definition: {says}; {stable}", RuntimeWarning, stacklevel=2)
+    return (e / (e + lam)).sum(-1)
 
 
 def degrees_of_freedom(x, lam, normalize=True):
     """dof_by_definition's DoF [...] float64 of x [..., J, d], computed where G overflows and
     its small eigenvalues drown in rounding (Σ̂ = G/J: the paper's theory and numbers; its text
     the raw G, normalize=False)."""
-    finite = lam > 0 and math.isfinite(lam) and x.isfinite().all()
-    if x.dim() < 2 or 0 in x.shape[-2:] or not finite:
-        got = f"shape {tuple(x.shape)}, lam={lam}"
-        raise ValueError(f"degrees_of_freedom: need finite x [..., J>0, d>0], lam > 0; got {got}")
+    need_positive("degrees_of_freedom", lam=lam)
+    if x.dim() < 2 or 0 in x.shape[-2:] or not x.isfinite().all():
+        got = f"shape {tuple(x.shape)}"
+        raise ValueError(f"degrees_of_freedom: x {got}; expected finite x [..., J>0, d>0]")
     *batch, J, d = x.shape
     heads = x.detach().reshape(-1, J, d).double()  # [N, J, d]
     out = heads.new_empty(len(heads))  # [N]
@@ -72,11 +81,10 @@ def sample_queries_keys(model, token_ids, J=1024, seed=0, ctx=None, batch=8):
     ctx = cfg.n_ctx if ctx is None else ctx
     if not 1 <= ctx <= cfg.n_ctx:
         raise ValueError(f"sample_queries_keys: ctx={ctx}; need 1..n_ctx = {cfg.n_ctx}")
-    for name, n in (("J", J), ("batch", batch)):
-        if not (isinstance(n, numbers.Integral) and n >= 1):
-            raise ValueError(f"sample_queries_keys: {name}={n!r}; expected an integer >= 1")
+    need_integers("sample_queries_keys", J=J, batch=batch)
     token_ids = model.token_ids(token_ids, ctx, "sample_queries_keys")
-    n_win, pool = token_ids.numel() // ctx, 2 * ctx  # ctx queries, then ctx keys
+    n_win = token_ids.numel() // ctx
+    pool = 2 * ctx  # ctx queries, then ctx keys
     if n_win * pool < J:
         raise ValueError(
             f"sample_queries_keys: {n_win} windows of {ctx} tokens give {n_win * pool} "
@@ -85,14 +93,16 @@ def sample_queries_keys(model, token_ids, J=1024, seed=0, ctx=None, batch=8):
     windows = token_ids[: n_win * ctx].view(n_win, ctx)  # [W, ctx]
     gen = torch.Generator().manual_seed(seed)
     drawn = torch.randperm(n_win * pool, generator=gen)[:J]  # [J]
-    win, slot = drawn // pool, drawn % pool  # [J], [J]
+    win = drawn // pool  # [J]
+    slot = drawn % pool
     device = next(model.parameters()).device
     shape = (cfg.n_layer, cfg.n_head, J, cfg.head_dim)
     x = torch.empty(shape, dtype=torch.float64)  # [L, H, J, d]
     for w0 in range(0, n_win, batch):
         here = (win >= w0) & (win < w0 + batch)  # [J]
         mine = here.nonzero().flatten()  # [n] draws in these windows
-        rows, slots = (win[mine] - w0).to(device), slot[mine].to(device)  # [n], [n]
+        rows = (win[mine] - w0).to(device)  # [n]
+        slots = slot[mine].to(device)
         ids = windows[w0 : w0 + batch].to(device)  # [b, ctx]
         for layer, (q, k, _) in enumerate(model.capture(ids) if len(mine) else ()):
             picks = torch.cat((q, k), dim=2)[rows, :, slots]  # [n, H, d]
@@ -123,9 +133,7 @@ def allocate(layer_dof, budget, rule="proportional", cap=None, aggregate="max", 
       weight never gets fewer features, equal weight equal (or 1 apart at the cut);
     - cap: min(M_l, cap), the freed budget dropped ("DoF + clip", the paper)."""
     weights = layer_weights(layer_dof, rule, aggregate)  # [L] DoF^γ
-    for name, n in (("budget", budget), ("cap", budget if cap is None else cap)):
-        if not (isinstance(n, numbers.Integral) and n >= 1):
-            raise ValueError(f"allocate: {name}={n!r}; expected an integer >= 1")
+    need_integers("allocate", budget=budget, cap=budget if cap is None else cap)
     if not (isinstance(floor, numbers.Integral) and 1 <= floor <= budget):
         raise ValueError(f"allocate: floor must be an integer in 1..{budget}, got {floor!r}")
     total = len(weights) * int(budget)

@@ -1,9 +1,10 @@
 """Positive-random-feature (PRF) linear attention, torch and the standard library only.
 
-The paper's Eq. 2: y_t = φ_q,t·S_t / φ_q,t·s_t, S_t = Σ_{s≤t} φ_k,s v_sᵀ, s_t = Σ_{s≤t} φ_k,s
-(normalize=False: no denominator; ones in v make S carry s_t). In order: `recurrent_step`,
-`chunked_attention` (four steps), `log_chunks` (the same relative to running maxima),
-`causal_linear_attention` (any T), the features, the module."""
+The paper's Eq. 2: y_t = φ_q,t·S_t / φ_q,t·s_t, S_t = Σ_{s≤t} φ_k,s v_sᵀ,
+s_t = Σ_{s≤t} φ_k,s (normalize=False: no denominator; ones in v make S carry s_t).
+In order: the plain forms (`recurrent_step`, `chunked_attention`: four steps), the
+same in log space (`log_step`, `log_loop`, `log_chunks`), `causal_linear_attention`
+(any T), the features, the module."""
 
 import math
 from dataclasses import dataclass
@@ -12,29 +13,23 @@ import torch
 from torch import nn
 
 
-def recurrent_step(q, k, v, S, c=None):
+def recurrent_step(q, k, v, S):
     """Eq. 2 for one token, q, k [B, H, 1, M], v [B, H, 1, E], from S [B, H, M, E], in
-    O(M·E), in place without autograd; in log space S is relative to c [B, H, M, 1]."""
-    in_place = not torch.is_grad_enabled()
-    key = k.mT  # [B, H, M, 1]
-    if c is not None:
-        old, c = c, torch.maximum(c, key.detach())  # [B, H, M, 1]
-        shrink = torch.exp(old - c)  # [B, H, M, 1] ≤ 1
-        S = S.mul_(shrink) if in_place else S * shrink
-        key = torch.exp(key - c)  # [B, H, M, 1] ≤ 1
-        q = torch.softmax(q + c.mT, -1)  # [B, H, 1, M]: a row's scale cancels in y
-    S = S.addcmul_(key, v) if in_place else S.addcmul(key, v)
-    return q @ S, S, c  # y [B, H, 1, E]
+    O(M·E), in place without autograd. Returns y [B, H, 1, E] and the state after."""
+    if q.shape[-2] != 1:
+        raise ValueError(f"recurrent_step: q has {q.shape[-2]} tokens; expected 1")
+    S = S.addcmul(k.mT, v) if torch.is_grad_enabled() else S.addcmul_(k.mT, v)
+    return q @ S, S
 
 
-def chunked_attention(q, k, v, S, c=None):
+def chunked_attention(q, k, v, S):
     """Eq. 2 on N chunks of L tokens, q, k [B, H, N, L, M], v [B, H, N, L, E], from S [B, H, M,
-    E]. Returns y [B, H, N, L, E], the state after, c (a form's)."""
+    E]. Returns y [B, H, N, L, E] and the state after."""
     kv = k.mT @ v  # 1. each chunk's Σ_s φ_k,s v_sᵀ [B, H, N, M, E]
     before, S = chunk_states(S, kv)  # 2. the state before each chunk
     inter = q @ before  # 3. each token reads it [B, H, N, L, E]
     intra = (q @ k.mT).tril_() @ v  # 4. and its chunk up to itself
-    return intra.add_(inter), S, c
+    return intra.add_(inter), S
 
 
 def chunk_states(S, kv, A=None):
@@ -67,47 +62,85 @@ def scan_chunks(X, A, block=32):
     return torch.stack(P, -3)
 
 
+# ---- Log space: the forms above on log-features, relative to running maxima c [B, H, M, 1] ----
+
 # Keys ≤ e^40 over `start` (capped): L×L sums ≤ L·M·e^40 < 3e38; a row's terms ≥ e^−39 keep e^−87
 RISE = 40.0
 
 
+def log_step(q, k, v, S, c):
+    """recurrent_step on log-features, S relative to c (each feature's largest key so
+    far): the state moves to the new maximum (a factor ≤ 1), the key over it."""
+    new = torch.maximum(c, k.detach().mT)  # [B, H, M, 1]
+    shrink = torch.exp(c - new)  # [B, H, M, 1] ≤ 1
+    S = S * shrink if torch.is_grad_enabled() else S.mul_(shrink)
+    a = torch.softmax(q + new.mT, -1)  # [B, H, 1, M]: a row's scale cancels in y
+    key = torch.exp(k - new.mT)  # [B, H, 1, M] ≤ 1
+    y, S = recurrent_step(a, key, v, S)
+    return y, S, new
+
+
+def log_loop(q, k, v, S, c):
+    """log_chunks as a loop, for reading and tests: per chunk, c moves to the largest key
+    so far, the state with it (S·exp(c_old − c_new), as gated linear attention rescales by
+    its decays). A row whose keys all sit e^87 below c underflows; log_chunks keeps it."""
+    ys = []
+    for q_n, k_n, v_n in zip(q.unbind(2), k.unbind(2), v.unbind(2)):  # [B, H, L, ·]
+        new = torch.maximum(c, k_n.detach().amax(2, keepdim=True).mT)  # [B, H, M, 1]
+        S = S * torch.exp(c - new)
+        keys = torch.exp(k_n - new.mT)  # [B, H, L, M] ≤ 1
+        a = torch.softmax(q_n + new.mT, -1)  # [B, H, L, M]
+        ys.append(a @ S + (a @ keys.mT).tril() @ v_n)  # 3. and 4.
+        S = S + keys.mT @ v_n
+        c = new
+    return torch.stack(ys, 2), S, c
+
+
 def log_chunks(q, k, v, S, c):
-    """The four steps relative to running maxima, on log-features (PRF features leave fp32
-    once ‖k‖ ≳ 5√d), S relative to c [B, H, M, 1]. No feature underflows at any norm: keys
-    over `start` (the running maximum `refs` raised to the chunk's first key; ≤ e^RISE, else the
-    row is exact), queries over their log-sum-exp (softmax: largest ≥ 1/M). Shifts only look
-    back and cancel in the normalised output. Step 4's keys serve step 1 (one exponential) over
-    the next chunk's start: the scan hands each chunk its state over its own start."""
+    """The four steps on log-features (PRF features leave fp32 once ‖k‖ ≳ 5√d), relative
+    to running maxima: no feature underflows at any norm. Keys over `start` (the running
+    maximum `refs` raised to the chunk's first key; capped at e^RISE: `_exact_rows`),
+    queries over their log-sum-exp (softmax: largest ≥ 1/M); the shifts look back and
+    cancel. Step 4's keys serve step 1 over the next start, where the scan wants them."""
     top = k.detach().amax(3, keepdim=True)  # [B, H, N, 1, M] each chunk's largest
-    refs = torch.cat([c.mT[:, :, None], top], 2).cummax(2).values
+    refs = torch.cat([c.mT[:, :, None], top], 2).cummax(2).values  # [B, H, N+1, 1, M]
     start = torch.maximum(refs[:, :, :-1], k.detach()[:, :, :, :1])  # [B, H, N, 1, M]
-    risen = (top - start).amax(-1) > RISE  # [B, H, N, 1]
-    i = None  # or the chunks to redo: risen ones, all where no flag comes back
-    if q.shape[3] > 1 and (not _reads_back(q) or risen.any()):
-        every = torch.arange(risen.numel(), device=q.device)
-        i = risen.flatten().nonzero()[:, 0] if _reads_back(q) else every
-    keys = k - start  # [B, H, N, L, M]
-    if i is not None:  # capped where unused: their rows exact, their sums redone
-        keys.flatten(0, 2)[i] = _pick(i, keys).clamp_max(RISE)
-    keys = keys.exp_()  # ≤ e^RISE
     ends = torch.cat([start, refs[:, :, -1:]], 2)  # [B, H, N+1, 1, M] what each state is over
+    keys = (k - start).clamp_max_(RISE).exp_()  # [B, H, N, L, M] ≤ e^RISE
     kv = (keys.mT @ v).mul_(torch.exp(start - ends[:, :, 1:]).mT)  # 1. over the next start
-    if i is not None:
-        kv.flatten(0, 2)[i] = torch.exp(_pick(i, k) - _pick(i, ends[:, :, 1:])).mT @ _pick(i, v)
-    before, S = chunk_states(S * torch.exp(c - start[:, :, 0].mT), kv, -ends.mT)  # 2.
+    risen = ((top - start).amax(-1) > RISE).flatten().nonzero()[:, 0]  # [n] chunks capped
+    kv.flatten(0, 2)[risen] = _exact_sums(risen, k, v, ends)
+    held = S * torch.exp(c - start[:, :, 0].mT)  # [B, H, M, E] over the first start
+    before, S = chunk_states(held, kv, -ends.mT)  # 2.
     a = torch.softmax(q + start, -1)  # 3. [B, H, N, L, M], against start (scale cancels)
-    inter = a @ before
+    inter = a @ before  # [B, H, N, L, E]
     y = ((a @ keys.mT).tril_() @ v).add_(inter)  # 4. [B, H, N, L, E]
-    if i is not None:  # exact from a risen key on
-        q, k, v, inter, fast, start = (_pick(i, x) for x in (q, k, v, inter, y, start))
-        rows = (k.detach() - start).amax(-1, keepdim=True).cummax(1).values > RISE  # [n, L, 1]
-        exact = _merge(*_log_intra(q, k, v), inter, (q + start).logsumexp(-1, True))[0]
-        y.flatten(0, 2)[i] = torch.where(rows, exact, fast)
+    if len(risen):
+        y.flatten(0, 2)[risen] = _exact_rows(risen, q, k, v, start, inter, y)
     return y, S, refs[:, :, -1].mT
 
 
-def _pick(i, x):  # chunks i of x [B, H, N, ...] as [n, ...]
-    return x.flatten(0, 2)[i]
+def _pick(chunks, x):  # [n, ...]: chunks [n] of x [B, H, N, ...]
+    return x.flatten(0, 2)[chunks]
+
+
+def _exact_sums(chunks, k, v, ends):
+    """Step 1 of capped chunks [n], uncapped, over the next start: [n, M, E]."""
+    keys = torch.exp(_pick(chunks, k) - _pick(chunks, ends[:, :, 1:]))  # [n, L, M] ≤ 1
+    return keys.mT @ _pick(chunks, v)
+
+
+def _exact_rows(chunks, q, k, v, start, inter, fast):
+    """Capped chunks [n] as [n, L, E]: from a key risen past e^RISE on exact (`_log_intra`
+    merged with the state's part), the rows before it as `fast` has them."""
+    q_n, k_n, v_n = (_pick(chunks, x) for x in (q, k, v))  # [n, L, ·]
+    start_n = _pick(chunks, start)  # [n, 1, M]
+    rise = (k_n.detach() - start_n).amax(-1, keepdim=True)  # [n, L, 1]
+    rows = rise.cummax(1).values > RISE  # [n, L, 1] from the first risen key on
+    intra, scale = _log_intra(q_n, k_n, v_n)
+    read = (q_n + start_n).logsumexp(-1, True)  # [n, L, 1] the softmax's scale in step 3
+    exact = _merge(intra, scale, _pick(chunks, inter), read)[0]
+    return torch.where(rows, exact, _pick(chunks, fast))
 
 
 def unit_features(log_phi):
@@ -137,20 +170,21 @@ def _log_intra(log_q, log_k, v):
     halves = [x.unflatten(-2, (2, L // 2)) for x in (log_q, log_k, v)]  # [..., 2, L/2, ·]
     y, t = _log_intra(*halves)  # [..., 2, L/2, E], [..., 2, L/2, 1]
     # unbind: its backward is a stack (an index's: a zero-filled copy)
-    (_, second_q), (first_k, _), (first_v, _) = (x.unbind(-3) for x in halves)
+    second_q = halves[0].unbind(-3)[1]  # [..., L/2, M]
+    first_k = halves[1].unbind(-3)[0]
+    first_v = halves[2].unbind(-3)[0]  # [..., L/2, E]
     r = first_k.detach().amax(-2, keepdim=True)  # [..., 1, M]
     a, u = unit_features(second_q + r)  # [..., L/2, M], [..., L/2, 1]
     cross = a @ torch.exp(first_k - r).mT @ first_v  # [..., L/2, E]
-    (y1, y2), (t1, t2) = y.unbind(-3), t.unbind(-3)  # [..., L/2, E | 1]
+    y1, y2 = y.unbind(-3)  # [..., L/2, E]
+    t1, t2 = t.unbind(-3)  # [..., L/2, 1]
     y2, t2 = _merge(y2, t2, cross, u)
     return torch.cat([y1, y2], -2), torch.cat([t1, t2], -2)
 
 
-SEGMENT = {"cpu": 1024}  # tokens per part by device: cache-sized on CPU; a GPU takes one part
+# ---- Any T, any form; the features; the module ----
 
-
-def _reads_back(x) -> bool:  # the one device rule: a flag (a key rose?) comes back, not on meta
-    return not x.is_meta
+CPU_PART = 1024  # tokens per part on CPU (cache-sized); any other device takes T in one part
 
 
 @dataclass
@@ -167,51 +201,87 @@ def causal_linear_attention(
     phi_q, phi_k, v, chunk=64, normalize=True, state=None, log_space=False, form=None
 ) -> torch.Tensor:
     """[B, H, T, M] x2, [B, H, T, dv] -> [B, H, T, dv] in v's dtype: one token a
-    `recurrent_step`, more `chunked_attention` (`log_chunks` with log_space; or `form`) on the
-    whole chunks, part by part (`SEGMENT`), then on the rest as one chunk."""
-    fits = phi_q.dim() == 4 == v.dim() and phi_q.shape == phi_k.shape
-    if not fits or v.shape[:3] != phi_q.shape[:3] or phi_q.shape[2] == 0 or chunk < 1:
-        shapes = [tuple(x.shape) for x in (phi_q, phi_k, v)]
-        raise ValueError("phi_q {}, phi_k {}, v {}".format(*shapes) + f", chunk {chunk}: expected "
-                         "[B, H, T, M] x2, [B, H, T, dv] with T >= 1, chunk >= 1")  # fmt: skip
-    if log_space and not normalize:
-        raise ValueError("log_space=True needs normalize=True: its shifts cancel only there")
+    `recurrent_step`, more `chunked_attention` (log_space: `log_step`, `log_chunks`; or
+    `form`) on the whole chunks, part by part (`CPU_PART`), then on the rest as one chunk."""
+    check_inputs(phi_q, phi_k, v, chunk, normalize, log_space)
     f = torch.promote_types(torch.promote_types(phi_q.dtype, v.dtype), torch.float32)
     B, H, T, M = phi_q.shape
     E = v.shape[-1] + normalize
-    S, c = (None, None) if state is None else (state.S, state.c)
-    if S is None:
-        S = v.new_zeros(B, H, M, E, dtype=f)
-        # the lowest finite value, not −inf: an empty state weighs exp(−huge) = 0, not NaN
-        c = v.new_full((B, H, M, 1), torch.finfo(f).min, dtype=f) if log_space else None
-    got = (tuple(S.shape), None if c is None else tuple(c.shape))
-    if got != ((B, H, M, E), (B, H, M, 1) if log_space else None):
-        space = "log space: c [B, H, M, 1]" if log_space else "linear space: c None"
-        raise ValueError(f"state S {got[0]}, c {got[1]} does not fit S [B, H, M, E] = "
-                         f"{(B, H, M, E)} (E = dv + 1 when normalize=True; {space})")  # fmt: skip
-    q, k, x = phi_q.to(f), phi_k.to(f), v.to(f)
+    carried = start_state(state, v, (B, H, M, E), f, log_space)  # [S] or [S, c]
+    q, k, x = (t.to(f) for t in (phi_q, phi_k, v))
     if normalize:
         x = nn.functional.pad(x, (0, 1), value=1.0)  # [B, H, T, E]
     if T == 1 and form is None:
-        y, S, c = recurrent_step(q, k, x, S, c)
+        step = log_step if log_space else recurrent_step
+        y, *carried = step(q, k, x, *carried)
     else:
         form = form or (log_chunks if log_space else chunked_attention)
-        whole = T - T % chunk
-        step = max(SEGMENT.get(q.device.type, T) // chunk, 1) * chunk
-        sizes = [min(step, whole - lo) for lo in range(0, whole, step)]
-        sizes += [T % chunk] if T % chunk else []  # the rest, one shorter chunk
-        ys = []
-        for n, *part in zip(sizes, *(t.split(sizes, 2) for t in (q, k, x))):
-            part = [t.contiguous().unflatten(2, (-1, min(chunk, n))) for t in part]
-            y, S, c = form(*part, S, c)
-            ys.append(y.flatten(2, 3))  # [B, H, n, E]
-        y = ys[0] if len(ys) == 1 else torch.cat(ys, 2)  # [B, H, T, E]
+        y, carried = in_parts(form, q, k, x, carried, chunk)
     if state is not None:
-        state.S, state.c, state.n = S, c, state.n + T
+        state.S = carried[0]
+        state.c = carried[1] if log_space else None
+        state.n += T
     if normalize:  # only the denominator is clamped, only against 0/0; one split, one backward
         num, den = y.split_with_sizes([v.shape[-1], 1], -1)  # [B, H, T, dv | 1]
         y = num * den.clamp_min(torch.finfo(f).tiny).reciprocal()
     return y.to(v.dtype)
+
+
+def in_parts(form, q, k, x, carried, chunk):
+    """form on the whole chunks, CPU_PART tokens at a time on CPU, then on the rest."""
+    T = q.shape[2]
+    whole = T - T % chunk
+    part = CPU_PART if q.device.type == "cpu" else T
+    step = max(part // chunk, 1) * chunk
+    sizes = [min(step, whole - lo) for lo in range(0, whole, step)]
+    sizes += [T % chunk] if T % chunk else []  # the rest, one shorter chunk
+    ys = []
+    for n, *tokens in zip(sizes, *(t.split(sizes, 2) for t in (q, k, x))):
+        chunks = [t.contiguous().unflatten(2, (-1, min(chunk, n))) for t in tokens]
+        y, *carried = form(*chunks, *carried)
+        ys.append(y.flatten(2, 3))  # [B, H, n, E]
+    y = ys[0] if len(ys) == 1 else torch.cat(ys, 2)  # [B, H, T, E]
+    return y, carried
+
+
+def check_inputs(phi_q, phi_k, v, chunk, normalize, log_space):  # each refused by name
+    named = {"phi_q": phi_q, "phi_k": phi_k, "v": v}
+    fits = phi_q.dim() == 4 == v.dim() and phi_q.shape == phi_k.shape
+    if not fits or v.shape[:3] != phi_q.shape[:3] or phi_q.shape[2] == 0 or chunk < 1:
+        shapes = ", ".join(f"{n} {tuple(x.shape)}" for n, x in named.items())
+        raise ValueError(f"{shapes}, chunk {chunk}: expected [B, H, T, M] x2, "
+                         "[B, H, T, dv] with T >= 1, chunk >= 1")  # fmt: skip
+    for name, x in named.items():
+        if not x.is_floating_point():
+            raise TypeError(f"{name} is {x.dtype}; expected a floating dtype")
+        if x.device != v.device:
+            raise ValueError(f"{name} is on {x.device}, v on {v.device}; expected one")
+    if log_space and not normalize:
+        raise ValueError("log_space=True needs normalize=True: its shifts cancel only there")
+    # the denominator needs features >= 0 (unnormalised, any: no value read back)
+    for name, phi in list(named.items())[:2] if normalize and not log_space else ():
+        low, high = torch.aminmax(phi)  # one pass; NaN fails both comparisons
+        if not bool((low >= 0) & (high < math.inf)):
+            raise ValueError(
+                f"{name} holds negative, infinite or NaN features; expected finite features >= 0"
+                " (PRF features overflow fp32 once ‖x‖ ≳ 5√d: pass log-features, log_space=True)"
+            )
+
+
+def start_state(state, v, shape, f, log_space):
+    """[S] or in log space [S, c]: state's, or empty ones; refused unless they fit."""
+    S = None if state is None else state.S
+    c = None if state is None else state.c
+    if S is None:
+        S = v.new_zeros(shape, dtype=f)
+        # the lowest finite value, not −inf: an empty state weighs exp(−huge) = 0, not NaN
+        c = v.new_full(shape[:3] + (1,), torch.finfo(f).min, dtype=f) if log_space else None
+    got = (tuple(S.shape), None if c is None else tuple(c.shape))
+    if got != (shape, shape[:3] + (1,) if log_space else None):
+        space = "log space: c [B, H, M, 1]" if log_space else "linear space: c None"
+        raise ValueError(f"state S {got[0]}, c {got[1]} does not fit S [B, H, M, E] = "
+                         f"{shape} (E = dv + 1 when normalize=True; {space})")  # fmt: skip
+    return [S, c] if log_space else [S]
 
 
 class PRFFeatures(nn.Module):

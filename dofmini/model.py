@@ -44,7 +44,8 @@ class KVCache:
     """Keys and values of the tokens seen so far, in buffers sized once for the whole generation."""
 
     def __init__(self, like: torch.Tensor, shape: tuple):
-        self.k, self.v = like.new_empty(shape), like.new_empty(shape)  # [B, H, capacity, d] each
+        self.k = like.new_empty(shape)  # [B, H, capacity, d]
+        self.v = like.new_empty(shape)
         self.length = 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor):
@@ -62,21 +63,28 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: Config):
         super().__init__()
-        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
-        self.rotary_dim, self.rotary_base = cfg.rotary_dim, cfg.rotary_base
-        self.qkv_w, self.qkv_b = _weight(cfg.d_model, 3 * cfg.d_model), _weight(3 * cfg.d_model)
-        self.out_w, self.out_b = _weight(cfg.d_model, cfg.d_model), _weight(cfg.d_model)
+        self.n_head = cfg.n_head
+        self.head_dim = cfg.head_dim
+        self.rotary_dim = cfg.rotary_dim
+        self.rotary_base = cfg.rotary_base
+        self.qkv_w = _weight(cfg.d_model, 3 * cfg.d_model)
+        self.qkv_b = _weight(3 * cfg.d_model)
+        self.out_w = _weight(cfg.d_model, cfg.d_model)
+        self.out_b = _weight(cfg.d_model)
 
     def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Rotate the first rotary_dim dims as NeoX does (halves turn as pairs), angles in fp32."""
-        r, f32 = self.rotary_dim, dict(device=x.device, dtype=torch.float32)
+        r = self.rotary_dim
+        f32 = dict(device=x.device, dtype=torch.float32)
         pos = torch.arange(start, start + x.shape[2], **f32)  # [T]
         inv_freq = self.rotary_base ** (-torch.arange(0, r, 2, **f32) / r)  # [r/2]
         angles = torch.outer(pos, inv_freq).repeat(1, 2)  # [T, r]
-        x_rot, x_pass = x[..., :r], x[..., r:]  # [B, H, T, r], [B, H, T, d - r]
-        half = torch.cat((-x_rot[..., r // 2 :], x_rot[..., : r // 2]), dim=-1)  # [B, H, T, r]
-        turned = x_rot * angles.cos().to(x.dtype) + half * angles.sin().to(x.dtype)  # [B, H, T, r]
-        return torch.cat((turned, x_pass), dim=-1)  # [B, H, T, d]
+        x_rot = x[..., :r]  # [B, H, T, r]
+        half = torch.cat((-x_rot[..., r // 2 :], x_rot[..., : r // 2]), dim=-1)
+        cos = angles.cos().to(x.dtype)
+        sin = angles.sin().to(x.dtype)
+        turned = x_rot * cos + half * sin  # [B, H, T, r]
+        return torch.cat((turned, x[..., r:]), dim=-1)  # [B, H, T, d]
 
     def project(self, x: torch.Tensor, start: int = 0):
         """q, k, v [B, H, T, d] as the softmax sees them (after bias, and NeoX's rotary)."""
@@ -84,7 +92,8 @@ class Attention(nn.Module):
         heads = qkv.unflatten(-1, (3, self.n_head, self.head_dim))  # [B, T, 3, H, d]
         q, k, v = heads.permute(2, 0, 3, 1, 4)  # [B, H, T, d] each
         if self.rotary_dim:
-            q, k = self.rotate(q, start), self.rotate(k, start)  # [B, H, T, d] each
+            q = self.rotate(q, start)  # [B, H, T, d]
+            k = self.rotate(k, start)
         return q, k, v
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
@@ -99,7 +108,8 @@ class Attention(nn.Module):
             capture.append((q, k, v))
         if cache is not None:
             k, v = cache.append(k, v)  # [B, H, L, d] each, L = past + T
-        past, mask = k.shape[2] - q.shape[2], None
+        past = k.shape[2] - q.shape[2]
+        mask = None
         if past:  # query i sees keys <= past + i
             mask = q.new_ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(past)  # [T, L]
         o = F.scaled_dot_product_attention(q, k, v, mask, is_causal=not past)  # [B, H, T, d]
@@ -111,10 +121,13 @@ class Block(nn.Module):
         super().__init__()
         self.parallel = cfg.parallel_residual
         self.gelu = "tanh" if cfg.tanh_gelu else "none"  # F.gelu's approximation
-        self.ln1, self.ln2 = nn.LayerNorm(cfg.d_model, cfg.eps), nn.LayerNorm(cfg.d_model, cfg.eps)
+        self.ln1 = nn.LayerNorm(cfg.d_model, cfg.eps)
+        self.ln2 = nn.LayerNorm(cfg.d_model, cfg.eps)
         self.attn = Attention(cfg)
-        self.fc_w, self.fc_b = _weight(cfg.d_model, cfg.d_ff), _weight(cfg.d_ff)
-        self.proj_w, self.proj_b = _weight(cfg.d_ff, cfg.d_model), _weight(cfg.d_model)
+        self.fc_w = _weight(cfg.d_model, cfg.d_ff)
+        self.fc_b = _weight(cfg.d_ff)
+        self.proj_w = _weight(cfg.d_ff, cfg.d_model)
+        self.proj_b = _weight(cfg.d_model)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         h = F.gelu(x @ self.fc_w + self.fc_b, approximate=self.gelu)  # [B, T, F]
@@ -143,14 +156,20 @@ class Model(nn.Module):
         per layer holding positions < start. capture: a list that receives every layer's (q, k, v)
         [B, H, T, d]. keep: a bool mask [B, T]; only kept positions pass the final norm and head
         (most of a small model's cost), giving [N = keep.sum(), V] in row-major order."""
-        T, cfg = ids.shape[1], self.config
+        integer = not (ids.dtype.is_floating_point or ids.dtype.is_complex)
+        if ids.dim() != 2 or not integer or ids.dtype == torch.bool:
+            got = f"{ids.dtype} {list(ids.shape)}"
+            raise ValueError(f"Model.forward: ids is {got}; expected integer token ids [B, T]")
+        T = ids.shape[1]
+        cfg = self.config
         if start < 0 or start + T > cfg.n_ctx:
             asked = f"positions {start}..{start + T - 1} requested"
             raise ValueError(f"{asked}; {cfg.name} has 0..{cfg.n_ctx - 1}")
         if keep is not None and (keep.dtype != torch.bool or keep.shape != ids.shape):
-            got, want = f"{keep.dtype} {list(keep.shape)}", list(ids.shape)
+            got = f"{keep.dtype} {list(keep.shape)}"
+            want = list(ids.shape)
             raise ValueError(f"keep is {got}; expected a torch.bool mask shaped like ids {want}")
-        x = self.wte[ids]  # [B, T, D]
+        x = self.wte[ids.long()]  # [B, T, D]: uint8 or bool indices would be masks
         if self.wpe is not None:
             x = x + self.wpe[start : start + T]  # [B, T, D]
         for i, block in enumerate(self.blocks):
@@ -169,7 +188,8 @@ class Model(nn.Module):
     def token_ids(self, token_ids, need: int, what: str) -> torch.Tensor:
         """token_ids as a 1-D CPU LongTensor of at least `need` ids in [0, vocab), or a named
         error (a float or negative id would index the embedding silently wrong)."""
-        token_ids, vocab = torch.as_tensor(token_ids), self.config.vocab_size
+        token_ids = torch.as_tensor(token_ids)
+        vocab = self.config.vocab_size
         whole = token_ids.dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
         if token_ids.dim() != 1 or len(token_ids) < need or not whole:
             got = f"{token_ids.dtype} {tuple(token_ids.shape)}"
@@ -180,16 +200,22 @@ class Model(nn.Module):
         return token_ids.long().cpu().contiguous()
 
 
-REAL = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
-ARGUMENT_KINDS = {
-    "an integer >= 1": lambda v: isinstance(v, numbers.Integral) and REAL(v) and v >= 1,
-    "a positive finite number": lambda v: REAL(v) and v > 0,
-}
-
-
-def check_args(what: str, expected: str, **values) -> None:
-    """A ValueError naming function `what`, the argument and its value, unless every one of
-    `values` is `expected` (a key of ARGUMENT_KINDS): one check for every public size and rate."""
+def need_integers(what: str, **values) -> None:
+    """A ValueError naming `what`, an argument and its value, unless each is an integer >= 1."""
     for name, value in values.items():
-        if not ARGUMENT_KINDS[expected](value):
-            raise ValueError(f"{what}: {name}={value!r}; expected {expected}")
+        whole = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        if not (whole and value >= 1):
+            raise ValueError(f"{what}: {name}={value!r}; expected an integer >= 1")
+
+
+def need_positive(what: str, **values) -> None:
+    """need_integers' error unless each value is a positive finite number (no bool)."""
+    for name, value in values.items():
+        real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if not (real and math.isfinite(value) and value > 0):
+            raise ValueError(f"{what}: {name}={value!r}; expected a positive finite number")
+
+
+def check_args(what: str, expected: str, **values) -> None:  # distill.py's, until it calls the two
+    need = need_integers if expected == "an integer >= 1" else need_positive
+    need(what, **values)

@@ -12,7 +12,7 @@ from .checkpoint import CheckpointError
 from .dijiang import DiJiangAttention
 from .files import as_json, atomic_write
 from .linear_attention import LinearAttention
-from .model import check_args
+from .model import need_integers
 
 KINDS = ("prf", "dijiang")
 
@@ -29,15 +29,16 @@ def replace_attention(model, dims, seed: int, orthogonal: bool = True):
 def make_student(teacher, kind: str, dims, feature_seed: int, orthogonal: bool = True):
     """An untrained student sharing the teacher's tensors: "dijiang", or "prf" with dims[i]
     PRF features in layer i, seed feature_seed + i (FAVOR+ unless orthogonal=False)."""
-    check_args("make_student", "an integer >= 1", **{f"dims[{i}]": m for i, m in enumerate(dims)})
-    dims, n_layer = [int(m) for m in dims], teacher.config.n_layer
+    need_integers("make_student", **{f"dims[{i}]": m for i, m in enumerate(dims)})
+    dims = [int(m) for m in dims]
+    n_layer = teacher.config.n_layer
     if len(dims) != n_layer:
         raise ValueError(f"make_student: {len(dims)} dims for {n_layer} layers")
     if kind not in KINDS:
         raise ValueError(f"make_student: kind {kind!r}; expected one of {KINDS}")
     shared = (*teacher.parameters(), *teacher.buffers())
     student = copy.deepcopy(teacher, {id(t): t for t in shared})
-    # what rebuilds this untrained student, for its file
+    # what rebuilds it, for its file
     student.draw = {"kind": kind, "dims": dims, "feature_seed": feature_seed}
     if kind == "prf":
         student.draw["orthogonal"] = orthogonal

@@ -8,8 +8,8 @@ decoding steps). One run prints:
 - log/plain: causal_linear_attention in log space (log-features N(0, 1), as LinearAttention runs
   it) against the plain form on features Φ = exp of the same draws, forward and forward+backward
   (gradients for the three inputs against a fixed random cotangent), each run two ways: whole (the
-  sequence in one part, as on a GPU) and in parts (SEGMENT tokens at a time, as on CPU; on a GPU
-  too, to measure the parts rule there). Every (T, pass, form, way) is timed once per round, all
+  sequence in one part, as on a GPU) and in parts (CPU_PART tokens at a time, as on CPU; a GPU
+  takes one part either way). Every (T, pass, form, way) is timed once per round, all
   interleaved, one untimed call first; a timing spans at least 8K tokens of calls (8 calls at
   T = 1K), so one interruption weighs less; best of rounds (other processes on a shared machine only
   add time). Also ms per 1K tokens (flat: linear in T), whole/parts, and --old REV's module (e.g.
@@ -56,14 +56,13 @@ HEAP = {"MALLOC_MMAP_THRESHOLD_": str(2**25), "MALLOC_TRIM_THRESHOLD_": str(2**3
 
 def load(path, name, way=None):
     """linear_attention.py at path as a fresh module, set to run `way`: whole (one part on any
-    device), parts (SEGMENT tokens at a time on any device) or None (its own device rule)."""
+    device), parts (CPU_PART tokens at a time; a GPU always takes one part) or None (its own
+    device rule)."""
     spec = importlib.util.spec_from_file_location(f"{name}_{way}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if way == "whole":
-        module.SEGMENT = {}
-    elif way == "parts":
-        module.SEGMENT = dict.fromkeys(("cpu", "cuda"), module.SEGMENT["cpu"])
+        module.CPU_PART = sys.maxsize
     return module
 
 

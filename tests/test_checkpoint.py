@@ -346,3 +346,11 @@ def test_corrupt_file_is_named(gpt2_copy, damage):
     )
     with pytest.raises(CheckpointError, match="model.safetensors is truncated or corrupt"):
         load(gpt2_copy)
+
+
+def test_a_dtype_that_is_not_a_torch_dtype_is_named():
+    """load(dtype="float32") answered "Invalid device string" (Module.to took it for a device)."""
+    with pytest.raises(ValueError, match=r"load: dtype='float32'; expected a floating torch.dtype"):
+        load(FIXTURES / "gpt2-tiny", dtype="float32")
+    with pytest.raises(ValueError, match=r"load: dtype=torch.int64; expected a floating"):
+        load(FIXTURES / "gpt2-tiny", dtype=torch.int64)

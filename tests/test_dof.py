@@ -173,3 +173,15 @@ def test_samples_are_nested_in_draw_order(standin_gpt2):
     ids = calibration(shared_path("weights", "standin-gpt2"), 4 * 32)
     big = sample_queries_keys(standin_gpt2, ids, J=100, seed=3, ctx=32, batch=3)
     assert torch.equal(sample_queries_keys(standin_gpt2, ids, J=40, seed=3, ctx=32), big[:, :, :40])
+
+
+def test_the_definition_warns_where_its_eigenvalues_are_rounding():
+    """32 orthogonal points with ‖x‖²/√d from 70 to 80: the Gram's entries pass e^70 and
+    eigvalsh's errors dwarf λ (0.7.1's answer there could be 23 for 32): the definition says so
+    and names the stable form, which gives 32."""
+    J = 32
+    s = torch.linspace(70, 80, J, dtype=torch.float64)
+    x = torch.diag((s * math.sqrt(J)).sqrt())  # [J, J], ‖xᵢ‖²/√d = sᵢ
+    with pytest.warns(RuntimeWarning, match="use degrees_of_freedom, the stable form"):
+        dof_by_definition(x, 1.0)
+    assert degrees_of_freedom(x, 1.0).item() == pytest.approx(J, abs=1e-6)

@@ -152,6 +152,22 @@ def test_keep_that_is_not_a_mask_like_ids_is_refused(keep):
         model(ids, keep=keep)
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32])
+def test_ids_of_any_integer_dtype_give_the_long_ids_logits(dtype):
+    """uint8 ids index like int64 ones (torch takes uint8 and bool indices as masks)."""
+    model = fixture_model("gpt2-tiny")
+    ids = torch.tensor(reference("gpt2-tiny")["ids"])  # [2, 12]
+    assert torch.equal(model(ids.to(dtype)), model(ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_ids_that_are_not_integers_are_refused(dtype):
+    model = fixture_model("gpt2-tiny")
+    ids = torch.ones(2, 12, dtype=dtype)
+    with pytest.raises(ValueError, match=r"ids is torch\.\w+ \[2, 12\]; expected integer token"):
+        model(ids)
+
+
 # --- tokenizer.json ----------------------------------------------------------------------------
 
 

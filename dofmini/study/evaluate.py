@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..distill import layer_pass
-from ..model import check_args
+from ..model import need_integers
 from . import data, devices
 from .progress import Progress, duration
 from .tasks import TASKS, load_task
@@ -154,7 +154,7 @@ def layer_errors(teacher, student, token_ids, ctx, windows, offset=0, batch=4, c
     "kl_heads", each layer's KL per head. None for a layer without PRF `features` (DiJiang: its
     gate reads the block input, so it has no per-head output either)."""
     sizes = dict(ctx=ctx, windows=windows, batch=batch, chunk=chunk)
-    check_args("layer_errors", "an integer >= 1", **sizes)
+    need_integers("layer_errors", **sizes)
     all_windows = held_out(teacher, token_ids, ctx, windows, offset, "layer_errors")  # [W, ctx]
     sums = [{} for _ in student.blocks]
     with Progress("layer errors", windows, "windows") as progress:
