@@ -7,6 +7,7 @@ import functools
 import itertools
 import shutil
 import time
+from pathlib import Path
 
 import numpy as np
 
