@@ -8,6 +8,7 @@ the students' end-to-end KL (e2e_windows), then the swap curves' (e2e_windows), 
 oracle chosen on the swap curves is scored on windows it never saw."""
 
 import copy
+from functools import partial
 
 import torch
 from torch import nn
@@ -15,6 +16,7 @@ from torch import nn
 from ..students import load_student
 from . import runs, stages
 from .evaluate import held_out
+from .keys import is_list_of, is_number
 from .oracle import seed_mean_oracle
 
 SWAP_STAGE = "end-to-end swap curves"  # its name in the plan
@@ -56,10 +58,13 @@ def offsets(run) -> tuple:
 
 
 def stage_file(run, spec, swap: bool = False) -> tuple:
-    """(file, key) of a student's end-to-end KL, or with `swap` of its one-layer swaps."""
+    """(file, key, validator) of a student's end-to-end KL (a number), or with `swap` of its
+    one-layer swaps (one per layer)."""
     windows = offsets(run)[swap]
     key = {"student": stages.train_key(run, spec), **stages.eval_key(run), "e2e": windows}
-    return run.cfg.out / "eval" / f"{spec.stem}-{'swap' if swap else 'e2e'}.json", key
+    n_layer = run.teacher.config.n_layer
+    valid = partial(is_list_of, count=n_layer, valid=is_number) if swap else is_number
+    return run.cfg.out / "eval" / f"{spec.stem}-{'swap' if swap else 'e2e'}.json", key, valid
 
 
 def student_kl(run, spec, swap: bool = False):
@@ -74,7 +79,8 @@ def student_kl(run, spec, swap: bool = False):
         found = e2e_kl(run.teacher, models, run.texts["heldout"], run.ctx, count, offset)
         return found if swap else found[0]
 
-    return runs.stage(*stage_file(run, spec, swap), compute)
+    path, key, valid = stage_file(run, spec, swap)
+    return runs.stage(path, key, compute, valid=valid)
 
 
 def evaluate(run, spec) -> dict:

@@ -26,6 +26,7 @@ from .keys import (
     stage_files,
     student_file,
     train_key,
+    valid_errors,
 )
 from .oracle import curves_record
 from .runs import log
@@ -189,7 +190,10 @@ def train_and_evaluate(run: Run, spec: Student) -> dict:
         key = {"teacher": run.inputs["teacher"], "dims": spec.dims, "seed": spec.seed}
         path = run.cfg.out / "eval" / f"untrained-{'-'.join(map(str, spec.dims))}-s{spec.seed}.json"
         compute = lambda: layer_errors(run, performer(run, spec))
-        result["layer_error_before"] = runs.stage(path, {**key, **eval_key(run)}, compute)
+        valid = functools.partial(valid_errors, run)
+        result["layer_error_before"] = runs.stage(
+            path, {**key, **eval_key(run)}, compute, False, valid
+        )
     kl = result["layer_error"]["kl"]
     kl_text = "—" if None in kl else f"{np.mean(kl):.4g}"
     log(f"{spec.name}: WikiText-2 perplexity {result['wikitext2_ppl']:.2f}, mean KL {kl_text}")
