@@ -125,8 +125,10 @@ def stage_files(run: Run) -> dict:
 
 
 def settings(run: Run, seed: int) -> TrainSettings:
-    """A student's training settings, once the texts are known to hold what the run needs."""
-    check_texts(run)
+    """A student's training settings; a RunError for a context TrainSettings refuses."""
+    if run.ctx < 2:  # a model of 1 position
+        n_pos = run.teacher.config.n_ctx
+        raise runs.RunError(f"ctx {run.ctx} ({n_pos} positions in the model): expected 2 or more")
     cfg = run.cfg
     steps = cfg.steps or max(1, len(run.texts["train"]) // (cfg.batch * run.ctx))
     return TrainSettings(
@@ -138,9 +140,7 @@ def check_texts(run: Run) -> None:
     """A RunError naming the text, its files and tokens and what needs more, unless each text holds
     enough tokens: DoF's J queries and keys, a window of ctx for each perplexity and training, and
     the held-out windows of the students' errors, curves and end-to-end KL."""
-    cfg, ctx, n_pos = run.cfg, run.ctx, run.teacher.config.n_ctx
-    if ctx < 2:
-        raise runs.RunError(f"ctx {ctx} ({n_pos} positions in the model): expected 2 or more")
+    cfg, ctx = run.cfg, run.ctx
     held_out = cfg.error_windows + cfg.curve_windows + cfg.e2e_windows
     held_out += cfg.e2e_windows if "oracle_e2e" in cfg.variants else 0
     window, calib = (ctx, f"a window of ctx {ctx}"), -(-cfg.J // (2 * ctx)) * ctx

@@ -209,7 +209,7 @@ def one_line_errors(fail):
 
 def _one_line(err: BaseException) -> str:
     """A failure's one line, or `err` raised again: a program's own exit, or a bug's traceback."""
-    if isinstance(err, (CheckpointError, data.DataError, RunError)):
+    if isinstance(err, (CheckpointError, data.DataError, RunError, devices.RankError)):
         return str(err)
     if isinstance(err, KeyboardInterrupt):
         stopped = "terminated" if err.args == ("SIGTERM",) else "interrupted"

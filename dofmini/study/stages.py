@@ -21,6 +21,7 @@ from .keys import (
     CALIBRATION,
     Run,
     Student,
+    check_texts,
     eval_key,
     settings,
     stage_files,
@@ -68,6 +69,7 @@ def evaluate_model(run: Run, model) -> dict:
 
 
 def evaluate_teacher(run: Run) -> dict:
+    check_texts(run)  # the first stage: before any work
     name, compute = "teacher evaluation", lambda: evaluate_model(run, run.teacher)
     result = run.stage(name, *stage_files(run)[name], compute, split=True)
     log(f"teacher: WikiText-2 perplexity {result['wikitext2_ppl']:.2f} (ctx {run.ctx})")
