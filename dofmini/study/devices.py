@@ -105,3 +105,43 @@ def agree(cfg) -> None:
             f"the ranks disagree: {named} not rank 0's; every rank must run the same command on "
             "the same weights and data registry, into the same (shared) --out"
         )
+
+
+def share(items):
+    """This rank's share of a list or of a tensor's rows: every world()-th, from rank()."""
+    return items[rank() :: world()]
+
+
+def all_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` summed over the ranks, in place."""
+    if world() > 1:
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def barrier():  # a CPU all-reduce: gloo's timeout holds in an NCCL run too
+    all_sum(torch.zeros(1))
+
+
+def writer_first(compute):
+    """compute() on the writer, then on the others (who find what it downloaded or saved)."""
+    result = compute() if is_writer() else None
+    barrier()
+    return result if is_writer() else compute()
+
+
+def teacher_precision(teacher, precision: str) -> str:
+    """The teacher's own forward passes (not its students', which copy its hooks) in bfloat16
+    autocast for "bf16" (not TF32: it would reach the students' float32); the key's suffix."""
+    if precision == "fp32":
+        return ""
+    kind = next(teacher.parameters()).device.type
+
+    def switch(module, *args):  # on before a forward (module, input), off after (…, output)
+        if module is teacher:
+            torch.set_autocast_enabled(kind, len(args) == 1)
+
+    torch.set_autocast_dtype(kind, torch.bfloat16)
+    teacher.register_forward_pre_hook(switch)
+    teacher.register_forward_hook(switch, always_call=True)
+    return f"+{precision}"
