@@ -184,3 +184,12 @@ def test_a_label_that_names_no_choice_is_refused_not_scored(
     tmp_path, name, path, change, row, label
 ):
     assert f"the label {label!r} is not one of" in refusal(tmp_path, name, path, change, row)
+
+
+def test_a_task_file_the_registry_does_not_pin_is_not_read(tmp_path):
+    shutil.copytree(FIXTURES / "tasks" / "piqa", tmp_path / "piqa")
+    with pytest.raises(DataError, match="registry pins no piqa/valid-labels.lst; the piqa task"):
+        load_task("piqa", tmp_path, only={"valid.jsonl"})
+    with pytest.raises(DataError, match="pins no mmlu/test/<subject>_test.csv; the mmlu task"):
+        load_task("mmlu", tmp_path, only=set())
+    assert len(load_task("piqa", tmp_path, 2, {"valid.jsonl", "valid-labels.lst"})) == 2

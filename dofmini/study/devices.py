@@ -87,7 +87,7 @@ def agree(cfg) -> None:
     weights = (folder / "model.safetensors").is_file() and hub.fingerprint(folder)
     parts = {
         "settings": json.dumps(settings, sort_keys=True, default=str),
-        "data registry": repr(data.registry()),
+        "data registry": repr(sorted(data.registry())),  # in any order, as the run reads it
         "weights": weights or "not downloaded yet",
         "--out": "a plan" if cfg.plan_only else nonce.is_file() and nonce.read_text(),
     }
