@@ -214,6 +214,7 @@ def main(argv=None):
 
 
 def _main(cfg: RunConfig):
+    devices.agree(cfg)  # under torchrun: every rank the same settings, inputs and --out, or stop
     tasks = [] if cfg.limit == 0 else list(evaluate.TASKS)
     groups = ["wikitext2", "corpus", "heldout", *tasks]
     if cfg.finetune:  # only then: the default run's downloads stay as they are

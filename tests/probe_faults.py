@@ -348,6 +348,32 @@ def probe_all(root: Path, only: str = "") -> list:
     row = "\t".join(["corpus", "corpus/x.txt", "ten", "0" * 64, "https://example.invalid/x"])
     probe("data", "a registry row with bytes not a number", registry(lambda t: t + row + "\n"))
 
+    for label, path in [
+        ("a registry path leaving the store", "../outside.txt"),
+        ("a registry path spelled twice", "corpus/wikipedia/./tiny.txt"),
+    ]:
+        probe("store", label, registry(lambda t, p=path: t + corpus_row.replace(
+            "corpus/wikipedia/tiny.txt", p)))  # fmt: skip
+    probe("store", "a mirror URL with a password",
+          lambda f, c, e: e.update(DOFMINI_DATA_MIRROR="http://me:secret@127.0.0.1:9"))  # fmt: skip
+    probe("store", "a mirror URL that does not parse",
+          lambda f, c, e: e.update(DOFMINI_DATA_MIRROR="http://[::1"))  # fmt: skip
+
+    def short_heldout(folder, case, case_env):  # 200 characters, re-pinned
+        import hashlib
+
+        path = store_copy(case_env, case) / heldout
+        body = path.read_bytes()[:200]
+        path.write_bytes(body)
+        old = next(r for r in lines(Path(env["DOFMINI_DATA_REGISTRY"]).read_text()) if heldout in r)
+        cells = old.split("\t")
+        new = "\t".join(
+            [cells[0], heldout, str(len(body)), hashlib.sha256(body).hexdigest(), cells[4]]
+        )
+        registry(lambda t: t.replace(old, new))(folder, case, case_env)
+
+    probe("data", "a 200-character held-out text", short_heldout)
+
     def mirror_closed(folder, case, case_env):
         (store_copy(case_env, case) / valid).unlink()
         case_env["DOFMINI_DATA_MIRROR"] = "http://127.0.0.1:9"
@@ -402,6 +428,13 @@ def probe_all(root: Path, only: str = "") -> list:
 
     probe("runs", "a second run into a folder in use", locked)
 
+    def planted_lock(folder, case, case_env):
+        (case / "out").mkdir()
+        (case / "target").write_text("precious")
+        (case / "out" / ".lock").symlink_to(case / "target")
+
+    probe("runs", "a .lock link planted in --out", planted_lock)
+
     def swapped_student(folder, case, case_env):
         shutil.copytree(root / "base", case / "out")
         students = case / "out" / "students"
@@ -448,6 +481,8 @@ def probe_all(root: Path, only: str = "") -> list:
     for label, name, change in [
         ("teacher.json cut short", "teacher.json", lambda p: p.write_text(p.read_text()[:20])),
         ("allocation.json not JSON", "allocation.json", lambda p: p.write_text("{")),
+        ("allocation.json's result {}", "allocation.json", lambda p: p.write_text(json.dumps(
+            {**json.loads(p.read_text()), "result": {}}))),  # fmt: skip
         ("a token cache cut short", "tokens-train.npy", cut(200)),
         ("a token cache of other text", "tokens-train.npy", other("tokens-heldout.npy")),
         ("results.json deleted", "results.json", lambda p: p.unlink()),

@@ -1,12 +1,15 @@
 """The data store: registry checks that run in a fresh clone, the Wikipedia conversion, and
 downloads from a real HTTP server on 127.0.0.1 (no other network)."""
 
+import contextlib
 import hashlib
+import http.server
 import os
 import re
 import shutil
 import socket
 import string
+import threading
 
 import check_sources as sources
 import pytest
@@ -306,3 +309,93 @@ def test_source_check_prints_a_table_and_fails_on_a_mismatch(data_mirror, monkey
     with pytest.raises(SystemExit) as exited:
         sources.main(["--groups", "piqa"])
     assert exited.value.code == 1
+
+
+def registry_with(tmp_path, group: str, path: str, url: str = "https://h/x"):
+    registry = tmp_path / "files.tsv"
+    registry.write_text(
+        f"group\tpath\tbytes\tsha256\turl\n{group}\t{path}\t12\t{'0' * 64}\t{url}\n"
+    )
+    return registry
+
+
+@pytest.mark.parametrize(
+    "path", ["../x/c.txt", "/tmp/c.txt", "corpus/wikipedia/./a.txt", "corpus//a.txt", "corpus\\a"]
+)
+def test_a_registry_path_outside_the_store_or_spelled_twice_is_refused(tmp_path, path):
+    with pytest.raises(data.DataError, match="line 2: .*none empty, '.' or '..'"):
+        data.read_registry(registry_with(tmp_path, "corpus", path))
+
+
+def test_a_task_row_pins_only_a_file_its_loader_reads(tmp_path):
+    """A row pinning another name would be verified while the loader reads an unpinned file."""
+    with pytest.raises(
+        data.DataError, match="the piqa task reads piqa/valid.jsonl, piqa/valid-lab"
+    ):
+        data.read_registry(registry_with(tmp_path, "piqa", "piqa/other.jsonl"))
+    with pytest.raises(data.DataError, match="mmlu task reads mmlu/test/<subject>_test.csv, not"):
+        data.read_registry(registry_with(tmp_path, "mmlu", "mmlu/dev/x_test.csv"))
+    assert data.read_registry(registry_with(tmp_path, "mmlu", "mmlu/test/x_test.csv"))
+
+
+def test_a_link_leading_out_of_the_store_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv("DOFMINI_DATA_MIRROR", f"file://{data_path()}")
+    (tmp_path / "store").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "store" / "wikitext-2-raw").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(data.DataError, match="wiki.valid.raw leads outside the store"):
+        data.ensure("wikitext2", tmp_path / "store", log=lambda message: None)
+    assert not list((tmp_path / "elsewhere").iterdir())
+
+
+def test_a_url_with_a_password_is_refused_without_showing_it(monkeypatch, tmp_path):
+    with pytest.raises(data.DataError) as raised:
+        data.read_registry(registry_with(tmp_path, "corpus", "corpus/a.txt", "https://u:pw@h/x"))
+    assert "user or password in the URL https://...@h is refused" in str(raised.value)
+    monkeypatch.setenv("DOFMINI_DATA_MIRROR", "http://me:secret@127.0.0.1:9")
+    with pytest.raises(data.DataError) as raised:
+        data.describe("wikitext2", tmp_path)
+    assert "secret" not in str(raised.value) and "DOFMINI_DATA_MIRROR: a user" in str(raised.value)
+
+
+@pytest.mark.parametrize("mirror", ["http://[::1", "ftp://h/x", "/a/folder", "http://h:port/"])
+def test_a_malformed_mirror_is_one_error_before_any_work(monkeypatch, tmp_path, mirror):
+    """Even with nothing to download: describe, a run's first step, checks it."""
+    monkeypatch.setenv("DOFMINI_DATA_MIRROR", mirror)
+    with pytest.raises(data.DataError, match="^DOFMINI_DATA_MIRROR: the URL"):
+        data.describe("wikitext2", tmp_path)
+
+
+class _Endless(http.server.BaseHTTPRequestHandler):
+    """Answers every GET with bytes that never end (no Content-Length)."""
+
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        with contextlib.suppress(OSError):  # the client hangs up
+            while True:
+                self.wfile.write(b"x" * 65536)
+
+    def log_message(self, format, *args):
+        pass
+
+
+def test_a_download_stops_past_the_pinned_size_and_leaves_nothing(monkeypatch, tmp_path):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Endless)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        monkeypatch.setenv("DOFMINI_DATA_MIRROR", f"http://127.0.0.1:{server.server_port}")
+        with pytest.raises(data.DataError, match=r"piqa/valid-labels.lst: .* more than 3676 bytes"):
+            data.ensure("piqa", tmp_path, log=lambda message: None)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not stored(tmp_path)  # no file, no temporary
+
+
+def test_a_wikipedia_source_without_its_articles_listed_is_one_error(tmp_path):
+    source = tmp_path / "a.txt"
+    source.write_bytes(b'<doc id="1">\nA\n\nText.\n</doc>\n')
+    row = data.DataFile("corpus", "corpus/wikipedia/unlisted.txt", 1, "0" * 64, "https://h/x")
+    with pytest.raises(data.DataError, match="unlisted.txt: data_articles.txt names no articles"):
+        data.verify(source, row, "")

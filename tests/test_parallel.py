@@ -10,11 +10,13 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import FIXTURES, REPO, tiny_store
 
 from dofmini.distill import TrainSettings, distill
 from dofmini.students import read_tensors
+from dofmini.study import devices
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
 # one student trained through runs.train_into; the last rank kills itself after step argv[2]
@@ -109,3 +111,35 @@ def test_more_ranks_than_a_step_has_parts_are_refused_before_any_work(tmp_path):
     assert done.returncode != 0
     assert f"2 ranks: expected at most one for each part ({why})" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_ranks_of_other_data_registries_stop_at_once_naming_it(tmp_path):
+    """Rank 1 with a registry of its own (here one pin changed) would train on other data: every
+    rank stops before any work with one line naming what differs."""
+    model, env = tiny_store(tmp_path)
+    registry = Path(env["DOFMINI_DATA_REGISTRY"])
+    rows = registry.read_text().splitlines(keepends=True)
+    cells = rows[-1].split("\t")
+    other = "".join(rows[:-1]) + "\t".join([*cells[:3], "0" * 64, cells[4]])
+    (tmp_path / "registry0.tsv").write_text(registry.read_text())
+    (tmp_path / "registry1.tsv").write_text(other)
+    wrapper = tmp_path / "rank.sh"  # each rank its own registry, by its LOCAL_RANK
+    wrapper.write_text(
+        f'export DOFMINI_DATA_REGISTRY="{tmp_path}/registry$LOCAL_RANK.tsv"\n'
+        f'exec {sys.executable} {REPO / "reproduce.py"} "$@"\n'
+    )
+    args = ["--no-python", "sh", wrapper, model, "--profile", "quick", "--out", tmp_path / "out"]
+    done = run(args, ranks=2, env=env)
+    assert done.returncode != 0 and "Exception ignored" not in done.stderr, done.stderr[-3000:]
+    why = "the ranks disagree: rank 1's data registry not rank 0's"
+    assert f"reproduce.py: error: rank 0 of 2: {why}" in done.stderr
+    assert f"reproduce.py: error: rank 1 of 2: {why}" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_world_size_without_torchrun_is_one_line(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name in devices.TORCHRUN_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit, match="error: WORLD_SIZE=2 without RANK, LOCAL_RANK, MASTER_"):
+        devices.start()

@@ -6,6 +6,7 @@ other settings, or that cannot be read, is named and set aside."""
 import dataclasses
 import functools
 import json
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,8 +16,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from dofmini.distill import TrainSettings, distill, train_direct
 from dofmini.students import load_student, make_student, read_tensors
-from dofmini.study import bank, stages
-from dofmini.study.keys import Clock
+from dofmini.study import bank, runs, stages
+from dofmini.study.keys import Clock, valid_allocation
 from dofmini.study.runs import peak_memory, stage, token_ids, train_into
 
 
@@ -204,3 +205,67 @@ def test_an_unreadable_progress_file_is_named_and_training_starts_over(tiny, tin
     fresh = trainable(distill(tiny, [4, 4], tiny_ids, settings, log=quiet)[0])
     student = trainable(load_student(tiny, path)[0])
     assert all(torch.equal(t, fresh[n]) for n, t in student.items())
+
+
+# --- what a rerun, a shared --out or a short text meets ---
+
+
+def refuse(message):
+    raise SystemExit(message)
+
+
+def test_a_lock_that_is_a_link_is_refused_and_its_target_kept(tmp_path):
+    (tmp_path / "target").write_text("precious")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / ".lock").symlink_to(tmp_path / "target")
+    with pytest.raises(SystemExit, match=r"out/.lock is a symbolic link; expected the run's own"):
+        with runs.locked(tmp_path / "out", refuse):
+            pass
+    assert (tmp_path / "target").read_text() == "precious"
+
+
+def small_run(tiny, tmp_path, ctx=16, **texts) -> stages.Run:
+    cfg = SimpleNamespace(out=tmp_path, data=tmp_path / "store", J=64, variants=("fix",), limit=0)
+    cfg.__dict__.update(error_windows=2, curve_windows=2, e2e_windows=2, batch=2, steps=1)
+    cfg.__dict__.update(lr=0.02, lr_a=0.2, per_device=1)
+    texts = {name: torch.zeros(1000, dtype=torch.long) for name in ("calib", "train")} | texts
+    texts = {"wikitext2": torch.zeros(100, dtype=torch.long), "heldout": texts["calib"]} | texts
+    return stages.Run(cfg, tiny, None, ctx, 0.0625, (8,), {}, texts=texts)
+
+
+@pytest.mark.parametrize("result", [{}, "x", {"per_head": [[1.0], [1.0]], "dims": {"8": {}}}])
+def test_a_saved_result_of_another_shape_is_named_and_redone(tiny, tmp_path, capsys, result):
+    run, path = small_run(tiny, tmp_path), tmp_path / "allocation.json"
+    key, valid = {"lam": 0.0625}, functools.partial(valid_allocation, run)  # stage_files' own
+    dims = {v: [4, 4] for v in ("fix", *stages.ALLOCATIONS)}
+    good = {"per_head": [[1.0], [1.0]], "dims": {"8": dims}, "seconds": 1.0}
+    path.write_text(json.dumps({"key": key, "result": result}))
+    assert runs.saved(path, key) == result and runs.saved(path, key, valid) is None
+    assert stage(path, key, lambda: good, valid=valid) == good
+    assert (
+        f"redo: {path}: its result is not of the shape this stage writes" in capsys.readouterr().out
+    )
+    for bad in ([4, 0], [4]):  # a 0 dim, a short list
+        assert not valid({**good, "dims": {"8": {**dims, "dof": bad}}})
+
+
+def test_a_text_too_short_for_the_run_is_one_error_naming_its_file(tiny, tmp_path):
+    held_out = torch.zeros(50, dtype=torch.long)  # the students need 6 windows of 16
+    with pytest.raises(runs.RunError, match=r"wikipedia-heldout.txt: 50 tokens; 96 needed \(the"):
+        stages.check_texts(small_run(tiny, tmp_path, heldout=held_out))
+    with pytest.raises(runs.RunError, match=r"wiki.test.raw: 10 tokens; 16 needed \(a window"):
+        stages.check_texts(small_run(tiny, tmp_path, wikitext2=torch.zeros(10)))
+    with pytest.raises(runs.RunError, match=r"ctx 1 \(64 positions in the model\): expected 2"):
+        stages.settings(small_run(tiny, tmp_path, ctx=1), 0)
+    stages.check_texts(small_run(tiny, tmp_path))
+
+
+def test_after_a_failure_further_signals_are_ignored():
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit, match="boom"):
+            with runs.one_line_errors(refuse):
+                raise runs.RunError("boom")
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # torchrun's to the others
+    finally:
+        signal.signal(signal.SIGTERM, before)

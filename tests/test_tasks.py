@@ -116,7 +116,8 @@ def test_mmlu_scores_only_the_subjects_the_registry_pins(tmp_path):
     """A file the registry does not pin is neither scored nor hashed into results.json's inputs,
     so it stays out of the examples."""
     folder = shutil.copytree(FIXTURES / "tasks" / "mmlu", tmp_path / "mmlu")
-    pinned = {Path(f.path).name for f in files("mmlu")}  # what evaluate_model passes
+    held = {p.name for p in (folder / "test").iterdir()}  # 2 of the 57 subjects
+    pinned = {Path(f.path).name for f in files("mmlu")} & held  # as evaluate_model passes them
     before = load_task("mmlu", tmp_path, only=pinned)
     shutil.copy(folder / "test" / "astronomy_test.csv", folder / "test" / "zz_extra_test.csv")
     assert load_task("mmlu", tmp_path, only=pinned) == before
@@ -183,3 +184,12 @@ def test_a_label_that_names_no_choice_is_refused_not_scored(
     tmp_path, name, path, change, row, label
 ):
     assert f"the label {label!r} is not one of" in refusal(tmp_path, name, path, change, row)
+
+
+def test_a_task_file_the_registry_does_not_pin_is_not_read(tmp_path):
+    shutil.copytree(FIXTURES / "tasks" / "piqa", tmp_path / "piqa")
+    with pytest.raises(DataError, match="registry pins no piqa/valid-labels.lst; the piqa task"):
+        load_task("piqa", tmp_path, only={"valid.jsonl"})
+    with pytest.raises(DataError, match="pins no mmlu/test/<subject>_test.csv; the mmlu task"):
+        load_task("mmlu", tmp_path, only=set())
+    assert len(load_task("piqa", tmp_path, 2, {"valid.jsonl", "valid-labels.lst"})) == 2

@@ -17,7 +17,7 @@ from typing import NamedTuple
 from tqdm import tqdm
 
 from ..files import atomic_write, by_hand, cache_dir, sha256_file
-from .tasks import DataError
+from .tasks import DataError, task_reads
 
 # group: (dataset, licence); the task groups are the names of tasks.TASKS
 GROUPS = {
@@ -65,7 +65,9 @@ def _lines(file: Path) -> list:
 
 def read_registry(file: Path) -> tuple:
     """The rows of a registry file (data_files.tsv's format), checked: a bad row stops here, and
-    a path listed twice (its text would count twice) is a bad row."""
+    a path listed twice (its text would count twice) is a bad row. A path is relative and plain
+    ("/"-separated names, none empty, "." or ".."), so every file stays inside the store and has
+    one spelling; a task's row pins a file its loader reads (tasks.task_reads)."""
     rows, lines, header = {}, _lines(file), "group\tpath\tbytes\tsha256\turl"
     if lines[:1] != [header]:  # without it, the first row would be taken for the header
         raise DataError(f"{file} line 1: {lines[:1]}; expected the header {header!r}")
@@ -77,8 +79,20 @@ def read_registry(file: Path) -> tuple:
                 f"{file} line {number}: {line!r}; expected a group ({', '.join(GROUPS)}), path "
                 "(not listed before), bytes, sha256 (64 hex) and URL, tab-separated"
             )
+        if why := _bad_path(cells[0], cells[1]):
+            raise DataError(f"{file} line {number}: {line!r}; {why}")
+        if why := _bad_url(cells[4]):  # the line left out: it may hold a password
+            raise DataError(f"{file} line {number} ({cells[1]}): {why}")
         rows[cells[1]] = DataFile(cells[0], cells[1], int(cells[2]), cells[3], cells[4])
     return tuple(rows.values())
+
+
+def _bad_path(group: str, path: str) -> str:
+    """Why `path` cannot be a row of `group`, or "" when it can."""
+    names = path.split("/")
+    if path.startswith("/") or "\\" in path or {"", ".", ".."} & set(names):
+        return f"the path {path!r}: expected names separated by '/', none empty, '.' or '..'"
+    return task_reads(group, path)
 
 
 @functools.cache
@@ -117,8 +131,33 @@ def files(groups) -> list:
 
 def source(f: DataFile) -> str:
     """Where `f` comes from: $DOFMINI_DATA_MIRROR/<path> when that is set, else its public URL."""
-    mirror = os.environ.get("DOFMINI_DATA_MIRROR")
+    mirror = check_mirror()
     return f"{mirror.rstrip('/')}/{f.path}" if mirror else f.url
+
+
+def _bad_url(url: str) -> str:
+    """Why `url` cannot be a source, or "": an http, https or file URL that parses, without a user
+    or password (refused, not sent: it would show in every plan, log line and error). The reason
+    names no more of it than its scheme and host, in case it holds a password."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host, _ = parts.hostname, parts.port  # a port that is not a number raises here
+    except ValueError as err:
+        return f"the URL does not parse ({err})"
+    if parts.scheme not in ("http", "https", "file") or parts.scheme != "file" and not host:
+        got = f"scheme {parts.scheme!r}, host {host!r}"
+        return f"the URL ({got}): expected http://HOST/..., https://HOST/... or file:///FOLDER"
+    if "@" in parts.netloc:  # refused rather than sent as basic auth, to any host it redirects to
+        return f"a user or password in the URL {parts.scheme}://...@{host} is refused"
+    return ""
+
+
+def check_mirror() -> str:
+    """$DOFMINI_DATA_MIRROR, checked (_bad_url), or "" when unset; a DataError names it."""
+    mirror = os.environ.get("DOFMINI_DATA_MIRROR", "")
+    if why := mirror and _bad_url(mirror):
+        raise DataError(f"DOFMINI_DATA_MIRROR: {why}")
+    return mirror
 
 
 def missing(groups, root) -> list:
@@ -153,6 +192,9 @@ def ensure(groups, root, log=print) -> dict:
     one DataError names every failure. When a source cannot be reached, the DataError lists
     each file still missing, its URL and where to put it."""
     root, needed = Path(root), files(groups)
+    for f in needed:  # a link in the store must not take a download outside it
+        if not (root / f.path).parent.resolve().is_relative_to(root.resolve()):
+            raise DataError(f"{f.path}: {root / f.path} leads outside the store {root.resolve()}")
     _remove_stale_temporaries(root, needed)
     absent, failures = missing(groups, root), []
     for f in needed:
@@ -221,6 +263,8 @@ def verify(path: Path, f: DataFile, advice: str) -> None:
         raise DataError(f"{f.path}: {path} is not a file; expected the file itself")
     if path.stat().st_size != f.size and f.group in WIKIEXTRACTOR_GROUPS:
         raw = path.read_bytes()
+        if raw.startswith(b"<doc ") and f.path not in ARTICLES:
+            raise DataError(f"{f.path}: data_articles.txt names no articles of it to keep")
         if raw.startswith(b"<doc "):
             converted = articles_from_wikiextractor(raw, ARTICLES[f.path], path)
             atomic_write(path, lambda tmp: tmp.write_bytes(converted))
@@ -234,8 +278,10 @@ def verify(path: Path, f: DataFile, advice: str) -> None:
 
 def fetch_verified(f: DataFile, tmp: Path, bar: bool = True) -> None:
     """Stream `f` from its source into `tmp`, under a progress bar if `bar`, and verify it
-    (converting a Wikipedia source); a DataError says whether to retry."""
+    (converting a Wikipedia source); a DataError says whether to retry. It stops once past the
+    pinned size (a Wikipedia source, unconverted, at 4 times it: its <doc> lines, short stubs)."""
     path, url = f.path, source(f)
+    most = f.size * (4 if f.group in WIKIEXTRACTOR_GROUPS else 1)
     try:
         with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as out:
             length = int(response.headers.get("Content-Length") or 0) or None
@@ -244,6 +290,8 @@ def fetch_verified(f: DataFile, tmp: Path, bar: bool = True) -> None:
             with tqdm(total=length, **progress) as counter:
                 while block := response.read(1 << 16):
                     counter.update(out.write(block))
+                    if out.tell() > most:
+                        raise DataError(f"{path}: {url} sent more than {most} bytes; stopped")
             received = out.tell()
     except urllib.error.HTTPError as err:
         raise DataError(f"{path}: {url} answered HTTP {err.code} ({err.reason})") from None

@@ -4,17 +4,29 @@ discarded) and holds the --out lock. Training shares each step's parts (shared: 
 student for any N), evaluation each batch's windows, summed; any other stage the writer
 computes while the rest wait, then read its file (runs.stage): it must not outlast TIMEOUT."""
 
+import dataclasses
 import datetime
+import hashlib
+import json
 import os
+import secrets
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .. import files
+from .. import files, hub
 from ..distill import flat_grad_part, in_parts, set_grads
+from . import data
 
 TIMEOUT = datetime.timedelta(hours=1)
+RENDEZVOUS = datetime.timedelta(minutes=5)  # the wait for every rank to join the group
+TORCHRUN_SETTINGS = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # beside WORLD_SIZE
+
+
+class RankError(RuntimeError):
+    """Ranks that would not run the same computation: they would mix data or wait forever."""
 
 
 def world() -> int:
@@ -30,16 +42,70 @@ def is_writer() -> bool:
 
 
 def start():
-    """Join torchrun's group: gloo for CPU tensors, NCCL for CUDA ("cuda" is cuda:LOCAL_RANK)."""
-    if int(os.environ.get("WORLD_SIZE", 1)) == 1 or dist.is_initialized():
+    """Join torchrun's group: gloo for CPU tensors, NCCL for CUDA ("cuda" is cuda:LOCAL_RANK). The
+    wait for the other ranks is said and bounded (RENDEZVOUS); a failure, or a WORLD_SIZE without
+    torchrun's other settings, is one line."""
+    size = os.environ.get("WORLD_SIZE", "1")
+    if size == "1" or dist.is_initialized():
         return
+    absent = [name for name in TORCHRUN_SETTINGS if name not in os.environ]
+    if absent or not size.isdigit():
+        _exit(f"WORLD_SIZE={size} without {', '.join(absent) or 'a number'}: run under torchrun, "
+              "which sets them, or unset WORLD_SIZE")  # fmt: skip
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    rank = f"rank {os.environ['RANK']} of {size}"
+    print(f"{rank}: waiting for {size} ranks at {where} (at most {RENDEZVOUS})", flush=True)
     cuda = torch.cuda.is_available()
-    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=TIMEOUT)
+    try:
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=RENDEZVOUS)
+    except (RuntimeError, ValueError, KeyboardInterrupt) as err:  # DistError is a RuntimeError
+        _exit(f"{rank}: no group of {size} ranks at {where} ({str(err).splitlines()[0]})")
+    dist.distributed_c10d._set_pg_timeout(TIMEOUT)  # joined: the stages' own bound from here on
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not is_writer():
         files.WRITES = False
         sys.stdout = open(os.devnull, "w")  # for the life of the process
+
+
+def _exit(message: str):
+    """Stop with one line, as the command's other errors (no handler is set up this early)."""
+    raise SystemExit(f"{Path(sys.argv[0]).name}: error: {message}")
+
+
+def agree(cfg) -> None:
+    """Under torchrun, stop every rank with one line naming what differs unless all run the same
+    settings (cfg, a RunConfig, but for the paths --out and --data), data registry rows and
+    weights, into the same --out: one all-gather of their digests. --out's identity is a nonce the
+    writer puts there (a plan, which writes nothing, has none)."""
+    if world() == 1:
+        return
+    nonce, folder = cfg.out / ".ranks", hub.locate(cfg.model)
+    if is_writer() and not cfg.plan_only:
+        files.write_text(nonce, secrets.token_hex(16))
+    barrier()
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("out", "data")}
+    weights = (folder / "model.safetensors").is_file() and hub.fingerprint(folder)
+    parts = {
+        "settings": json.dumps(settings, sort_keys=True, default=str),
+        "data registry": repr(sorted(data.registry())),  # in any order, as the run reads it
+        "weights": weights or "not downloaded yet",
+        "--out": "a plan" if cfg.plan_only else nonce.is_file() and nonce.read_text(),
+    }
+    digests = [hashlib.sha256(str(v).encode()).digest() for v in parts.values()]
+    mine = torch.tensor([list(d) for d in digests], dtype=torch.int64)  # [parts, 32]
+    every = [torch.empty_like(mine) for _ in range(world())]
+    dist.all_gather(every, mine)
+    if is_writer():
+        nonce.unlink(missing_ok=True)
+    differ = [(r, name) for r, t in enumerate(every) for name, row in zip(parts, t != every[0])
+              if row.any()]  # fmt: skip
+    if differ:
+        named = ", ".join(f"rank {r}'s {name}" for r, name in differ)
+        raise RankError(
+            f"the ranks disagree: {named} not rank 0's; every rank must run the same command on "
+            "the same weights and data registry, into the same (shared) --out"
+        )
 
 
 def share(items):

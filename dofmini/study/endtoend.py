@@ -9,6 +9,7 @@ oracle chosen on the swap curves is scored on windows it never saw."""
 
 import copy
 import math
+from functools import partial
 
 import torch
 from torch import nn
@@ -16,6 +17,7 @@ from torch import nn
 from ..students import load_student
 from . import runs, stages
 from .evaluate import held_out
+from .keys import is_list_of, is_number
 from .oracle import seed_mean_oracle
 from .progress import Progress
 
@@ -69,12 +71,22 @@ def offsets(run) -> tuple:
 
 
 def stage_file(run, spec, swap: bool = False) -> tuple:
-    """(file, key) of a student's end-to-end KL, or with `swap` of its one-layer swaps."""
+    """(file, key, validator) of a student's end-to-end KL (its mean and each window's), or with
+    `swap` of its one-layer swaps (one mean per layer)."""
     windows = offsets(run)[swap]
     key = {"student": stages.train_key(run, spec), **stages.eval_key(run), "e2e": windows}
-    if not swap:  # its result holds each window's KL; files made before lack it and are redone
-        key["per_window"] = True
-    return run.cfg.out / "eval" / f"{spec.stem}-{'swap' if swap else 'e2e'}.json", key
+    path = run.cfg.out / "eval" / f"{spec.stem}-{'swap' if swap else 'e2e'}.json"
+    if swap:
+        n_layer = run.teacher.config.n_layer
+        return path, key, partial(is_list_of, count=n_layer, valid=is_number)
+    key["per_window"] = True  # its result holds each window's KL; files made before are redone
+    return path, key, partial(valid_windows, count=windows[1])
+
+
+def valid_windows(result, count: int) -> bool:
+    """student_kl's result: the mean and each of the `count` windows' KL."""
+    windows = isinstance(result, dict) and result.get("windows")
+    return is_number(result.get("e2e_kl")) and is_list_of(windows, count, is_number)
 
 
 def student_kl(run, spec, swap: bool = False):
@@ -92,7 +104,8 @@ def student_kl(run, spec, swap: bool = False):
         found = window_kl(run.teacher, [student], run.texts["heldout"], run.ctx, count, offset)
         return {"e2e_kl": math.fsum(found[0]) / count, "windows": found[0]}
 
-    return runs.stage(*stage_file(run, spec, swap), compute)
+    path, key, valid = stage_file(run, spec, swap)
+    return runs.stage(path, key, compute, valid=valid)
 
 
 def evaluate(run, spec) -> dict:

@@ -5,6 +5,7 @@ result only for the same key). stages.py computes the stages."""
 import itertools
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from ..distill import TrainSettings
@@ -86,9 +87,11 @@ class Run:
     texts: dict = field(default_factory=dict)  # name -> token ids
     clock: Clock = field(default_factory=lambda: Clock([]))
 
-    def stage(self, name: str, path: Path, key: dict, compute, split=False):
+    def stage(self, name: str, path: Path, key: dict, valid, compute, split=False):
+        """runs.stage of the stage `name` (a file, key and validator of stage_files or
+        student_file), begun on the clock."""
         self.clock.begin(name)
-        return runs.stage(path, key, compute, split)
+        return runs.stage(path, key, compute, split, valid)
 
     def texts_read(self) -> dict:
         """{text: its data files, in the order read}: DoF's calibration text, the perplexity
@@ -117,24 +120,52 @@ def eval_key(run: Run) -> dict:
 
 
 def stage_files(run: Run) -> dict:
-    """{stage name: (its file, its key)} of the teacher's evaluation and DoF."""
+    """{stage name: (its file, its key, its validator)} of the teacher's evaluation and DoF."""
     cfg, inputs, out = run.cfg, run.inputs, run.cfg.out
     dof = dict(teacher=inputs["teacher"], calib=inputs[CALIBRATION], device=inputs["device"])
     dof.update(seed=cfg.seeds[0], budgets=run.budgets, rules=ALLOCATIONS, lam=run.lam, J=cfg.J)
     dof.update(ctx=run.ctx, calib_windows=cfg.calib_windows, normalize=not cfg.raw_gram)
     teacher = {"teacher": inputs["teacher"], **eval_key(run)}
     return {
-        "teacher evaluation": (out / "teacher.json", teacher),
-        "DoF estimate": (out / "allocation.json", dof),
+        "teacher evaluation": (
+            out / "teacher.json",
+            teacher,
+            partial(valid_evaluation, run, False),
+        ),
+        "DoF estimate": (out / "allocation.json", dof, partial(valid_allocation, run)),
     }
 
 
 def settings(run: Run, seed: int) -> TrainSettings:
+    """A student's training settings; a RunError for a context TrainSettings refuses."""
+    if run.ctx < 2:  # a model of 1 position
+        n_pos = run.teacher.config.n_ctx
+        raise runs.RunError(f"ctx {run.ctx} ({n_pos} positions in the model): expected 2 or more")
     cfg = run.cfg
     steps = cfg.steps or max(1, len(run.texts["train"]) // (cfg.batch * run.ctx))
     return TrainSettings(
         steps, cfg.batch, run.ctx, cfg.lr, cfg.lr_a, data_seed=seed, part=cfg.per_device
     )
+
+
+def check_texts(run: Run) -> None:
+    """A RunError naming the text, its files and tokens and what needs more, unless each text holds
+    enough tokens: DoF's J queries and keys, a window of ctx for each perplexity and training, and
+    the held-out windows of the students' errors, curves and end-to-end KL."""
+    cfg, ctx = run.cfg, run.ctx
+    held_out = cfg.error_windows + cfg.curve_windows + cfg.e2e_windows
+    held_out += cfg.e2e_windows if "oracle_e2e" in cfg.variants else 0
+    window, calib = (ctx, f"a window of ctx {ctx}"), -(-cfg.J // (2 * ctx)) * ctx
+    students = (held_out * ctx, f"the students' {held_out} held-out windows of ctx {ctx}")
+    needs = dict(calib=(calib, f"DoF's {cfg.J} queries and keys"), wikitext2=window)
+    needs.update(
+        heldout=students if cfg.variants else window, train=window if cfg.variants else (0, "")
+    )
+    for name, files in run.texts_read().items():
+        tokens, (need, why) = len(run.texts[name]), needs[name]
+        if tokens < need:
+            named = ", ".join(str(cfg.data / f) for f in files)
+            raise runs.RunError(f"{named}: {tokens} tokens; {need} needed ({why})")
 
 
 def training_inputs(run: Run, seed: int) -> dict:
@@ -153,9 +184,50 @@ def train_key(run: Run, spec: Student) -> dict:
 
 
 def student_file(run: Run, spec: Student, curve: bool = False) -> tuple:
-    """(file, key) of a student's evaluation, or with `curve` of its errors for the error curves,
-    on the windows after the reported ones."""
+    """(file, key, validator) of a student's evaluation, or with `curve` of its errors for the
+    error curves, on the windows after the reported ones."""
     key = {"student": train_key(run, spec), **eval_key(run)}
     if curve:
         key["windows"] = run.cfg.curve_windows
-    return run.cfg.out / "eval" / f"{spec.stem}{'-curve' * curve}.json", key
+    valid = partial(valid_errors, run) if curve else partial(valid_evaluation, run, True)
+    return run.cfg.out / "eval" / f"{spec.stem}{'-curve' * curve}.json", key, valid
+
+
+# The shape of each stage's result, checked before a saved one is reused (runs.saved): one of the
+# same key cut to {}, a string, a short list or a 0 dim would fail the run instead of redoing it.
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_list_of(value, count: int, valid) -> bool:
+    return isinstance(value, list) and len(value) == count and all(map(valid, value))
+
+
+def _fields(result, names, valid) -> bool:
+    return isinstance(result, dict) and all(valid(result.get(name)) for name in names)
+
+
+def valid_errors(run: Run, result) -> bool:
+    """evaluate.layer_errors': per layer, numbers (None for a layer without PRF features)."""
+    n_layer, n_head = run.teacher.config.n_layer, run.teacher.config.n_head
+    layers = lambda v: is_list_of(v, n_layer, lambda x: x is None or is_number(x))  # noqa: E731
+    heads = lambda v: v is None or is_list_of(v, n_head, is_number)  # noqa: E731
+    lists = _fields(result, ("kernel_l2", "kl", "output_rel"), layers)
+    return lists and is_list_of(result.get("kl_heads"), n_layer, heads)
+
+
+def valid_evaluation(run: Run, student: bool, result) -> bool:
+    """evaluate.evaluate_model's: each perplexity and task; a student's layer errors too."""
+    texts = [f"{name}_{what}" for name in evaluate.PPL_TEXTS for what in ("ppl", "tokens")]
+    scores = lambda v: _fields(v, run.tasks(), lambda task: isinstance(task, dict))  # noqa: E731
+    found = _fields(result, texts, is_number) and scores(result.get("tasks"))
+    return found and (not student or valid_errors(run, result.get("layer_error")))
+
+
+def valid_allocation(run: Run, result) -> bool:
+    """The DoF stage's: per head DoF, and each variant's dims (each >= 1) at each budget."""
+    n_layer, variants = run.teacher.config.n_layer, ("fix", *ALLOCATIONS)
+    dims = lambda v: is_list_of(v, n_layer, lambda m: type(m) is int and m >= 1)  # noqa: E731
+    budget = lambda v: _fields(v, variants, dims)  # noqa: E731
+    per_head = is_list_of(isinstance(result, dict) and result.get("per_head"), n_layer, bool)
+    return per_head and _fields(result.get("dims"), map(str, run.budgets), budget)

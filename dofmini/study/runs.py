@@ -5,6 +5,7 @@ file goes through files.atomic_write, so a kill leaves a stage either whole or a
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import io
@@ -13,6 +14,7 @@ import os
 import platform
 import re
 import signal
+import stat
 import subprocess
 from pathlib import Path
 
@@ -50,21 +52,26 @@ def _why_redo(path: Path, old, key: dict) -> str:
     return f"redo: {path}: {changed_settings(old, as_json(key))} changed"
 
 
-def saved(path: Path, key: dict):
-    """The result a stage saved at `path`, if it was made with `key`; else None."""
+def saved(path: Path, key: dict, valid=None):
+    """The result a stage saved at `path`, if it was made with `key` and, given `valid`, if
+    valid(result) holds (it has the shape the stage writes); else None."""
     stored = _stored(path)
-    return stored.get("result") if stored.get("key") == as_json(key) else None
+    result = stored.get("result") if stored.get("key") == as_json(key) else None
+    return None if result is None or valid and not valid(result) else result
 
 
-def stage(path: Path, key: dict, compute, split: bool = False):
-    """compute() unless `path` holds a result made with the same `key` (settings and inputs); under
-    torchrun by every rank if `split` (sharing its work), else by the writer (the rest read it)."""
+def stage(path: Path, key: dict, compute, split: bool = False, valid=None):
+    """compute() unless `path` holds a result made with the same `key` (settings and inputs), one
+    valid(result) accepts when given; under torchrun by every rank if `split` (sharing its work),
+    else by the writer (the rest read it)."""
     if not split:
-        return devices.writer_first(lambda: stage(path, key, compute, split=True))
-    if (result := saved(path, key)) is not None:
+        return devices.writer_first(lambda: stage(path, key, compute, True, valid))
+    if (result := saved(path, key, valid)) is not None:
         log(f"skip: {path} done")
         return result
-    if path.exists():
+    if saved(path, key) is not None:
+        log(f"redo: {path}: its result is not of the shape this stage writes")
+    elif path.exists():
         log(_why_redo(path, _stored(path).get("key"), key))
     result = compute()
     write_text(path, json.dumps({"key": as_json(key), "result": result}, indent=1, sort_keys=True))
@@ -173,11 +180,18 @@ def check_writable(out: Path, flag: str, fail) -> None:
         fail(f"{flag} {out} cannot be created: {parent} is not a writable folder")
 
 
+def _ignore_signals():
+    """From here on SIGINT and SIGTERM are ignored: the run is ending already, and one raised
+    while it unwinds or exits (torchrun's SIGTERM to the ranks left after one fails) would break
+    that off with a traceback or an "Exception ignored" one."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _stop(number, frame):
     """SIGINT and SIGTERM end the run alike, unwinding (temporaries removed, the lock released);
     later ones are ignored: a second Ctrl-C ms later would break that off with a traceback."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+    _ignore_signals()
     raise KeyboardInterrupt(signal.Signals(number).name)
 
 
@@ -192,20 +206,27 @@ def one_line_errors(fail):
     before = {sig: signal.signal(sig, _stop) for sig in kept}
     try:
         yield
-    except (CheckpointError, data.DataError, RunError) as err:
-        fail(str(err))
-    except KeyboardInterrupt as err:
-        stopped = "terminated" if err.args == ("SIGTERM",) else "interrupted"
-        fail(f"{stopped}; run the same command again to resume")
-    except RuntimeError as err:  # under torchrun: mostly a collective whose peer rank stopped
-        if devices.world() == 1:
-            raise
-        fail(f"{str(err).splitlines()[0]}; run the same command again to resume")
-    except OSError as err:  # atomic_write's own message names the file already
-        named = err.filename and str(err.filename) not in (err.strerror or "")
-        fail(f"{err.filename}: {err.strerror}" if named else err.strerror or str(err))
-    for sig, handler in before.items():  # not after a failure: its exit ignores them still
+    except BaseException as err:
+        if kept:  # not when the user asked to keep running: those stay ignored anyway
+            _ignore_signals()
+        fail(_one_line(err))
+    for sig, handler in before.items():  # not after a failure: its exit ignores them
         signal.signal(sig, handler)
+
+
+def _one_line(err: BaseException) -> str:
+    """A failure's one line, or `err` raised again: a program's own exit, or a bug's traceback."""
+    if isinstance(err, (CheckpointError, data.DataError, RunError, devices.RankError)):
+        return str(err)
+    if isinstance(err, KeyboardInterrupt):
+        stopped = "terminated" if err.args == ("SIGTERM",) else "interrupted"
+        return f"{stopped}; run the same command again to resume"
+    if isinstance(err, RuntimeError) and devices.world() > 1:  # mostly a collective whose peer
+        return f"{str(err).splitlines()[0]}; run the same command again to resume"  # stopped
+    if isinstance(err, OSError):  # atomic_write's own message names the file already
+        named = err.filename and str(err.filename) not in (err.strerror or "")
+        return f"{err.filename}: {err.strerror}" if named else err.strerror or str(err)
+    raise err
 
 
 @contextlib.contextmanager
@@ -216,14 +237,13 @@ def locked(out: Path, fail):
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     lock = out / ".lock"
-    with open(lock, "a+") as f:
+    with _open_lock(lock, fail) as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            f.seek(0)
             busy = f"--out {out} is in use by another run (PID {f.read().strip() or '?'})"
             fail(f"{busy}; wait for it to finish or choose another --out")
-        f.truncate(0)  # in "a+" mode the write then starts at 0
+        f.truncate(0)
         f.write(str(os.getpid()))
         f.flush()
         try:
@@ -233,6 +253,23 @@ def locked(out: Path, fail):
                 lock.unlink()
                 if created:
                     out.rmdir()
+
+
+def _open_lock(lock: Path, fail):
+    """`lock` opened to read and write, created if absent, never through a link (a `.lock` link
+    planted in a shared --out would have its target overwritten) and only if a regular file (a
+    FIFO would block): else fail(message)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        number = os.open(lock, flags, 0o644)
+    except OSError as err:
+        if err.errno != errno.ELOOP:
+            raise
+        fail(f"{lock} is a symbolic link; expected the run's own lock file (remove the link)")
+    if not stat.S_ISREG(os.fstat(number).st_mode):
+        os.close(number)
+        fail(f"{lock} is not a regular file; expected the run's own lock file (remove it)")
+    return os.fdopen(number, "r+")
 
 
 def missing_listing(weights: list, absent: list, root, header: str) -> str:

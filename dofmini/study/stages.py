@@ -21,11 +21,13 @@ from .keys import (
     CALIBRATION,
     Run,
     Student,
+    check_texts,
     eval_key,
     settings,
     stage_files,
     student_file,
     train_key,
+    valid_errors,
 )
 from .oracle import curves_record
 from .runs import log
@@ -67,8 +69,8 @@ def evaluate_model(run: Run, model, part=None) -> dict:
     return evaluate.evaluate_model(model, run.tokenizer, texts, run.ctx, *options)
 
 
-def evaluation(run: Run, name: str, path: Path, key: dict, model, student=False) -> dict:
-    """The stage `name` saved at `path` with `key`: `model`'s perplexity and tasks, a `student`'s
+def evaluation(run: Run, name: str, path: Path, key: dict, valid, model, student=False) -> dict:
+    """The stage `name` saved at `path` with `key` (its result checked by `valid`): `model`'s perplexity and tasks, a `student`'s
     layer errors first, each part saved as it finishes (saved_parts), which a rerun after an
     interrupt reuses; the parts are removed once the whole is saved."""
     parts = [*(["layer_error"] if student else []), *evaluate.PPL_TEXTS, *run.tasks()]
@@ -79,7 +81,7 @@ def evaluation(run: Run, name: str, path: Path, key: dict, model, student=False)
         found = {"layer_error": part("layer_error", errors)} if student else {}
         return {**found, **evaluate_model(run, model, part)}
 
-    result = run.stage(name, path, key, compute, split=True)
+    result = run.stage(name, path, key, valid, compute, split=True)
     folder = parts_folder(run, path)
     if devices.is_writer() and folder.exists():
         shutil.rmtree(folder)
@@ -115,6 +117,7 @@ def saved_parts(run: Run, name: str, path: Path, key: dict, parts: list):
 
 
 def evaluate_teacher(run: Run) -> dict:
+    check_texts(run)  # the first stage: before any work
     name = "teacher evaluation"
     result = evaluation(run, name, *stage_files(run)[name], run.teacher)
     log(f"teacher: WikiText-2 perplexity {result['wikitext2_ppl']:.2f} (ctx {run.ctx})")
@@ -226,7 +229,10 @@ def train_and_evaluate(run: Run, spec: Student) -> dict:
         key = {"teacher": run.inputs["teacher"], "dims": spec.dims, "seed": spec.seed}
         path = run.cfg.out / "eval" / f"untrained-{'-'.join(map(str, spec.dims))}-s{spec.seed}.json"
         compute = lambda: layer_errors(run, performer(run, spec))
-        result["layer_error_before"] = runs.stage(path, {**key, **eval_key(run)}, compute)
+        valid = functools.partial(valid_errors, run)
+        result["layer_error_before"] = runs.stage(
+            path, {**key, **eval_key(run)}, compute, False, valid
+        )
     kl = result["layer_error"]["kl"]
     kl_text = "—" if None in kl else f"{np.mean(kl):.4g}"
     log(f"{spec.name}: WikiText-2 perplexity {result['wikitext2_ppl']:.2f}, mean KL {kl_text}")

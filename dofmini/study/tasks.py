@@ -5,6 +5,7 @@ is one "choice": its continuation."""
 
 import csv
 import json
+import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, replace
 from functools import partial
@@ -21,6 +22,22 @@ class Example:
     continuations: list  # [str] one per choice, each starting with its separating space
     label: int
     group: str = ""  # MMLU subject: accuracies are also macro-averaged over groups
+
+
+# the files each task reads, relative to the data folder; MMLU reads its pinned subjects' files
+TASK_FILES = {
+    "piqa": ("piqa/valid.jsonl", "piqa/valid-labels.lst"),
+    "arc_easy": ("arc/ARC-Easy-Test.jsonl",),
+    "arc_challenge": ("arc/ARC-Challenge-Test.jsonl",),
+    "winogrande": ("winogrande/winogrande_1.1/dev.jsonl",),
+    "wsc273": ("wsc273/WSCollection.xml",),
+    "mmlu": (),
+    "logiqa": ("logiqa/Test.txt",),
+    "lambada": ("lambada/lambada_openai.jsonl",),
+}
+MMLU_FOLDER = "mmlu/test"
+# pinned with its set, not read: dev.jsonl holds the answers too
+PINNED_UNREAD = {"winogrande": ("winogrande/winogrande_1.1/dev-labels.lst",)}
 
 
 def _choices(context: str, options: list, label: int, group: str = "") -> Example:
@@ -78,8 +95,9 @@ def _piqa(d: dict) -> Example:
 
 
 def load_piqa(data_dir) -> list:
-    examples = _jsonl("piqa/valid.jsonl", _piqa, data_dir)
-    path = _file(data_dir, "piqa/valid-labels.lst")
+    questions, answers = TASK_FILES["piqa"]
+    examples = _jsonl(questions, _piqa, data_dir)
+    path = _file(data_dir, answers)
     labels = _parse(path, _lines(path), lambda y: _label(y.strip(), ("0", "1")), "0 or 1")
     if len(labels) != len(examples):
         raise ValueError(f"{path}: {len(labels)} labels for {len(examples)} questions")
@@ -125,7 +143,7 @@ def _wsc(schema) -> Example:
 
 def load_wsc273(data_dir) -> list:
     """The first 273 schemas, rebuilt as the Hugging Face `winograd_wsc` set."""
-    path = _file(data_dir, "wsc273/WSCollection.xml")
+    path = _file(data_dir, *TASK_FILES["wsc273"])
     try:
         schemas = list(ET.parse(path).getroot())[:273]
     except ET.ParseError as err:
@@ -146,10 +164,12 @@ def _mmlu(subject: str, row: list) -> Example:
 
 def load_mmlu(data_dir, per_subject=None, only=None) -> list:
     """Letter scoring, as the harness's default MMLU: the options are listed in the context, the
-    continuations are " A" .. " D" (so acc_norm equals acc); the first `per_subject` of each."""
-    folder = _file(data_dir, "mmlu/test/abstract_algebra_test.csv").parent
-    examples, paths = [], sorted(folder.glob("*_test.csv"))
-    for path in [p for p in paths if only is None or p.name in only]:
+    continuations are " A" .. " D" (so acc_norm equals acc); the first `per_subject` of each
+    subject, those named in `only` (every file in the folder when None)."""
+    folder = Path(data_dir) / MMLU_FOLDER
+    names = sorted(p.name for p in folder.glob("*_test.csv")) if only is None else sorted(only)
+    examples = []
+    for path in [_file(data_dir, f"{MMLU_FOLDER}/{name}") for name in names]:
         with open(path, newline="", encoding="utf-8") as f:
             reader = csv.reader(f)
             try:
@@ -175,7 +195,7 @@ def _logiqa(record: list) -> Example:
 def load_logiqa(data_dir) -> list:
     """Test.txt: records of 8 lines (blank, answer letter, passage, question, four "X." options),
     normalised like the harness: ". " after every period, the option's "X." prefix dropped."""
-    path = _file(data_dir, "logiqa/Test.txt")
+    path = _file(data_dir, *TASK_FILES["logiqa"])
     lines = path.read_text(encoding="utf-8").split("\n")
     records = [(i + 1, lines[i : i + 8]) for i in range(0, len(lines) - 1, 8)]
     return _parse(path, records, _logiqa, "a blank line, a letter a..d and 6 lines of text")
@@ -188,22 +208,40 @@ def _lambada(d: dict) -> Example:
 
 TASKS = {
     "piqa": load_piqa,
-    "arc_easy": partial(_jsonl, "arc/ARC-Easy-Test.jsonl", _arc),
-    "arc_challenge": partial(_jsonl, "arc/ARC-Challenge-Test.jsonl", _arc),
-    "winogrande": partial(_jsonl, "winogrande/winogrande_1.1/dev.jsonl", _winogrande),
+    "arc_easy": partial(_jsonl, *TASK_FILES["arc_easy"], _arc),
+    "arc_challenge": partial(_jsonl, *TASK_FILES["arc_challenge"], _arc),
+    "winogrande": partial(_jsonl, *TASK_FILES["winogrande"], _winogrande),
     "wsc273": load_wsc273,
     "mmlu": load_mmlu,
     "logiqa": load_logiqa,
-    "lambada": partial(_jsonl, "lambada/lambada_openai.jsonl", _lambada),
+    "lambada": partial(_jsonl, *TASK_FILES["lambada"], _lambada),
 }
+
+
+def task_reads(task: str, path: str) -> str:
+    """Why a registry row of `task` may not pin `path` (a file its loader never reads, while it
+    reads an unpinned one), or "" when it may; "" for a group that is not a task."""
+    if task not in TASKS or path in TASK_FILES[task] + PINNED_UNREAD.get(task, ()):
+        return ""
+    if task == "mmlu" and re.fullmatch(rf"{MMLU_FOLDER}/\w+_test\.csv", path):
+        return ""
+    named = f"{MMLU_FOLDER}/<subject>_test.csv" if task == "mmlu" else ", ".join(TASK_FILES[task])
+    return f"the {task} task reads {named}, not {path!r}"
 
 
 def load_task(name: str, data_dir, limit=None, only=None) -> list:
     """The task's examples from the data folder `data_dir`; `limit` keeps the first N. MMLU keeps
     the first ceil(N/57) of each subject, at most N in all, so a limited run still spreads over the
-    subjects it macro-averages; `only`: the MMLU file names to read (the pinned ones)."""
+    subjects it macro-averages; `only`: the names of the files the registry pins for the task, each
+    file it reads among them (MMLU reads those), or a DataError."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
+    unpinned = [
+        path for path in TASK_FILES[name] if only is not None and Path(path).name not in only
+    ]
+    if unpinned or only is not None and not only:  # MMLU's need: one pinned subject
+        what = ", ".join(unpinned) or f"{MMLU_FOLDER}/<subject>_test.csv"
+        raise DataError(f"the data registry pins no {what}; the {name} task reads it")
     per_subject = [limit and -(-limit // 57), only] if name == "mmlu" else []
     try:
         return TASKS[name](data_dir, *per_subject)[:limit]
