@@ -70,9 +70,10 @@ def evaluate_model(run: Run, model, part=None) -> dict:
 
 
 def evaluation(run: Run, name: str, path: Path, key: dict, valid, model, student=False) -> dict:
-    """The stage `name` saved at `path` with `key` (its result checked by `valid`): `model`'s perplexity and tasks, a `student`'s
-    layer errors first, each part saved as it finishes (saved_parts), which a rerun after an
-    interrupt reuses; the parts are removed once the whole is saved."""
+    """The stage `name` saved at `path` with `key` (a saved result checked by `valid`): `model`'s
+    perplexity and tasks, a `student`'s layer errors first, each part saved as it finishes
+    (saved_parts), which a rerun after an interrupt reuses; the parts are removed once the whole
+    is saved."""
     parts = [*(["layer_error"] if student else []), *evaluate.PPL_TEXTS, *run.tasks()]
 
     def compute():
