@@ -117,9 +117,9 @@ def in_parts(backward, params: list, part: int):
 
 
 def shared(backward, params: list, part: int):
-    """in_parts over torchrun's ranks (distill.fit's `share`): rank r takes parts r, r + world, … of `part`
-    windows (each rank at least one), and each round's weighted gradients are gathered and
-    added in part order: any number of ranks gives the one-process student bit for bit."""
+    """distill.fit's `share`: in_parts over torchrun's ranks. Rank r takes parts r, r + world, …
+    of `part` windows (each rank at least one), and each round's weighted gradients are gathered
+    and added in part order: any number of ranks gives the one-process student bit for bit."""
     if world() == 1:
         return in_parts(backward, params, part)
 
