@@ -181,9 +181,7 @@ def adam(params: dict, s: TrainSettings) -> torch.optim.Adam:
     return torch.optim.Adam([g for g in groups if g["params"]])
 
 
-def fit(
-    model, params, backward, tokens, what, s, share=None, log=print, resume=None, on_step=None
-):
+def fit(model, params, backward, tokens, what, s, share=None, log=print, resume=None, on_step=None):
     """The loop: draw a batch of windows of `model`'s token ids (with
     s.data_seed), back-propagate it (backward(ids), the whole batch at
     once; or the step share(backward, params, s.part) makes, such as
