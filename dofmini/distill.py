@@ -10,23 +10,20 @@ import torch
 import torch.nn.functional as F
 
 from .linear_attention import LinearAttention, unit_features
+from .model import need_integers, need_one_of, need_positive
 from .students import make_student, trainable
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 TERMS = {"l2": "l2", "softmax": "ce"}  # each layerwise loss's term in chunk_terms
 
 
-def need(ok: bool, name: str, value, expected: str):
-    """TrainSettings' one check: an error naming the field, its value and what it must be."""
-    if not ok:
-        raise ValueError(f"TrainSettings: {name}={value!r}; expected {expected}")
-
-
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
-    """`steps` Adam steps on `batch` windows of ctx tokens drawn with data_seed, `part` at a time
-    (in_parts); lr for z (and DiJiang's), lr_a for a = log α (the paper's 0.02, 0.2); `chunk`
-    queries a piece and `dtype` for layerwise losses; a log line every log_every (None: 1/10)."""
+    """`steps` Adam steps on `batch` windows of ctx tokens drawn with
+    data_seed; lr for z (and DiJiang's), lr_a for a = log α (the paper's
+    0.02, 0.2); `chunk` queries a piece and `dtype` for layerwise losses;
+    a log line every log_every (None: 1/10). part: windows back-propagated
+    at a time, by fit's `share` (None: the whole batch at once)."""
 
     steps: int = 200
     batch: int = 8
@@ -34,21 +31,20 @@ class TrainSettings:
     lr: float = 0.02
     lr_a: float = 0.2
     data_seed: int = 0
-    part: int = 1
+    part: int | None = None
     chunk: int = 256
     dtype: str = "float32"
     log_every: int | None = None
 
     def __post_init__(self):
-        for name, least in dict(steps=1, batch=1, part=1, chunk=1, ctx=2).items():
-            count = getattr(self, name)
-            need(count >= least, name, count, f"an integer >= {least}")
-        for name in ("lr", "lr_a"):
-            rate = getattr(self, name)
-            need(math.isfinite(rate) and rate > 0, name, rate, "a positive finite number")
-        need(self.dtype in DTYPES, "dtype", self.dtype, f"one of {list(DTYPES)}")
-        every = self.log_every
-        need(every is None or every >= 1, "log_every", every, "None or >= 1")
+        what = "TrainSettings"
+        need_integers(what, steps=self.steps, batch=self.batch, chunk=self.chunk)
+        need_integers(what, 2, ctx=self.ctx)  # a token to predict the next of
+        need_positive(what, lr=self.lr, lr_a=self.lr_a)
+        need_one_of(what, DTYPES, dtype=self.dtype)
+        for name in ("part", "log_every"):  # each None or a count
+            if getattr(self, name) is not None:
+                need_integers(what, **{name: getattr(self, name)})
 
 
 def chunk_terms(features, q, k, v, unit_k, top_k, lo: int, hi: int, want: set) -> dict:
@@ -130,28 +126,6 @@ def layer_pass(features, q, k, v, want: set, chunk: int, dtype=torch.float32) ->
     return sums
 
 
-class _Enough(Exception):  # raised by the hook that stops the teacher's forward pass
-    pass
-
-
-def _stop(*_):
-    raise _Enough
-
-
-@torch.no_grad()
-def capture_upto(teacher, ids, count: int) -> list:
-    """(q, k, v) [B, H, T, d] of the teacher's first `count` layers; the rest are not run."""
-    layers = []
-    hook = teacher.blocks[count - 1].attn.register_forward_hook(_stop)
-    try:
-        teacher(ids, capture=layers)
-    except _Enough:
-        pass
-    finally:
-        hook.remove()
-    return layers
-
-
 def layer_backward(features, q, k, term: str, chunk: int) -> torch.Tensor:
     """Back-propagates one layer's head-mean `term` chunk by chunk, one chunk's graph in memory
     at a time: the keys' unit features enter each chunk's graph as a detached leaf, whose summed
@@ -170,13 +144,12 @@ def layer_backward(features, q, k, term: str, chunk: int) -> torch.Tensor:
 def layerwise_backward(teacher, layers: dict, loss: str, s: TrainSettings):
     """backward(ids) -> per-layer losses: each of `layers` ({index: PRFFeatures}) back-propagates
     `loss` on the teacher's q, k of its own layer alone."""
-    if loss not in TERMS:
-        raise ValueError(f"layerwise distillation: loss {loss!r}; expected 'l2' or 'softmax'")
+    need_one_of("layerwise distillation", TERMS, loss=loss)
     term = TERMS[loss]
     dtype = DTYPES[s.dtype]
 
     def backward(ids):
-        captured = capture_upto(teacher, ids, max(layers) + 1)
+        captured = teacher.capture(ids, upto=max(layers) + 1)
         losses = []
         for index, features in layers.items():
             q = captured[index][0].to(dtype)  # [B, H, T, d]
@@ -186,41 +159,6 @@ def layerwise_backward(teacher, layers: dict, loss: str, s: TrainSettings):
         return torch.stack(losses).tolist()  # one read from the device per step
 
     return backward
-
-
-def flat_grad_part(backward, ids, part_ids, params: list) -> tuple:
-    """(per-layer losses [L] float64, all params' gradients [n]) of the part `part_ids` of the
-    batch `ids`, each weighted by its share of the batch; the params' grads cleared."""
-    weight = len(part_ids) / len(ids)
-    losses = torch.tensor(backward(part_ids), dtype=torch.float64)  # [L]
-    row = torch.cat([p.grad.flatten() for p in params]) * weight  # [n]
-    for p in params:
-        p.grad = None
-    return weight * losses, row
-
-
-def set_grads(params: list, total: torch.Tensor):
-    """Each param's .grad from its slice of the flat gradient `total` [n]."""
-    for p, grad in zip(params, total.split([p.numel() for p in params])):
-        p.grad = grad.view_as(p)
-
-
-def in_parts(backward, params: list, part: int):
-    """step(ids) -> per-layer losses of the batch ids [B, ctx], back-propagated `part` windows at
-    a time: each part's gradients weighted by its share of the batch and added in part order
-    (study.devices.shared does so over torchrun's ranks, to the same bits)."""
-
-    def step(ids):
-        total = params[0].new_zeros(sum(p.numel() for p in params))  # [n]
-        losses = 0.0
-        for part_ids in ids.split(part):
-            weighted, row = flat_grad_part(backward, ids, part_ids, params)
-            losses = losses + weighted
-            total += row
-        set_grads(params, total)
-        return losses.tolist()
-
-    return step
 
 
 @dataclasses.dataclass
@@ -243,18 +181,21 @@ def adam(params: dict, s: TrainSettings) -> torch.optim.Adam:
     return torch.optim.Adam([g for g in groups if g["params"]])
 
 
-def fit(
-    model, params, backward, tokens, what, s, share=in_parts, log=print, resume=None, on_step=None
-):
-    """The loop: draw a batch of windows of `model`'s token ids (with s.data_seed), back-propagate
-    it (share(backward, …) splits it in parts; a non-finite loss stops training), Adam steps
-    `params`, log the mean loss. resume(state) may restore a saved TrainState first,
-    on_step(state) sees it after each step. Returns {"train_seconds" (all runs), "loss_curve"}."""
+def fit(model, params, backward, tokens, what, s, share=None, log=print, resume=None, on_step=None):
+    """The loop: draw a batch of windows of `model`'s token ids (with
+    s.data_seed), back-propagate it (backward(ids), the whole batch at
+    once; or the step share(backward, params, s.part) makes, such as
+    study.devices.shared's, by parts; a non-finite loss stops training),
+    Adam steps `params`, log the mean loss. resume(state) may restore a
+    saved TrainState first, on_step(state) sees it after each step.
+    Returns {"train_seconds" (all runs), "loss_curve"}."""
     n_ctx = model.config.n_ctx
     if s.ctx > n_ctx:
         raise ValueError(f"{what}: need ctx <= {n_ctx}; got ctx={s.ctx}")
+    if share is None and s.part is not None:
+        raise ValueError(f"{what}: part={s.part} needs a `share` to split the batch")
     token_ids = model.token_ids(tokens, s.ctx, what)
-    step = share(backward, list(params.values()), s.part)
+    step = backward if share is None else share(backward, list(params.values()), s.part)
     gen = torch.Generator().manual_seed(s.data_seed)
     state = TrainState(params, adam(params, s), gen)
     if resume:

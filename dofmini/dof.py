@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import torch
 
-from .model import need_integers, need_positive
+from .model import need_integers, need_one_of, need_positive
 
 
 def dof_by_definition(x, lam, normalize=True):
@@ -147,8 +147,7 @@ def allocate(layer_dof, budget, rule="proportional", cap=None, aggregate="max", 
 
 def layer_weights(layer_dof, rule, aggregate):
     """Each layer's exact weight DoF_l^γ [L] (Fractions), γ = 1 for "proportional"."""
-    if aggregate not in ("max", "mean"):
-        raise ValueError(f"allocate: aggregate {aggregate!r}; expected 'max' or 'mean'")
+    need_one_of("allocate", ("max", "mean"), aggregate=aggregate)
     kind, _, arg = rule.partition(":")
     try:
         gamma = float(arg) if kind == "power" else math.nan

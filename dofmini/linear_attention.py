@@ -1,10 +1,10 @@
-"""Positive-random-feature (PRF) linear attention, torch and the standard library only.
+"""Positive-random-feature (PRF) linear attention; torch only.
 
-The paper's Eq. 2: y_t = φ_q,t·S_t / φ_q,t·s_t, S_t = Σ_{s≤t} φ_k,s v_sᵀ,
-s_t = Σ_{s≤t} φ_k,s (normalize=False: no denominator; ones in v make S carry s_t).
-In order: the plain forms (`recurrent_step`, `chunked_attention`: four steps), the
-same in log space (`log_step`, `log_loop`, `log_chunks`), `causal_linear_attention`
-(any T), the features, the module."""
+The paper's Eq. 2: y_t = φ_q,t·S_t / φ_q,t·s_t, with S_t = Σ_{s≤t} φ_k,s v_sᵀ
+and s_t = Σ_{s≤t} φ_k,s (normalize=False: no denominator; ones in v make S
+carry s_t). In order: the plain forms (`recurrent_step`, `chunked_attention`:
+four steps), the same on log-features (`log_step`, `log_chunks`),
+`causal_linear_attention` (any T), the features, the module."""
 
 import math
 from dataclasses import dataclass
@@ -12,10 +12,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .model import need_integers
+
 
 def recurrent_step(q, k, v, S):
     """Eq. 2 for one token, q, k [B, H, 1, M], v [B, H, 1, E], from S [B, H, M, E], in
-    O(M·E), in place without autograd. Returns y [B, H, 1, E] and the state after."""
+    O(M·E), in place without autograd: (y [B, H, 1, E], the state after)."""
     if q.shape[-2] != 1:
         raise ValueError(f"recurrent_step: q has {q.shape[-2]} tokens; expected 1")
     S = S.addcmul(k.mT, v) if torch.is_grad_enabled() else S.addcmul_(k.mT, v)
@@ -23,8 +25,8 @@ def recurrent_step(q, k, v, S):
 
 
 def chunked_attention(q, k, v, S):
-    """Eq. 2 on N chunks of L tokens, q, k [B, H, N, L, M], v [B, H, N, L, E], from S [B, H, M,
-    E]. Returns y [B, H, N, L, E] and the state after."""
+    """Eq. 2 on N chunks of L tokens, q, k [B, H, N, L, M], v [B, H, N, L, E], from S
+    [B, H, M, E]: (y [B, H, N, L, E], the state after)."""
     kv = k.mT @ v  # 1. each chunk's Σ_s φ_k,s v_sᵀ [B, H, N, M, E]
     before, S = chunk_states(S, kv)  # 2. the state before each chunk
     inter = q @ before  # 3. each token reads it [B, H, N, L, E]
@@ -34,9 +36,9 @@ def chunked_attention(q, k, v, S):
 
 def chunk_states(S, kv, A=None):
     """Step 2: states before each chunk [B, H, N, M, E], after the last; A: decays (a scan)."""
-    X = torch.cat([S[:, :, None], kv[:, :, :-1]], 2)  # [B, H, N, M, E]: scan feeds step 3 as is
+    X = torch.cat([S[:, :, None], kv[:, :, :-1]], 2)  # step 3 takes its scan
     before = X.cumsum(2) if A is None else scan_chunks(X, A[..., :-1, :, :])
-    decay = 1 if A is None else torch.exp(A[..., -1, :, :] - A[..., -2, :, :])  # [..., ·, 1]
+    decay = 1 if A is None else torch.exp(A[..., -1, :, :] - A[..., -2, :, :])
     return before, kv[:, :, -1] + decay * before[:, :, -1]
 
 
@@ -47,87 +49,75 @@ def scan_chunks(X, A, block=32):
     N = X.shape[-3]
     if N > block:
         if N % block:
-            held = torch.arange(-(-N // block) * block, device=X.device).clamp_max(N - 1)
+            padded = -(-N // block) * block
+            held = torch.arange(padded, device=X.device).clamp_max(N - 1)
             X, A = (x.index_select(-3, held) for x in (X, A))
         X, A = (x.unflatten(-3, (-1, block)) for x in (X, A))
         P = scan_chunks(X, A)  # [..., N/b, b, M, E]
-        ends = scan_chunks(P[..., -1, :, :].clone(), A[..., -1, :, :])  # [..., N/b, M, E]
-        decay = torch.exp(A[..., 1:, :, :, :] - A[..., :-1, -1:, :, :])  # [.., b, ·, 1]
-        P[..., 1:, :, :, :].addcmul_(decay, ends[..., :-1, None, :, :])  # P is ours (ends: a copy)
+        last = P[..., -1, :, :].clone()  # P is ours to add to
+        ends = scan_chunks(last, A[..., -1, :, :])  # [..., N/b, M, E]
+        decay = torch.exp(A[..., 1:, :, :, :] - A[..., :-1, -1:, :, :])
+        P[..., 1:, :, :, :].addcmul_(decay, ends[..., :-1, None, :, :])
         return P.flatten(-4, -3)[..., :N, :, :]
-    decays = torch.exp(A[..., 1:, :, :] - A[..., :-1, :, :])  # [..., N−1, ·, 1]
+    decays = torch.exp(A[..., 1:, :, :] - A[..., :-1, :, :])  # [.., N−1, ·, 1]
     P = [X[..., 0, :, :]]  # [..., M, E] each
     for x, decay in zip(X.unbind(-3)[1:], decays.unbind(-3)):
         P.append(torch.addcmul(x, decay, P[-1]))
     return torch.stack(P, -3)
 
 
-# ---- Log space: the forms above on log-features, relative to running maxima c [B, H, M, 1] ----
+# ---- Log space: the forms above on log-features, over running maxima c ----
 
 # Keys ≤ e^40 over `start` (capped): L×L sums ≤ L·M·e^40 < 3e38; a row's terms ≥ e^−39 keep e^−87
 RISE = 40.0
 
 
 def log_step(q, k, v, S, c):
-    """recurrent_step on log-features, S relative to c (each feature's largest key so
-    far): the state moves to the new maximum (a factor ≤ 1), the key over it."""
+    """recurrent_step on log-features, S over c [B, H, M, 1] (each feature's largest key
+    so far): the state moves to the new maximum (a factor ≤ 1), the key over it."""
     new = torch.maximum(c, k.detach().mT)  # [B, H, M, 1]
-    shrink = torch.exp(c - new)  # [B, H, M, 1] ≤ 1
+    shrink = torch.exp(c - new)  # ≤ 1
     S = S * shrink if torch.is_grad_enabled() else S.mul_(shrink)
-    a = torch.softmax(q + new.mT, -1)  # [B, H, 1, M]: a row's scale cancels in y
+    a = torch.softmax(q + new.mT, -1)  # [B, H, 1, M]: its scale cancels in y
     key = torch.exp(k - new.mT)  # [B, H, 1, M] ≤ 1
     y, S = recurrent_step(a, key, v, S)
     return y, S, new
 
 
-def log_loop(q, k, v, S, c):
-    """log_chunks as a loop, for reading and tests: per chunk, c moves to the largest key
-    so far, the state with it (S·exp(c_old − c_new), as gated linear attention rescales by
-    its decays). A row whose keys all sit e^87 below c underflows; log_chunks keeps it."""
-    ys = []
-    for q_n, k_n, v_n in zip(q.unbind(2), k.unbind(2), v.unbind(2)):  # [B, H, L, ·]
-        new = torch.maximum(c, k_n.detach().amax(2, keepdim=True).mT)  # [B, H, M, 1]
-        S = S * torch.exp(c - new)
-        keys = torch.exp(k_n - new.mT)  # [B, H, L, M] ≤ 1
-        a = torch.softmax(q_n + new.mT, -1)  # [B, H, L, M]
-        ys.append(a @ S + (a @ keys.mT).tril() @ v_n)  # 3. and 4.
-        S = S + keys.mT @ v_n
-        c = new
-    return torch.stack(ys, 2), S, c
-
-
 def log_chunks(q, k, v, S, c):
-    """The four steps on log-features (PRF features leave fp32 once ‖k‖ ≳ 5√d), relative
-    to running maxima: no feature underflows at any norm. Keys over `start` (the running
+    """The four steps on log-features (PRF features leave fp32 once ‖k‖ ≳ 5√d), over
+    running maxima: no feature underflows at any norm. Keys over `start` (the running
     maximum `refs` raised to the chunk's first key; capped at e^RISE: `_exact_rows`),
     queries over their log-sum-exp (softmax: largest ≥ 1/M); the shifts look back and
-    cancel. Step 4's keys serve step 1 over the next start, where the scan wants them."""
-    top = k.detach().amax(3, keepdim=True)  # [B, H, N, 1, M] each chunk's largest
-    refs = torch.cat([c.mT[:, :, None], top], 2).cummax(2).values  # [B, H, N+1, 1, M]
-    start = torch.maximum(refs[:, :, :-1], k.detach()[:, :, :, :1])  # [B, H, N, 1, M]
-    ends = torch.cat([start, refs[:, :, -1:]], 2)  # [B, H, N+1, 1, M] what each state is over
+    cancel, the state moving to each new maximum as gated linear attention's by its
+    decays. Step 4's keys serve step 1 over the next start, where the scan wants them."""
+    kd = k.detach()
+    top = kd.amax(3, keepdim=True)  # [B, H, N, 1, M] each chunk's largest
+    refs = torch.cat([c.mT[:, :, None], top], 2).cummax(2).values  # N+1
+    start = torch.maximum(refs[:, :, :-1], kd[:, :, :, :1])  # [B, H, N, 1, M]
+    ends = torch.cat([start, refs[:, :, -1:]], 2)  # what each state is over
     keys = (k - start).clamp_max_(RISE).exp_()  # [B, H, N, L, M] ≤ e^RISE
-    kv = (keys.mT @ v).mul_(torch.exp(start - ends[:, :, 1:]).mT)  # 1. over the next start
-    risen = ((top - start).amax(-1) > RISE).flatten().nonzero()[:, 0]  # [n] chunks capped
-    kv.flatten(0, 2)[risen] = _exact_sums(risen, k, v, ends)
-    held = S * torch.exp(c - start[:, :, 0].mT)  # [B, H, M, E] over the first start
+    over_next = torch.exp(start - ends[:, :, 1:]).mT
+    kv = (keys.mT @ v).mul_(over_next)  # 1. over the next start
+    rise = (top - start).amax(-1)  # [B, H, N, 1]
+    risen = (rise > RISE).flatten().nonzero()[:, 0]  # [n] chunks capped
+    # their step 1 uncapped, over the next start (factors ≤ 1)
+    next_start = _pick(risen, ends[:, :, 1:])  # [n, 1, M]
+    risen_keys = torch.exp(_pick(risen, k) - next_start)  # [n, L, M]
+    kv.flatten(0, 2)[risen] = risen_keys.mT @ _pick(risen, v)
+    held = S * torch.exp(c - start[:, :, 0].mT)  # over the first start
     before, S = chunk_states(held, kv, -ends.mT)  # 2.
-    a = torch.softmax(q + start, -1)  # 3. [B, H, N, L, M], against start (scale cancels)
+    a = torch.softmax(q + start, -1)  # 3. against start (its scale cancels)
     inter = a @ before  # [B, H, N, L, E]
-    y = ((a @ keys.mT).tril_() @ v).add_(inter)  # 4. [B, H, N, L, E]
+    y = ((a @ keys.mT).tril_() @ v).add_(inter)  # 4.
     if len(risen):
-        y.flatten(0, 2)[risen] = _exact_rows(risen, q, k, v, start, inter, y)
+        exact = _exact_rows(risen, q, k, v, start, inter, y)
+        y.flatten(0, 2)[risen] = exact
     return y, S, refs[:, :, -1].mT
 
 
 def _pick(chunks, x):  # [n, ...]: chunks [n] of x [B, H, N, ...]
     return x.flatten(0, 2)[chunks]
-
-
-def _exact_sums(chunks, k, v, ends):
-    """Step 1 of capped chunks [n], uncapped, over the next start: [n, M, E]."""
-    keys = torch.exp(_pick(chunks, k) - _pick(chunks, ends[:, :, 1:]))  # [n, L, M] ≤ 1
-    return keys.mT @ _pick(chunks, v)
 
 
 def _exact_rows(chunks, q, k, v, start, inter, fast):
@@ -136,9 +126,9 @@ def _exact_rows(chunks, q, k, v, start, inter, fast):
     q_n, k_n, v_n = (_pick(chunks, x) for x in (q, k, v))  # [n, L, ·]
     start_n = _pick(chunks, start)  # [n, 1, M]
     rise = (k_n.detach() - start_n).amax(-1, keepdim=True)  # [n, L, 1]
-    rows = rise.cummax(1).values > RISE  # [n, L, 1] from the first risen key on
+    rows = rise.cummax(1).values > RISE  # from the first risen key on
     intra, scale = _log_intra(q_n, k_n, v_n)
-    read = (q_n + start_n).logsumexp(-1, True)  # [n, L, 1] the softmax's scale in step 3
+    read = (q_n + start_n).logsumexp(-1, True)  # step 3's softmax scale
     exact = _merge(intra, scale, _pick(chunks, inter), read)[0]
     return torch.where(rows, exact, _pick(chunks, fast))
 
@@ -152,7 +142,7 @@ def unit_features(log_phi):
 
 
 def _merge(y1, t1, y2, t2):
-    """y1·exp(t1) + y2·exp(t2) as (y, t), t = max(t1, t2): online softmax's merge."""
+    """y1·exp(t1) + y2·exp(t2) as (y, t), t = max(t1, t2): online softmax's."""
     t = torch.maximum(t1, t2)  # [..., 1]
     return y1 * torch.exp(t1 - t) + y2 * torch.exp(t2 - t), t
 
@@ -190,7 +180,7 @@ CPU_PART = 1024  # tokens per part on CPU (cache-sized); any other device takes 
 @dataclass
 class LinearState:
     """Sums after n tokens (S None before the first): S = Σ_s φ_k,s [v_s, 1]ᵀ [B, H, M, dv+1];
-    in log space relative to c [B, H, M, 1], each feature's largest log φ_k so far."""
+    in log space over c [B, H, M, 1], each feature's largest log φ_k so far."""
 
     S: torch.Tensor | None = None
     n: int = 0
@@ -207,7 +197,7 @@ def causal_linear_attention(
     f = torch.promote_types(torch.promote_types(phi_q.dtype, v.dtype), torch.float32)
     B, H, T, M = phi_q.shape
     E = v.shape[-1] + normalize
-    carried = start_state(state, v, (B, H, M, E), f, log_space)  # [S] or [S, c]
+    carried = start_state(state, v, (B, H, M, E), f, log_space)
     q, k, x = (t.to(f) for t in (phi_q, phi_k, v))
     if normalize:
         x = nn.functional.pad(x, (0, 1), value=1.0)  # [B, H, T, E]
@@ -221,8 +211,9 @@ def causal_linear_attention(
         state.S = carried[0]
         state.c = carried[1] if log_space else None
         state.n += T
-    if normalize:  # only the denominator is clamped, only against 0/0; one split, one backward
-        num, den = y.split_with_sizes([v.shape[-1], 1], -1)  # [B, H, T, dv | 1]
+    if normalize:  # only the denominator is clamped, only against 0/0
+        dv = v.shape[-1]
+        num, den = y.split_with_sizes([dv, 1], -1)  # one split, one backward
         y = num * den.clamp_min(torch.finfo(f).tiny).reciprocal()
     return y.to(v.dtype)
 
@@ -234,7 +225,7 @@ def in_parts(form, q, k, x, carried, chunk):
     part = CPU_PART if q.device.type == "cpu" else T
     step = max(part // chunk, 1) * chunk
     sizes = [min(step, whole - lo) for lo in range(0, whole, step)]
-    sizes += [T % chunk] if T % chunk else []  # the rest, one shorter chunk
+    sizes += [T % chunk] if T % chunk else []
     ys = []
     for n, *tokens in zip(sizes, *(t.split(sizes, 2) for t in (q, k, x))):
         chunks = [t.contiguous().unflatten(2, (-1, min(chunk, n))) for t in tokens]
@@ -244,13 +235,14 @@ def in_parts(form, q, k, x, carried, chunk):
     return y, carried
 
 
-def check_inputs(phi_q, phi_k, v, chunk, normalize, log_space):  # each refused by name
+def check_inputs(phi_q, phi_k, v, chunk, normalize, log_space):
+    """Each bad input refused by name, before any work."""
     named = {"phi_q": phi_q, "phi_k": phi_k, "v": v}
     fits = phi_q.dim() == 4 == v.dim() and phi_q.shape == phi_k.shape
     if not fits or v.shape[:3] != phi_q.shape[:3] or phi_q.shape[2] == 0 or chunk < 1:
-        shapes = ", ".join(f"{n} {tuple(x.shape)}" for n, x in named.items())
-        raise ValueError(f"{shapes}, chunk {chunk}: expected [B, H, T, M] x2, "
-                         "[B, H, T, dv] with T >= 1, chunk >= 1")  # fmt: skip
+        got = ", ".join(f"{n} {tuple(x.shape)}" for n, x in named.items())
+        want = "[B, H, T, M] x2, [B, H, T, dv], T >= 1, chunk >= 1"
+        raise ValueError(f"{got}, chunk {chunk}: expected {want}")
     for name, x in named.items():
         if not x.is_floating_point():
             raise TypeError(f"{name} is {x.dtype}; expected a floating dtype")
@@ -258,13 +250,15 @@ def check_inputs(phi_q, phi_k, v, chunk, normalize, log_space):  # each refused 
             raise ValueError(f"{name} is on {x.device}, v on {v.device}; expected one")
     if log_space and not normalize:
         raise ValueError("log_space=True needs normalize=True: its shifts cancel only there")
-    # the denominator needs features >= 0 (unnormalised, any: no value read back)
-    for name, phi in list(named.items())[:2] if normalize and not log_space else ():
-        low, high = torch.aminmax(phi)  # one pass; NaN fails both comparisons
+    if log_space or not normalize:  # no denominator to keep ≥ 0: no read back
+        return
+    for name, phi in (("phi_q", phi_q), ("phi_k", phi_k)):
+        low, high = torch.aminmax(phi)  # one pass; NaN fails both tests
         if not bool((low >= 0) & (high < math.inf)):
             raise ValueError(
-                f"{name} holds negative, infinite or NaN features; expected finite features >= 0"
-                " (PRF features overflow fp32 once ‖x‖ ≳ 5√d: pass log-features, log_space=True)"
+                f"{name} holds negative, infinite or NaN features; expected"
+                " finite features >= 0 (PRF features overflow fp32 once"
+                " ‖x‖ ≳ 5√d: pass log-features, log_space=True)"
             )
 
 
@@ -272,15 +266,18 @@ def start_state(state, v, shape, f, log_space):
     """[S] or in log space [S, c]: state's, or empty ones; refused unless they fit."""
     S = None if state is None else state.S
     c = None if state is None else state.c
+    c_shape = shape[:3] + (1,) if log_space else None
     if S is None:
         S = v.new_zeros(shape, dtype=f)
-        # the lowest finite value, not −inf: an empty state weighs exp(−huge) = 0, not NaN
-        c = v.new_full(shape[:3] + (1,), torch.finfo(f).min, dtype=f) if log_space else None
+        # the lowest finite value, not −inf: an empty state weighs 0, not NaN
+        c = v.new_full(c_shape, torch.finfo(f).min, dtype=f) if log_space else None
     got = (tuple(S.shape), None if c is None else tuple(c.shape))
-    if got != (shape, shape[:3] + (1,) if log_space else None):
+    if got != (shape, c_shape):
         space = "log space: c [B, H, M, 1]" if log_space else "linear space: c None"
-        raise ValueError(f"state S {got[0]}, c {got[1]} does not fit S [B, H, M, E] = "
-                         f"{shape} (E = dv + 1 when normalize=True; {space})")  # fmt: skip
+        raise ValueError(
+            f"state S {got[0]}, c {got[1]} does not fit S [B, H, M, E] = {shape}"
+            f" (E = dv + 1 when normalize=True; {space})"
+        )
     return [S, c] if log_space else [S]
 
 
@@ -290,48 +287,45 @@ class PRFFeatures(nn.Module):
 
     def __init__(self, n_head: int, head_dim: int, n_features: int, seed: int, orthogonal=True):
         super().__init__()
-        if min(n_head, head_dim, n_features) < 1:
-            sizes = f"{n_head}, {head_dim}, {n_features}"
-            raise ValueError(f"PRFFeatures needs n_head, head_dim, n_features >= 1; got {sizes}")
-        self.seed, self.orthogonal = seed, orthogonal
+        need_integers("PRFFeatures", n_head=n_head, head_dim=head_dim, n_features=n_features)
+        self.seed = seed
+        self.orthogonal = orthogonal
         gen = torch.Generator().manual_seed(seed)
-        z = draw_gaussian(n_head, n_features, head_dim, gen, orthogonal)  # [H, M, d] fp64
+        z = draw_gaussian(n_head, n_features, head_dim, gen, orthogonal)
         self.z = nn.Parameter(z.float())  # [H, M, d]
         self.a = nn.Parameter(torch.zeros(n_head, n_features))  # [H, M]
-
-    def extra_repr(self) -> str:
-        H, M, d = self.z.shape
-        o = f"seed={self.seed}, orthogonal={self.orthogonal}"
-        return f"n_head={H}, n_features={M}, head_dim={d}, {o}"
 
     def log_features(self, x: torch.Tensor, name: str = "x") -> torch.Tensor:
         """log Φ(x) [B, H, T, M] in fp32 or wider, for x [B, H, T, d]."""
         H, M, d = self.z.shape
         if x.dim() != 4 or x.shape[1] != H or x.shape[3] != d:
             shape = tuple(x.shape)
-            raise ValueError(f"PRFFeatures: {name} has shape {shape}; expected [B, {H}, T, {d}]")
+            want = f"[B, {H}, T, {d}]"
+            raise ValueError(f"PRFFeatures: {name} has shape {shape}; expected {want}")
         f = torch.promote_types(torch.promote_types(x.dtype, self.z.dtype), torch.float32)
         x = x.to(f) / d**0.25  # [B, H, T, d]
         scale = 0.5 * (self.a.to(f)[:, None] - math.log(M))  # [H, 1, M] log sqrt(α/M)
         return scale + x @ self.z.to(f).mT - 0.5 * (x * x).sum(-1, keepdim=True)
 
 
-def draw_gaussian(n_head: int, n_rows: int, dim: int, gen, orthogonal: bool) -> torch.Tensor:
+def draw_gaussian(n_head: int, n_rows: int, dim: int, gen, orthogonal: bool):
     """[n_head, n_rows, dim] rows each marginally N(0, I). Orthogonal (FAVOR+): blocks of dim
     orthogonal directions (Haar: QR with sign fix), norms drawn independently (chi)."""
+    f64 = dict(generator=gen, dtype=torch.float64)
     if not orthogonal:
-        return torch.randn(n_head, n_rows, dim, generator=gen, dtype=torch.float64)
-    square = torch.randn(n_head, -(-n_rows // dim), dim, dim, generator=gen, dtype=torch.float64)
-    Q, R = torch.linalg.qr(square)  # [H, b, d, d] each: b = ⌈M/d⌉ blocks
-    signs = torch.sign(torch.diagonal(R, dim1=-2, dim2=-1))[..., None, :]  # [H, b, 1, d]
-    rows = (Q * signs).mT.reshape(n_head, -1, dim)[:, :n_rows]  # [H, M, d] unit rows
-    lengths = torch.randn(n_head, n_rows, dim, generator=gen, dtype=torch.float64)  # [H, M, d]
-    return rows * lengths.norm(dim=-1, keepdim=True)  # [H, M, d]
+        return torch.randn(n_head, n_rows, dim, **f64)
+    blocks = -(-n_rows // dim)  # ⌈M/d⌉
+    square = torch.randn(n_head, blocks, dim, dim, **f64)
+    Q, R = torch.linalg.qr(square)  # [H, b, d, d] each
+    signs = torch.sign(torch.diagonal(R, dim1=-2, dim2=-1))[..., None, :]
+    rows = (Q * signs).mT.reshape(n_head, -1, dim)[:, :n_rows]  # unit rows
+    lengths = torch.randn(n_head, n_rows, dim, **f64).norm(dim=-1, keepdim=True)
+    return rows * lengths  # [H, M, d]
 
 
 class CausalMixer(nn.Module):
-    """A teacher layer's stand-in: its frozen q, k, v mixed with the cache's state. Subclasses set
-    `chunk`, new tensors, `_place(base)` and `feature_maps(q, k)` -> (phi_q, phi_k, options)."""
+    """A teacher layer's stand-in: its frozen q, k, v mixed with the cache's state. Subclasses
+    set `chunk`, new tensors, `_place(base)` and `feature_maps(q, k)` -> (phi_q, phi_k, options)."""
 
     def forward(self, x, start: int = 0, cache: LinearState | None = None, capture=None):
         if cache is not None and cache.n != start:
@@ -358,7 +352,7 @@ class CausalMixer(nn.Module):
 
 
 class LinearAttention(CausalMixer):
-    """Drop-in for a teacher's attention: PRF linear attention in log space; trains z and a."""
+    """Drop-in for a teacher's attention: PRF linear attention in log space; trains z, a."""
 
     def __init__(self, base: nn.Module, n_features: int, seed: int, orthogonal=True, chunk=64):
         super().__init__()
@@ -368,4 +362,5 @@ class LinearAttention(CausalMixer):
 
     def feature_maps(self, q, k):
         log_q = self.features.log_features(q, "q")  # [B, H, T, M]
-        return log_q, self.features.log_features(k, "k"), {"log_space": True}
+        log_k = self.features.log_features(k, "k")
+        return log_q, log_k, {"log_space": True}

@@ -151,11 +151,13 @@ class Model(nn.Module):
         self.head = self.wte if cfg.tied_head else _weight(cfg.vocab_size, cfg.d_model)
         self.requires_grad_(False)  # a frozen teacher, its LayerNorms included
 
-    def forward(self, ids, start=0, caches=None, capture=None, keep=None):
-        """Logits [B, T, V] of token ids [B, T] at positions start..start+T-1. caches: one KVCache
-        per layer holding positions < start. capture: a list that receives every layer's (q, k, v)
-        [B, H, T, d]. keep: a bool mask [B, T]; only kept positions pass the final norm and head
-        (most of a small model's cost), giving [N = keep.sum(), V] in row-major order."""
+    def forward(self, ids, start=0, caches=None, capture=None, keep=None, upto=None):
+        """Logits [B, T, V] of token ids [B, T] at positions start..start+T-1.
+        caches: one KVCache per layer holding positions < start.
+        capture: a list that receives each layer's (q, k, v) [B, H, T, d].
+        keep: a bool mask [B, T]; only kept positions pass the final norm and
+        head (most of a small model's cost): [N = keep.sum(), V], row-major.
+        upto: run the first `upto` blocks only; their output [B, T, D]."""
         integer = not (ids.dtype.is_floating_point or ids.dtype.is_complex)
         if ids.dim() != 2 or not integer or ids.dtype == torch.bool:
             got = f"{ids.dtype} {list(ids.shape)}"
@@ -172,17 +174,21 @@ class Model(nn.Module):
         x = self.wte[ids.long()]  # [B, T, D]: uint8 or bool indices would be masks
         if self.wpe is not None:
             x = x + self.wpe[start : start + T]  # [B, T, D]
-        for i, block in enumerate(self.blocks):
-            x = block(x, start, None if caches is None else caches[i], capture)  # [B, T, D]
+        for i, block in enumerate(self.blocks[:upto]):
+            cache = None if caches is None else caches[i]
+            x = block(x, start, cache, capture)  # [B, T, D]
+        if upto is not None:
+            return x
         if keep is not None:
             x = x[keep]  # [N, D]
         return self.ln_f(x) @ self.head.T  # [B, T, V], or [N, V] with keep
 
     @torch.no_grad()
-    def capture(self, ids):
-        """Every layer's (q, k, v) [B, H, T, d] for ids [B, T], without the head's logits."""
+    def capture(self, ids, upto=None):
+        """(q, k, v) [B, H, T, d] of each of the first `upto` layers (default
+        all) for ids [B, T]; the later layers and the head are not run."""
         layers = []
-        self(ids, capture=layers, keep=torch.zeros_like(ids, dtype=torch.bool))
+        self(ids, capture=layers, upto=upto or len(self.blocks))
         return layers
 
     def token_ids(self, token_ids, need: int, what: str) -> torch.Tensor:
@@ -200,22 +206,26 @@ class Model(nn.Module):
         return token_ids.long().cpu().contiguous()
 
 
-def need_integers(what: str, **values) -> None:
-    """A ValueError naming `what`, an argument and its value, unless each is an integer >= 1."""
+def need_integers(what: str, least: int = 1, **values) -> None:
+    """A ValueError naming `what`, an argument and its value, unless each
+    is an integer >= least (no bool)."""
     for name, value in values.items():
         whole = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-        if not (whole and value >= 1):
-            raise ValueError(f"{what}: {name}={value!r}; expected an integer >= 1")
+        if not (whole and value >= least):
+            raise ValueError(f"{what}: {name}={value!r}; expected an integer >= {least}")
 
 
 def need_positive(what: str, **values) -> None:
-    """need_integers' error unless each value is a positive finite number (no bool)."""
+    """need_integers' error unless each value is a positive finite number."""
     for name, value in values.items():
         real = isinstance(value, numbers.Real) and not isinstance(value, bool)
         if not (real and math.isfinite(value) and value > 0):
             raise ValueError(f"{what}: {name}={value!r}; expected a positive finite number")
 
 
-def check_args(what: str, expected: str, **values) -> None:  # distill.py's, until it calls the two
-    need = need_integers if expected == "an integer >= 1" else need_positive
-    need(what, **values)
+def need_one_of(what: str, choices, **values) -> None:
+    """need_integers' error unless each value is one of `choices`."""
+    allowed = list(choices)
+    for name, value in values.items():
+        if value not in allowed:
+            raise ValueError(f"{what}: {name}={value!r}; expected one of {allowed}")

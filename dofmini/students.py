@@ -12,7 +12,7 @@ from .checkpoint import CheckpointError
 from .dijiang import DiJiangAttention
 from .files import as_json, atomic_write
 from .linear_attention import LinearAttention
-from .model import need_integers
+from .model import need_integers, need_one_of
 
 KINDS = ("prf", "dijiang")
 
@@ -34,8 +34,7 @@ def make_student(teacher, kind: str, dims, feature_seed: int, orthogonal: bool =
     n_layer = teacher.config.n_layer
     if len(dims) != n_layer:
         raise ValueError(f"make_student: {len(dims)} dims for {n_layer} layers")
-    if kind not in KINDS:
-        raise ValueError(f"make_student: kind {kind!r}; expected one of {KINDS}")
+    need_one_of("make_student", KINDS, kind=kind)
     shared = (*teacher.parameters(), *teacher.buffers())
     student = copy.deepcopy(teacher, {id(t): t for t in shared})
     # what rebuilds it, for its file

@@ -133,7 +133,7 @@ def test_allocate_takes_max_or_mean_over_heads_and_rejects_bad_input():
     for rule in ("sqrt", "power:", "power:inf", "power:nan", "Proportional"):
         with pytest.raises(ValueError, match=rf"rule {re.escape(repr(rule))}; expected"):
             allocate([1.0, 2.0], 4, rule)
-    with pytest.raises(ValueError, match="aggregate 'median'"):
+    with pytest.raises(ValueError, match="aggregate='median'"):
         allocate(per_head, 4, aggregate="median")
     for floor in (0, 5, 2.5):
         with pytest.raises(ValueError, match=f"floor must be .* got {floor}"):

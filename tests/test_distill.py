@@ -24,7 +24,7 @@ from dofmini.distill import (
 from dofmini.files import changed_settings
 from dofmini.linear_attention import PRFFeatures, causal_linear_attention
 from dofmini.students import make_student
-from dofmini.study import bank, stages
+from dofmini.study import bank, devices, stages
 from dofmini.study.evaluate import layer_errors, perplexity
 from dofmini.study.keys import Clock, Student
 
@@ -223,7 +223,7 @@ def test_changed_settings_names_every_differing_or_missing_key():
 @pytest.mark.parametrize(
     "dims, loss, ctx, message",
     [
-        ([4, 4], "kl", 32, "loss 'kl'"),
+        ([4, 4], "kl", 32, "loss='kl'"),
         ([4, 4], "l2", 65, "ctx <= 64"),
         ([4], "l2", 32, "1 dims for 2 layers"),
     ],
@@ -294,7 +294,8 @@ def test_a_second_rule_trains_only_the_units_no_earlier_student_had(tiny, tiny_i
     assert [u["done"] for u in bank.plan(run, [first, second])] == [True, False, False]
     run.clock = Clock([first.name, second.name])
     assembled, info = stages.train_student(run, second)
-    joint, record = distill(tiny, (3, 7), tiny_ids, stages.settings(run, 0), log=quiet)
+    settings = stages.settings(run, 0)
+    joint, record = distill(tiny, (3, 7), tiny_ids, settings, share=devices.shared, log=quiet)
     assert tensors_hash(assembled) == tensors_hash(joint) and info == {**record, **info}
     assert info["loss_curve"] == record["loss_curve"]
     assert [u["done"] for u in bank.plan(run, [first, second])] == [True, False, True]

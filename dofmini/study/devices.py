@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from .. import files, hub
-from ..distill import flat_grad_part, in_parts, set_grads
 from . import data
 
 TIMEOUT = datetime.timedelta(hours=1)
@@ -148,10 +147,45 @@ def teacher_precision(teacher, precision: str) -> str:
     return f"+{precision}"
 
 
+def flat_grad_part(backward, ids, part_ids, params: list) -> tuple:
+    """(per-layer losses [L] float64, all params' gradients [n]) of the part `part_ids` of the
+    batch `ids`, each weighted by its share of the batch; the params' grads cleared."""
+    weight = len(part_ids) / len(ids)
+    losses = torch.tensor(backward(part_ids), dtype=torch.float64)  # [L]
+    row = torch.cat([p.grad.flatten() for p in params]) * weight  # [n]
+    for p in params:
+        p.grad = None
+    return weight * losses, row
+
+
+def set_grads(params: list, total: torch.Tensor):
+    """Each param's .grad from its slice of the flat gradient `total` [n]."""
+    for p, grad in zip(params, total.split([p.numel() for p in params])):
+        p.grad = grad.view_as(p)
+
+
+def in_parts(backward, params: list, part: int):
+    """step(ids) -> per-layer losses of the batch ids [B, ctx], back-propagated `part` windows at
+    a time (a device's memory): each part's gradients weighted by its share of the batch and
+    added in part order, as `shared` adds them over ranks, to the same bits."""
+
+    def step(ids):
+        total = params[0].new_zeros(sum(p.numel() for p in params))  # [n]
+        losses = 0.0
+        for part_ids in ids.split(part):
+            weighted, row = flat_grad_part(backward, ids, part_ids, params)
+            losses = losses + weighted
+            total += row
+        set_grads(params, total)
+        return losses.tolist()
+
+    return step
+
+
 def shared(backward, params: list, part: int):
-    """distill.in_parts over torchrun's ranks: rank r takes parts r, r + world, … of `part`
-    windows (each rank at least one), and each round's weighted gradients are gathered and
-    added in part order: any number of ranks gives the one-process student bit for bit."""
+    """distill.fit's `share`: in_parts over torchrun's ranks. Rank r takes parts r, r + world, …
+    of `part` windows (each rank at least one), and each round's weighted gradients are gathered
+    and added in part order: any number of ranks gives the one-process student bit for bit."""
     if world() == 1:
         return in_parts(backward, params, part)
 
