@@ -26,9 +26,10 @@ STUDY = tuple(
     f"study.{name}"
     for name in (
         "progress",
-        "devices",
         "tasks",
         "data",
+        "task_train",
+        "devices",
         "evaluate",
         "runs",
         "oracle",
@@ -38,6 +39,7 @@ STUDY = tuple(
         "endtoend",
         "stats",
         "compare",
+        "finetune",
         "verdicts",
         "figures",
         "report",
