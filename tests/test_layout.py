@@ -36,11 +36,16 @@ STUDY = tuple(
         "bank",
         "stages",
         "endtoend",
+        "plan",
+        "estimate",
         "stats",
         "compare",
         "verdicts",
         "figures",
         "report",
+        "task_train",
+        "finetune",
+        "flags",
     )
 )
 ORDER = CORE + STUDY
