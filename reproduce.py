@@ -99,9 +99,8 @@ def parse_args(argv) -> RunConfig:
 
 def main(argv=None):
     devices.start()
-    with runs.one_line_errors(
-        flags.fail
-    ):  # also a path the system refuses (too long) in parse_args
+    # also a path the system refuses (too long) in parse_args
+    with runs.one_line_errors(flags.fail):
         cfg = parse_args(argv)
         if cfg.plan_only or not devices.is_writer():  # they write nothing into --out
             return _main(cfg)
@@ -117,9 +116,8 @@ def _main(cfg: RunConfig):
         groups = list(dict.fromkeys(groups + data_groups()))
     needed = {keys.CALIBRATION, *evaluate.PPL_TEXTS.values()}
     if unlisted := needed - {f.path for f in data.files(groups)}:
-        flags.fail(
-            f"the data registry has no row for {', '.join(sorted(unlisted))}; the run reads it"
-        )
+        rows = ", ".join(sorted(unlisted))
+        flags.fail(f"the data registry has no row for {rows}; the run reads it")
     log(data.describe(groups, cfg.data))
     log(flags.device_line(cfg.device))
     weights, absent = hub.missing_files(cfg.model), data.missing(groups, cfg.data)

@@ -1,5 +1,5 @@
 """What a run will cost here, before it starts: each kind of work timed twice at the run's own
-shapes (an optimiser step of each kind the run trains, one window of each evaluation, the first
+shapes (an optimiser step of each kind the run trains, one batch of each evaluation, the first
 example of each task, DoF's algebra on one head), then multiplied by the counts each stage needs.
 The range runs from the faster probe divided by SPREAD to the slower times SPREAD: a machine
 shared with other jobs, warm-up, and examples longer than the first all move the real time."""
@@ -21,7 +21,7 @@ from .tasks import load_task
 SPREAD = 1.5
 HOUR = 3600.0
 HOW = (
-    "a step of each kind it trains, a window of each evaluation, each task's first example, "
+    "a step of each kind it trains, a batch of each evaluation, each task's first example, "
     f"each timed twice; the range: the faster / {SPREAD} to the slower x {SPREAD}"
 )
 
@@ -34,6 +34,15 @@ def timed(compute) -> tuple:
         compute()
         seconds.append(time.perf_counter() - t0)
     return min(seconds), max(seconds)
+
+
+def per_window(compute, model, run, text: str, windows: int) -> tuple:
+    """(faster, slower) seconds a window of one batch of `windows` (the stage's own batch):
+    compute(model, the text's first windows, ctx) for perplexity, else compute(windows)."""
+    windows = min(windows, len(run.texts[text]) // run.ctx)
+    ids = run.texts[text][: windows * run.ctx]
+    call = (lambda: compute(model, ids, run.ctx)) if model else (lambda: compute(windows))
+    return tuple(seconds / windows for seconds in timed(call))
 
 
 def step_kind(spec) -> tuple | None:
@@ -71,11 +80,13 @@ def probe(run, students: list) -> dict:
         dims = (head_dim,) * n_layer if kind[1] == "dijiang" else widest
         found[kind] = step_seconds(run, *kind, dims)
     student = make_student(teacher, "prf", widest, 0)
-    text, heldout = run.texts["wikitext2"][:ctx], run.texts["heldout"]
-    found["ppl"] = timed(lambda: evaluate.perplexity(teacher, text, ctx))
-    found["student ppl"] = timed(lambda: evaluate.perplexity(student, text, ctx))
-    found["layer"] = timed(lambda: evaluate.layer_errors(teacher, student, heldout, ctx, 1))
-    found["e2e"] = timed(lambda: endtoend.e2e_kl(teacher, [student], heldout, ctx, 1))
+    heldout = run.texts["heldout"]
+    found["ppl"] = per_window(evaluate.perplexity, teacher, run, "wikitext2", 8)
+    found["student ppl"] = per_window(evaluate.perplexity, student, run, "wikitext2", 8)
+    errors = functools.partial(evaluate.layer_errors, teacher, student, heldout, ctx)
+    found["layer"] = per_window(errors, None, run, "heldout", min(4, cfg.error_windows))
+    kl = functools.partial(endtoend.e2e_kl, teacher, [student], heldout, ctx)
+    found["e2e"] = per_window(kl, None, run, "heldout", min(4, cfg.e2e_windows))
     x = torch.randn(1, 1, cfg.J, head_dim, dtype=torch.float64, generator=torch.Generator())
     found["dof head"] = timed(lambda: degrees_of_freedom(x, run.lam, not cfg.raw_gram))
     tasks = [0.0, 0.0]
@@ -90,41 +101,33 @@ def probe(run, students: list) -> dict:
 
 
 def stage_seconds(run, name: str, spec, unit: dict) -> float:
-    """One stage's seconds with `unit` the seconds of each unit of work."""
-    cfg, world = run.cfg, devices.world()
-    ppl_windows = sum(evaluate_windows(run, text) for text in evaluate.PPL_TEXTS) / world
-    n_layer, curves = run.teacher.config.n_layer, len(stages.curve_specs(run))
+    """One stage's seconds with `unit` the seconds of each unit of work (perplexity and tasks:
+    under torchrun the ranks share them, and so did the probe's)."""
+    cfg, n_layer = run.cfg, run.teacher.config.n_layer
+    texts = [len(run.texts[text]) // run.ctx for text in evaluate.PPL_TEXTS]
+    ppl_windows = sum(min(n, cfg.eval_windows or n) for n in texts)
     if name == "teacher evaluation":
-        return ppl_windows * unit["ppl"] + unit["tasks"] / world
+        return ppl_windows * unit["ppl"] + unit["tasks"]
     if name == "DoF estimate":
         heads = n_layer * run.teacher.config.n_head
         return cfg.calib_windows * unit["ppl"] + heads * unit["dof head"]
     if name == endtoend.SWAP_STAGE:  # the teacher and each layer's swap, per curve student
-        return curves * cfg.e2e_windows * (n_layer + 1) * unit["ppl"]
-    kind, seconds = step_kind(spec), 0.0
-    if kind:
-        seconds += settings(run, spec.seed).steps * unit[kind]
-    if (spec.variant, spec.loss, spec.budget) in curve_keys(run):
-        seconds += cfg.curve_windows * unit["layer"]
+        return len(stages.curve_specs(run)) * cfg.e2e_windows * (n_layer + 1) * unit["ppl"]
+    kind = step_kind(spec)
+    seconds = settings(run, spec.seed).steps * unit[kind] if kind else 0.0
+    oracles = set(stages.ORACLES) & set(cfg.variants)
+    if (
+        oracles
+        and (spec.variant, spec.loss) == ("fix", "softmax")
+        and spec.budget in cfg.curve_dims
+    ):
+        seconds += cfg.curve_windows * unit["layer"]  # its error curves
     if spec.variant == "fix" and spec.budget not in run.budgets:  # a curve student only
         return seconds
     before = 2 if spec.variant in stages.TRAINED_PRF else 1  # and the untrained draw's errors
     seconds += before * cfg.error_windows * unit["layer"] + cfg.e2e_windows * unit["e2e"]
     scale = unit["student ppl"] / unit["ppl"]  # the tasks on the student's forward pass
-    return seconds + ppl_windows * unit["student ppl"] + scale * unit["tasks"] / world
-
-
-def curve_keys(run) -> set:
-    """(variant, loss, budget) of the students whose curve errors the run computes."""
-    if not set(stages.ORACLES) & set(run.cfg.variants):
-        return set()
-    return {(spec.variant, spec.loss, spec.budget) for spec in stages.curve_specs(run)}
-
-
-def evaluate_windows(run, text: str) -> int:
-    """The perplexity windows of `text` an evaluation reads."""
-    available = len(run.texts[text]) // run.ctx
-    return min(available, run.cfg.eval_windows or available)
+    return seconds + ppl_windows * unit["student ppl"] + scale * unit["tasks"]
 
 
 def estimate(run, todo: list) -> dict:
