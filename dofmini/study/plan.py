@@ -2,7 +2,8 @@
 reproduce.py's plan marks done (every file saved with its key), the stages its progress lines
 count, and what the estimate costs. It comes after endtoend.py, whose files a student's stage
 includes. A student's key needs its dims: DoF's come from the saved allocation, an oracle's from
-the saved error curves (and swap curves); until those are saved its key is None."""
+the saved error curves (and swap curves); until those are saved its key is None. A row's
+validator checks a saved result's shape (runs.saved)."""
 
 from . import endtoend, runs, stages
 from .endtoend import SWAP_STAGE
@@ -11,11 +12,11 @@ from .oracle import curves_record
 
 
 def stages_of(run) -> list:
-    """[(stage name, file, key)] of every result the run saves, in run order; a stage has one row
-    per file: a curve student its curve errors, a student its evaluation and end-to-end KL (a Fix
+    """[(stage name, file, key, validator)] of every result the run saves, in run order; one row
+    a file: a curve student its curve errors, a student its evaluation and end-to-end KL (a Fix
     student of the curves all three), the swap curves one per curve student."""
     cfg = run.cfg
-    rows = [(name, *file_key) for name, file_key in stage_files(run).items()]
+    rows = [(name, *saved) for name, saved in stage_files(run).items()]
     oracles = set(stages.ORACLES) & set(cfg.variants)
     curve_specs = stages.curve_specs(run) if oracles else []
     if "oracle_e2e" in cfg.variants:
@@ -24,8 +25,8 @@ def stages_of(run) -> list:
     allocation = runs.saved(*stage_files(run)["DoF estimate"])
     curves = saved_curves(run, curve_specs, students)
     for spec in stages.specs(run, allocation, curves):
-        for file, key in (student_file(run, spec), endtoend.stage_file(run, spec)):
-            students.append((spec.name, file, key if spec.dims else None))
+        for file, key, valid in (student_file(run, spec), endtoend.stage_file(run, spec)):
+            students.append((spec.name, file, key if spec.dims else None, valid))
     return rows + students
 
 
@@ -33,8 +34,8 @@ def saved_curves(run, curve_specs: list, curve_rows: list):
     """The oracles' curves record from the saved curve errors (with the swap curves under "e2e"
     once saved), or None while one is missing."""
     errors = {}
-    for spec, (_, file, key) in zip(curve_specs, curve_rows):
-        errors.setdefault(str(spec.seed), []).append(runs.saved(file, key))
+    for spec, (_, *saved) in zip(curve_specs, curve_rows):
+        errors.setdefault(str(spec.seed), []).append(runs.saved(*saved))
     if not errors or any(None in by_m for by_m in errors.values()):
         return None
     curves = curves_record(errors, run.cfg.curve_dims, run.budgets, 0.0)
@@ -43,12 +44,12 @@ def saved_curves(run, curve_specs: list, curve_rows: list):
 
 
 def names(rows: list) -> list:
-    return list(dict.fromkeys(name for name, _, _ in rows))
+    return list(dict.fromkeys(row[0] for row in rows))
 
 
 def done(rows: list) -> set:
     """The names of the stages whose every file is saved with its key."""
-    pending = {name for name, file, key in rows if key is None or runs.saved(file, key) is None}
+    pending = {name for name, *saved in rows if saved[1] is None or runs.saved(*saved) is None}
     return set(names(rows)) - pending
 
 
