@@ -9,14 +9,15 @@ Every setting of a run is one field of RunConfig below. Each stage saves its res
 the settings and inputs that made it; running again reuses a stage only when they match.
 """
 
-import argparse
 import dataclasses
 import json
-import math
+import os
 import sys
+import tempfile
 import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,14 +25,23 @@ import torch
 from dofmini import hub
 from dofmini.distill import TrainSettings
 from dofmini.files import sha256_file, write_text
-from dofmini.study import compare, data, devices, endtoend, evaluate, report, runs, stages
-from dofmini.study.finetune import data_groups, parse_lr, report_table, run_all
+from dofmini.study import (
+    compare,
+    data,
+    devices,
+    endtoend,
+    estimate,
+    evaluate,
+    flags,
+    keys,
+    plan,
+    report,
+    runs,
+    stages,
+)
+from dofmini.study.finetune import data_groups, report_table, run_all
 from dofmini.study.runs import log
 
-VARIANTS = ("performer", "dijiang", "fix", *stages.ALLOCATIONS, *stages.ORACLES)
-LOSSES = ("softmax", "l2", "direct")
-SEED_LIMIT = 2**31 - 1  # seeds are offset by the layer index and must stay within torch's range
-MAX_FEATURES = 4096  # per layer: far above any head size, below what memory can hold
 # What each profile changes in RunConfig's defaults (which are the "default" profile).
 PROFILES = {
     "quick": dict(ctx=64, J=128, calib_windows=8, steps=4, batch=2, eval_windows=4, limit=4,
@@ -52,7 +62,7 @@ class RunConfig:
     profile: str = "default"
     out: Path | None = None  # default runs/<model>-<profile>
     data: Path | None = None  # the data store; default DOFMINI_DATA or the user cache
-    device: str = "cpu"
+    device: str = "auto"  # the GPU where torch sees one (each rank's under torchrun), else cpu
     precision: str = "fp32"  # the teacher's forward passes: fp32, or bf16 autocast (devices)
     per_device: int | None = None  # windows back-propagated at once; None: a quarter of the batch
     variants: tuple = ("performer", "dijiang", "fix", "dof", "dof_clip")
@@ -81,135 +91,20 @@ class RunConfig:
     finetune_lr: tuple = ()  # ((task, rate), ...): these tasks skip the teacher's grid search
 
 
-ENVIRONMENT = """environment:
-  DOFMINI_DATA=DIR         the data store (else $XDG_CACHE_HOME/dofmini/data, ~/.cache/...)
-  DOFMINI_DATA_MIRROR=URL  fetch every data file from URL/<path in the store> instead
-  DOFMINI_WEIGHTS=DIR      where named models are downloaded (else weights/ in the checkout)"""
-
-
 def parse_args(argv) -> RunConfig:
-    """The flags over the profile's fields: each flag's dest is its RunConfig field, and a flag
-    left out is absent (argparse.SUPPRESS), so it never undoes what the profile sets."""
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog=ENVIRONMENT,
-        formatter_class=argparse.RawTextHelpFormatter,
-        argument_default=argparse.SUPPRESS,
-    )
-    p.add_argument("model", help=f"a known name ({', '.join(hub.HUB_REPOS)}) or a folder\n"
-                   "holding config.json, model.safetensors, tokenizer.json")  # fmt: skip
-    p.add_argument("--profile", choices=PROFILES, default="default",
-                   help="quick: a smoke run; default: one seed, one budget;\n"
-                   "study: seeds 0-2, budgets 16/32/64, Fix, 6 DoF rules, 2 oracles;\n"
-                   "paper: the paper's sizes, meant for a GPU")  # fmt: skip
-    p.add_argument("--out", type=partial(_arg, "--out", Path), help="default runs/MODEL-PROFILE")
-    p.add_argument("--data", type=Path, help="data store (default $DOFMINI_DATA, else the cache)")
-    p.add_argument("--device", help="cpu (the default), cuda or cuda:N (torchrun: each rank's)")
-    p.add_argument("--precision", choices=("fp32", "bf16"), help="bf16: the teacher in autocast")
-    p.add_argument("--batch-per-device", type=int, dest="per_device", help="windows a device takes")
-    p.add_argument("--variants", type=partial(_arg, "--variants", _variants),
-                   help=f"from {', '.join(VARIANTS)};\nnone: only the teacher and DoF")  # fmt: skip
-    p.add_argument("--loss", dest="losses", type=partial(_arg, "--loss", _split),
-                   help=f"from {', '.join(LOSSES)}, e.g. softmax,l2")  # fmt: skip
-    p.add_argument("--seeds", type=partial(_arg, "--seeds", _ints), help="e.g. 0,1,2 (default 0)")
-    p.add_argument("--budgets", type=partial(_arg, "--budgets", _ints), help="mean features/layer")
-    p.add_argument("--limit", type=int, help="first N examples per task (0: no tasks)")
-    p.add_argument("--lam", type=float, help="DoF λ (default 2^-4 for GPT-2, 2^-8 for Pythia)")
-    p.add_argument("--J", type=int, help="queries and keys sampled per head for DoF")
-    p.add_argument("--raw-gram", action="store_true", help="DoF from the raw Gram G, not G/J")
-    p.add_argument("--plan-only", action="store_true", help="print the plan and stop")
-    p.add_argument("--finetune", action="store_true", help="fine-tune every model on the tasks")
-    p.add_argument("--finetune-lr", type=_finetune_lr, help="TASK=LR,... or paper (Table 8)")
-    given = vars(p.parse_args(argv))
-    return check(RunConfig(**PROFILES[given["profile"]] | given))
-
-
-def _fail(message: str):
-    rank = f"rank {devices.rank()} of {devices.world()}: " if devices.world() > 1 else ""
-    raise SystemExit(f"reproduce.py: error: {rank}{message}")
-
-
-def _arg(flag: str, convert, text: str):
-    """`flag`'s argument `text` converted (argparse's type, partly applied); '' (no value) and
-    integers that do not parse refused in one line."""
-    if text == "":
-        _fail(f"{flag} '': expected {'a folder' if flag == '--out' else 'a value'}, or no flag")
-    try:
-        return convert(text)
-    except ValueError:
-        _fail(f"{flag} {text!r}: expected comma-separated integers")
-
-
-def _ints(text: str) -> tuple:
-    return tuple(int(x) for x in text.split(","))
-
-
-def _split(text: str) -> tuple:
-    return tuple(text.split(","))
-
-
-def _finetune_lr(text: str) -> tuple:
-    try:
-        return parse_lr(text)
-    except ValueError as err:
-        _fail(f"--finetune-lr {err}")
-
-
-def _variants(text: str) -> tuple:
-    return () if text == "none" else _split(text)
-
-
-def check(cfg: RunConfig) -> RunConfig:
-    """Every value checked before any model or data work; one line naming the flag and the value."""
-    for kind, values, known in (("variant", cfg.variants, VARIANTS), ("loss", cfg.losses, LOSSES)):
-        if unknown := [value for value in values if value not in known]:
-            _fail(f"unknown {kind} {unknown[0]!r}; choose from {', '.join(known)}")
-    if cfg.lam is not None and not (cfg.lam > 0 and math.isfinite(cfg.lam)):
-        _fail(f"--lam {cfg.lam}: expected a positive finite number")
-    if cfg.limit is not None and cfg.limit < 0:
-        _fail(f"--limit {cfg.limit}: expected 0 (no tasks) or more")
-    if (cfg.finetune or cfg.finetune_lr) and (cfg.limit == 0 or devices.world() > 1):
-        _fail("--finetune scores tasks in one process: not with --limit 0 or under torchrun")
-    if cfg.J < 2:
-        _fail(f"--J {cfg.J}: expected 2 or more samples per head")
-    if cfg.per_device is not None and cfg.per_device < 1:
-        _fail(f"--batch-per-device {cfg.per_device}: expected 1 or more windows")
-    part = cfg.per_device or max(1, cfg.batch // 4)  # 1, 2 or 4 devices share its parts evenly
-    if -(-cfg.batch // part) < devices.world():
-        why = f"the profile's {cfg.batch} windows a step, back-propagated {part} at a time"
-        _fail(f"{devices.world()} ranks: expected at most one for each part ({why})")
-    for seed in cfg.seeds:
-        if not 0 <= seed <= SEED_LIMIT - 1000:
-            _fail(f"--seeds {seed}: expected 0..{SEED_LIMIT - 1000}")
-    listed = {"--variants": cfg.variants, "--loss": cfg.losses, "--seeds": cfg.seeds}
-    for flag, values in listed.items():
-        if len(set(values)) != len(values):
-            _fail(f"{flag} {','.join(map(str, values))}: a value appears twice")
-    for budget in cfg.budgets or ():
-        if not 1 <= budget <= MAX_FEATURES:
-            _fail(f"--budgets {budget}: expected 1..{MAX_FEATURES} features per layer")
-    index = cfg.device.removeprefix("cuda:")
-    available = cfg.device == "cpu" or (cfg.device == "cuda" and torch.cuda.is_available())
-    if not available and not (index.isdigit() and int(index) < torch.cuda.device_count()):
-        seen = f"torch sees {torch.cuda.device_count()} CUDA device(s)"
-        _fail(f"--device {cfg.device} is not available here ({seen}); expected cpu, cuda, cuda:N")
-    hub.locate(cfg.model)  # its CheckpointError (an unknown name, no config.json): main's one line
-    out = cfg.out or Path("runs") / f"{Path(cfg.model).name}-{cfg.profile}"
-    runs.check_writable(out, "--out", _fail)
-    store = data.store_dir(cfg.data)
-    if store.exists() and not store.is_dir():
-        _fail(f"--data {store} is a file; expected the data store's folder")
-    tuned = cfg.finetune or bool(cfg.finetune_lr)  # rates given ask for fine-tuning
-    return dataclasses.replace(cfg, out=out, data=store, per_device=part, finetune=tuned)
+    """The flags over the profile's fields (flags.parse), checked (flags.check)."""
+    given = flags.parse(argv, RunConfig, PROFILES, __doc__.split("\n\n")[0])
+    return flags.check(RunConfig(**PROFILES[given["profile"]] | given))
 
 
 def main(argv=None):
     devices.start()
-    with runs.one_line_errors(_fail):  # also a path the system refuses (too long) in parse_args
+    # also a path the system refuses (too long) in parse_args
+    with runs.one_line_errors(flags.fail):
         cfg = parse_args(argv)
         if cfg.plan_only or not devices.is_writer():  # they write nothing into --out
             return _main(cfg)
-        with runs.locked(cfg.out, _fail):
+        with runs.locked(cfg.out, flags.fail):
             return _main(cfg)
 
 
@@ -219,15 +114,23 @@ def _main(cfg: RunConfig):
     groups = ["wikitext2", "corpus", "heldout", *tasks]
     if cfg.finetune:  # only then: the default run's downloads stay as they are
         groups = list(dict.fromkeys(groups + data_groups()))
-    needed = {stages.CALIBRATION, *evaluate.PPL_TEXTS.values()}
+    needed = {keys.CALIBRATION, *evaluate.PPL_TEXTS.values()}
     if unlisted := needed - {f.path for f in data.files(groups)}:
-        _fail(f"the data registry has no row for {', '.join(sorted(unlisted))}; the run reads it")
+        rows = ", ".join(sorted(unlisted))
+        flags.fail(f"the data registry has no row for {rows}; the run reads it")
     log(data.describe(groups, cfg.data))
+    log(flags.device_line(cfg.device))
     weights, absent = hub.missing_files(cfg.model), data.missing(groups, cfg.data)
     if cfg.plan_only and (weights or absent):
         header = "not here yet (the stages follow once these are in place):"
-        return log(runs.missing_listing(weights, absent, cfg.data, header))
-    run = devices.writer_first(lambda: load_teacher(cfg, data.ensure(groups, cfg.data, log=log)))
+        log(runs.missing_listing(weights, absent, cfg.data, header))
+        return log("estimate: it times the run's work on the weights and data, once in place")
+
+    def fetch_and_load():
+        stop_if_unreachable(cfg, weights, absent)
+        return load_teacher(cfg, data.ensure(groups, cfg.data, log=log))
+
+    run = devices.writer_first(fetch_and_load)
     devices.writer_first(lambda: encode_texts(run))  # the others read its token caches
     plan_run(run)
     if cfg.plan_only:
@@ -246,7 +149,7 @@ def _main(cfg: RunConfig):
     log("\n" + report.closing(cfg.out, results))
 
 
-def load_teacher(cfg: RunConfig, hashes: dict) -> stages.Run:
+def load_teacher(cfg: RunConfig, hashes: dict) -> keys.Run:
     teacher = hub.load(cfg.model).to(cfg.device)
     tokenizer = hub.load_tokenizer(cfg.model)
     model_cfg = teacher.config
@@ -255,11 +158,11 @@ def load_teacher(cfg: RunConfig, hashes: dict) -> stages.Run:
     budgets = cfg.budgets or (model_cfg.head_dim,)
     lo, hi = min(cfg.curve_dims), max(cfg.curve_dims)
     if "oracle" in cfg.variants and not all(lo <= b <= hi for b in budgets):
-        _fail(f"budgets {list(budgets)}: the oracle allocates between its curves' dims; "
+        flags.fail(f"budgets {list(budgets)}: the oracle allocates between its curves' dims; "
               f"expected budgets in {lo}..{hi}")  # fmt: skip
     pool = 2 * cfg.calib_windows * ctx  # queries and keys per head on the calibration text
     if cfg.J > pool:
-        _fail(f"--J {cfg.J} is more than the {pool} queries and keys per head that "
+        flags.fail(f"--J {cfg.J} is more than the {pool} queries and keys per head that "
               f"{cfg.calib_windows} calibration windows of {ctx} tokens give")  # fmt: skip
     tokenizer_hash = sha256_file(hub.locate(cfg.model) / "tokenizer.json")[:16]
     device = runs.device_name(teacher) + devices.teacher_precision(teacher, cfg.precision)
@@ -267,10 +170,10 @@ def load_teacher(cfg: RunConfig, hashes: dict) -> stages.Run:
     log(f"dofmini: {model_cfg.name} ({model_cfg.family}, {model_cfg.n_layer} layers x "
         f"{model_cfg.n_head} heads of {model_cfg.head_dim}), profile {cfg.profile}, ctx {ctx}, "
         f"seeds {list(cfg.seeds)}, budgets {list(budgets)}, out {cfg.out}")  # fmt: skip
-    return stages.Run(cfg, teacher, tokenizer, ctx, lam, tuple(budgets), inputs)
+    return keys.Run(cfg, teacher, tokenizer, ctx, lam, tuple(budgets), inputs)
 
 
-def encode_texts(run: stages.Run):
+def encode_texts(run: keys.Run):
     """calib (WikiText-2 valid, for DoF), wikitext2 (test), heldout and train token ids."""
     cfg, keep = run.cfg, not run.cfg.plan_only  # a plan leaves no cache
     for name, relative in run.texts_read().items():
@@ -282,58 +185,72 @@ def encode_texts(run: stages.Run):
     run.texts["calib"] = run.texts["calib"][: cfg.calib_windows * run.ctx]
 
 
-def plan_run(run: stages.Run):
+def plan_run(run: keys.Run):
     """Print the run's stages in order, "done" for those saved with this run's keys (a rerun
-    reloads them), and keep the order for the progress lines; first, a teacher whose forward pass
-    overflows its dtype stops the run."""
+    reloads them), and the time each other one should take here; keep the order and those times
+    for the progress lines. First, a teacher whose forward pass overflows its dtype stops the
+    run."""
     cfg, teacher = run.cfg, run.teacher
     weight = next(teacher.parameters())
     ids = torch.randint(0, teacher.config.vocab_size, (1, run.ctx), generator=torch.Generator())
     if not torch.isfinite(teacher(ids.to(weight.device))).all():  # logits [1, ctx, V]
         why = f"its weights overflow {weight.dtype} in the forward pass"
-        _fail(f"the teacher's logits on random tokens are not finite: {why}")
-    names = ["teacher evaluation", "DoF estimate"]
-    if "oracle_e2e" in cfg.variants:
-        names.append(endtoend.SWAP_STAGE)
-    names += [stages.Student(*key, ()).name for key in stages.student_keys(run)]
-    run.clock.plan, done = names, done_stages(run)
-    steps, world = stages.settings(run, cfg.seeds[0]).steps, devices.world()
+        flags.fail(f"the teacher's logits on random tokens are not finite: {why}")
+    rows = plan.stages_of(run)
+    names, done = plan.names(rows), plan.done(rows)
+    todo = [name for name in names if name not in done]
+    if todo:
+        log(f"timing the run's work here ({estimate.HOW})")
+    seconds = estimate.estimate(run, todo)
+    run.clock.plan = names
+    run.clock.estimates = {n: (low * high) ** 0.5 for n, (low, high) in seconds.items()}
+    steps, world = keys.settings(run, cfg.seeds[0]).steps, devices.world()
     parts = -(-cfg.batch // cfg.per_device)
     share = f"; {world} ranks, each at most {-(-parts // world)} of a step's {parts} parts"
     windows = f"{steps} steps of {cfg.batch} windows of {run.ctx} tokens, {cfg.per_device} at once"
     log(f"plan (each student: {windows}{share if world > 1 else ''}):")
     for name in names:
-        log(f"  {name}: done" if name in done else f"  {name}")
-    log(f"  {len(done)} of {len(names)} stages done")
+        log(f"  {name}: {estimate.span(seconds[name]) if name in seconds else 'done'}")
+    rest = estimate.total(seconds, cfg.device)
+    log(f"  {len(done)} of {len(names)} stages done{rest}")
 
 
-def done_stages(run: stages.Run) -> set:
-    """The plan names of the stages already saved with this run's keys, a student's with its
-    end-to-end KL. A student's key needs its dims: DoF's come from a saved allocation, the
-    oracle's from the saved curves."""
-    cfg, files = run.cfg, stages.stage_files(run)
-    saved = {name: runs.saved(*files[name]) for name in files}
-    found = {name for name, result in saved.items() if result}
-    errors, curves = {}, None
-    for spec in stages.curve_specs(run) if set(stages.ORACLES) & set(cfg.variants) else ():
-        found_m = runs.saved(*stages.student_file(run, spec, curve=True))
-        errors.setdefault(str(spec.seed), []).append(found_m)
-        if found_m and spec.budget not in run.budgets:  # a student of the curves only
-            found.add(spec.name)
-    if errors and all(None not in by_m for by_m in errors.values()):
-        curves = stages.curves_record(errors, cfg.curve_dims, run.budgets, 0.0)
-    swaps = "oracle_e2e" in cfg.variants and endtoend.swap_curves(run, saved_only=True)
-    if swaps:
-        found.add(endtoend.SWAP_STAGE)
-        curves = curves and {**curves, "e2e": swaps}
-    for spec in stages.specs(run, saved["DoF estimate"], curves):
-        evaluated = spec.dims and runs.saved(*stages.student_file(run, spec))
-        if evaluated and runs.saved(*endtoend.stage_file(run, spec)) is not None:
-            found.add(spec.name)
-    return found
+def stop_if_unreachable(cfg: RunConfig, weights: list, absent: list):
+    """Before any download, one message when a source of a missing file cannot be reached: what
+    is missing and from where, the file that lists each URL and destination, then the fix."""
+    hosts = {}  # host: one URL on it
+    for url in [url for url, _ in weights] + [data.source(f) for f in absent]:
+        hosts.setdefault(urllib.parse.urlsplit(url).netloc, url)
+    with ThreadPoolExecutor() as pool:  # at once: each silent host costs its timeout once
+        why = dict(zip(hosts, pool.map(hub.unreachable, hosts.values())))
+    if not any(why.values()):
+        return
+
+    def where(urls) -> str:
+        found = dict.fromkeys(urllib.parse.urlsplit(url).netloc for url in urls)
+        return ", ".join(f"{host} ({why[host]})" if why[host] else host for host in found)
+
+    lines = ["files this run needs are missing, and where they come from cannot be reached:"]
+    if weights:
+        sources = where(url for url, _ in weights)
+        lines.append(f"  weights of {cfg.model}: {len(weights)} file(s) from {sources}")
+    if absent:
+        sources = where(map(data.source, absent))
+        lines.append(f"  data: {len(absent)} file(s), {data.size_mb(absent)}, from {sources}")
+    header = "Each file this run lacks: its URL, then where it goes."
+    handle, listing = tempfile.mkstemp(prefix="dofmini-missing-", suffix=".txt", text=True)
+    with os.fdopen(handle, "w") as file:
+        file.write(runs.missing_listing(weights, absent, cfg.data, header) + "\n")
+    lines.append(f"Each file's URL and destination are in {listing}.")
+    lines.append(
+        "Fix: download each file to its destination (a Wikipedia file as served: it is converted "
+        "on the next run), or point DOFMINI_WEIGHTS, --data or DOFMINI_DATA_MIRROR at copies "
+        "that hold them; or run again once those hosts answer."
+    )
+    flags.fail("\n".join(lines))
 
 
-def collect(run: stages.Run, teacher_result, allocation, curves, students) -> dict:
+def collect(run: keys.Run, teacher_result, allocation, curves, students) -> dict:
     """results.json: every number, the settings, the inputs' hashes and what made them."""
     config = {k: v for k, v in dataclasses.asdict(run.cfg).items() if k not in ("out", "data")}
     inputs = dict(run.inputs, read=run.files_read())  # the data files in the order read

@@ -2,9 +2,12 @@
 hub on first use, the teacher's identity, and the checkpoint's own tokenizer, checked against it."""
 
 import hashlib
+import logging
 import os
 import tempfile
+import urllib.error
 import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -19,6 +22,7 @@ HUB_REPOS = {"gpt2": "openai-community/gpt2"} | {
 }
 # Named models live here; DOFMINI_WEIGHTS moves it (e.g. for a non-editable install).
 WEIGHTS_DIR = Path(os.getenv("DOFMINI_WEIGHTS") or Path(__file__).resolve().parents[1] / "weights")
+PROBE_SECONDS = 10  # how long a host may take to answer before it counts as unreachable
 
 
 def locate(path_or_name) -> Path:
@@ -46,6 +50,22 @@ def missing_files(path_or_name) -> list:
     return [(f"{base}/{f}", folder / f) for f in FILES if not (folder / f).is_file()]
 
 
+def unreachable(url: str) -> str:
+    """Why `url`'s host cannot be reached ("" when it answers, with any HTTP status), by one
+    HEAD request that honours the proxy settings: a download tried on an unreachable host would
+    wait through huggingface_hub's five retries (about 25 s) before failing."""
+    if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+        return ""  # a local folder (file://): its own read names a missing file
+    try:
+        request = urllib.request.Request(url, method="HEAD")
+        urllib.request.urlopen(request, timeout=PROBE_SECONDS).close()
+    except urllib.error.HTTPError:  # an answer: the host is there
+        return ""
+    except (OSError, ValueError) as err:  # URLError (no connection), a timeout, not a URL
+        return f"unreachable: {getattr(err, 'reason', err)}"
+    return ""
+
+
 def resolve(path_or_name) -> Path:
     """locate's folder, after downloading what a named model lacks; a failure says what to fetch."""
     folder, needed, name = locate(path_or_name), missing_files(path_or_name), str(path_or_name)
@@ -53,7 +73,18 @@ def resolve(path_or_name) -> Path:
         return folder
     from huggingface_hub import hf_hub_download
 
+    host = urllib.parse.urlsplit(needed[0][0]).netloc
+    advice = (
+        f"Download each file by hand and put it at its path, or set DOFMINI_WEIGHTS to a folder "
+        f"holding {name}/ already:{by_hand(needed)}"
+    )
+    failed = f"could not be downloaded from {host}"
+    if why := unreachable(needed[0][0]):
+        raise CheckpointError(f"{name!r} is not in {folder} and {failed} ({why}). {advice}")
     folder.parent.mkdir(parents=True, exist_ok=True)
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)  # its retry warnings: the error below says it all
     try:
         # a file enters the folder only by a rename once whole: huggingface_hub writes in place
         # into local_dir (a fresh scratch folder) when it copies from its own cache
@@ -62,13 +93,13 @@ def resolve(path_or_name) -> Path:
                 fetched = hf_hub_download(HUB_REPOS[name], file.name, local_dir=scratch)
                 folder.mkdir(exist_ok=True)
                 os.replace(fetched, file)
-    except Exception as err:  # offline, hub down, file renamed upstream, disk full: one advice
-        host = urllib.parse.urlsplit(needed[0][0]).netloc
+    except Exception as err:  # hub down, file renamed upstream, disk full: one advice
+        why = f"{type(err).__name__}: {err}"
         raise CheckpointError(
-            f"{name!r} is not in {folder} and could not be downloaded from {host} "
-            f"({type(err).__name__}: {err}). Download each file by hand and put it at its path, "
-            f"or set DOFMINI_WEIGHTS to a folder holding {name}/ already:{by_hand(needed)}"
+            f"{name!r} is not in {folder} and {failed} ({why}). {advice}"
         ) from None
+    finally:
+        hub_log.setLevel(level)
     return folder
 
 

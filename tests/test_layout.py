@@ -37,12 +37,17 @@ STUDY = tuple(
         "bank",
         "stages",
         "endtoend",
+        "plan",
+        "estimate",
         "stats",
         "compare",
         "finetune",
         "verdicts",
         "figures",
         "report",
+        "task_train",
+        "finetune",
+        "flags",
     )
 )
 ORDER = CORE + STUDY

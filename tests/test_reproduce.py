@@ -259,15 +259,24 @@ def closed_port_url() -> str:
 
 
 def offline_env(tmp_path) -> dict:
-    """A first run with nothing downloaded and every source unreachable: the hub and the data."""
+    """A first run with nothing downloaded and every source unreachable: the hub and the data;
+    temporary files (the listing of what is missing) under tmp_path/tmp."""
     url = closed_port_url()
+    (tmp_path / "tmp").mkdir(exist_ok=True)
     env = {**os.environ, "DOFMINI_DATA": str(tmp_path / "store"), "DOFMINI_DATA_MIRROR": url}
+    env["TMPDIR"] = str(tmp_path / "tmp")
     return {**env, "DOFMINI_WEIGHTS": str(tmp_path / "weights"), "HF_ENDPOINT": closed_port_url()}
+
+
+def missing_listing(stderr: str) -> str:
+    """The file an offline run's message names, listing each missing file's URL and path."""
+    return open(re.search(r"destination are in (\S+)\.\n", stderr)[1]).read()
 
 
 @pytest.mark.parametrize("missing", ["data", "weights"])
 def test_offline_first_run_names_the_host_and_every_missing_file(tmp_path, missing):
-    """Nothing downloaded: the data's download fails first; with the data in place, the weights'."""
+    """Nothing downloaded: the weights and the data are named; with the data in place, the
+    weights alone."""
     env, out = offline_env(tmp_path), tmp_path / "out"
     if missing == "weights":
         env["DOFMINI_DATA"] = str(data_path())
@@ -277,18 +286,19 @@ def test_offline_first_run_names_the_host_and_every_missing_file(tmp_path, missi
     hub_url = f"{env['HF_ENDPOINT']}/openai-community/gpt2/resolve/main"
     mirror, host = env["DOFMINI_DATA_MIRROR"], env["HF_ENDPOINT"].removeprefix("http://")
     weights, data = ["model.safetensors", "tokenizer.json"], ["wikitext-2-raw/wiki.test.raw"]
-    expected = {
-        "weights": [(f"{hub_url}/{f}", tmp_path / "weights" / "gpt2" / f) for f in weights],
-        "data": [(f"{mirror}/{f}", tmp_path / "store" / f) for f in [*data, "piqa/valid.jsonl"]],
-    }
-    for url, dest in expected[missing]:
-        assert f"{url}\n    -> {dest}" in result.stderr
-    if missing == "weights":
-        assert f"could not be downloaded from {host}" in result.stderr
-    else:
-        assert f"{mirror.removeprefix('http://')} is unreachable" in result.stderr
+    expected = [(f"{hub_url}/{f}", tmp_path / "weights" / "gpt2" / f) for f in weights]
+    if missing == "data":
+        stored = [*data, "piqa/valid.jsonl"]
+        expected += [(f"{mirror}/{f}", tmp_path / "store" / f) for f in stored]
+    listed = missing_listing(result.stderr)
+    for url, dest in expected:
+        assert f"{url}\n      -> {dest}" in listed
+    assert f"weights of gpt2: 3 file(s) from {host} (unreachable: " in result.stderr
+    has_data = f"data: 86 file(s), 31.2 MB, from {mirror.removeprefix('http://')}"
+    assert (has_data in result.stderr) == (missing == "data")
     assert not out.exists()
-    assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # nothing fetched, not in part
+    made = [p for p in tmp_path.rglob("*") if p.is_file() and p.parent != tmp_path / "tmp"]
+    assert not made  # nothing fetched, not in part
 
 
 def test_plan_only_with_nothing_downloaded_lists_what_is_missing(tmp_path):
@@ -297,6 +307,7 @@ def test_plan_only_with_nothing_downloaded_lists_what_is_missing(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "not here yet (the stages" in result.stdout and "weights, 3 file(s)" in result.stdout
     assert "data, 86 file(s), 31.2 MB" in result.stdout and "86 to download" not in result.stderr
+    assert "estimate: it times the run's work on the weights and data" in result.stdout
     assert not out.exists()
 
 
@@ -313,15 +324,14 @@ def test_a_second_run_into_the_same_folder_stops_naming_the_first(tmp_path):
 
 
 def test_offline_run_stops_before_model_work_naming_every_missing_file(tmp_path):
-    url = closed_port_url()
-    store = tmp_path / "store"
-    env = {**os.environ, "DOFMINI_DATA": str(store), "DOFMINI_DATA_MIRROR": url}
-    out = tmp_path / "out"
+    env, store, out = offline_env(tmp_path), tmp_path / "store", tmp_path / "out"
+    url = env["DOFMINI_DATA_MIRROR"]
     result = reproduce(FIXTURES / "gpt2-tiny", "--profile", "quick", "--out", out, env=env)
     assert result.returncode != 0 and "plan (each" not in result.stdout
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr and "weights of" not in result.stderr
+    listed = missing_listing(result.stderr)
     for path in (f"{url}/wikitext-2-raw/wiki.test.raw", str(store / "piqa" / "valid.jsonl")):
-        assert path in result.stderr
+        assert path in listed
     assert not store.exists() or not any(p.is_file() for p in store.rglob("*"))
     assert not out.exists()
 

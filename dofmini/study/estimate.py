@@ -1,0 +1,161 @@
+"""What a run will cost here, before it starts: each kind of work timed twice at the run's own
+shapes (an optimiser step of each kind the run trains, one batch of each evaluation, the first
+example of each task, DoF's algebra on one head), then multiplied by the counts each stage needs.
+The range runs from the faster probe divided by SPREAD to the slower times SPREAD: a machine
+shared with other jobs, warm-up, and examples longer than the first all move the real time."""
+
+import dataclasses
+import functools
+import time
+from pathlib import Path
+
+import torch
+
+from ..distill import distill, train_direct
+from ..dof import degrees_of_freedom
+from ..students import make_student
+from . import data, devices, endtoend, evaluate, plan, stages
+from .keys import settings
+from .tasks import load_task
+
+SPREAD = 1.5
+HOUR = 3600.0
+HOW = (
+    "a step of each kind it trains, a batch of each evaluation, each task's first example, "
+    f"each timed twice; the range: the faster / {SPREAD} to the slower x {SPREAD}"
+)
+
+
+def timed(compute) -> tuple:
+    """(faster, slower) seconds of two calls of compute()."""
+    seconds = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        compute()
+        seconds.append(time.perf_counter() - t0)
+    return min(seconds), max(seconds)
+
+
+def per_window(compute, model, run, text: str, windows: int) -> tuple:
+    """(faster, slower) seconds a window of one batch of `windows` (the stage's own batch):
+    compute(model, the text's first windows, ctx) for perplexity, else compute(windows)."""
+    windows = min(windows, len(run.texts[text]) // run.ctx)
+    ids = run.texts[text][: windows * run.ctx]
+    call = (lambda: compute(model, ids, run.ctx)) if model else (lambda: compute(windows))
+    return tuple(seconds / windows for seconds in timed(call))
+
+
+def step_kind(spec) -> tuple | None:
+    """(loss, student kind) of a student's training steps; None for the untrained Performer."""
+    if spec.variant == "performer":
+        return None
+    return spec.loss, "dijiang" if spec.variant == "dijiang" else "prf"
+
+
+def step_seconds(run, loss: str, kind: str, dims: tuple) -> tuple:
+    """(faster, slower) seconds of one optimiser step: two steps of one round of parts (a part
+    on each rank), times the rounds a step of the run's batch takes."""
+    cfg, world = run.cfg, devices.world()
+    parts = -(-cfg.batch // cfg.per_device)
+    rounds = -(-parts // world)
+    probe = dataclasses.replace(settings(run, 0), steps=2, batch=cfg.per_device * world)
+    seen = []
+    loop = dict(log=lambda _: None, on_step=lambda state: seen.append(state.seconds))
+    tokens = run.texts["train"]
+    if loss == "direct":
+        train_direct(make_student(run.teacher, kind, dims, 0), tokens, probe, **loop)
+    else:
+        distill(run.teacher, dims, tokens, probe, loss=loss, **loop)
+    steps = (seen[0], seen[1] - seen[0])
+    return min(steps) * rounds, max(steps) * rounds
+
+
+def probe(run, students: list) -> dict:
+    """{what: (faster, slower) seconds} of each unit of work the students and stages need."""
+    cfg, teacher, ctx = run.cfg, run.teacher, run.ctx
+    n_layer, head_dim = teacher.config.n_layer, teacher.config.head_dim
+    widest = (max(run.budgets),) * n_layer  # the probe student: the largest budget
+    found = {}
+    for kind in dict.fromkeys(filter(None, map(step_kind, students))):
+        dims = (head_dim,) * n_layer if kind[1] == "dijiang" else widest
+        found[kind] = step_seconds(run, *kind, dims)
+    student = make_student(teacher, "prf", widest, 0)
+    heldout = run.texts["heldout"]
+    found["ppl"] = per_window(evaluate.perplexity, teacher, run, "wikitext2", 8)
+    found["student ppl"] = per_window(evaluate.perplexity, student, run, "wikitext2", 8)
+    errors = functools.partial(evaluate.layer_errors, teacher, student, heldout, ctx)
+    found["layer"] = per_window(errors, None, run, "heldout", min(4, cfg.error_windows))
+    kl = functools.partial(endtoend.e2e_kl, teacher, [student], heldout, ctx)
+    found["e2e"] = per_window(kl, None, run, "heldout", min(4, cfg.e2e_windows))
+    x = torch.randn(1, 1, cfg.J, head_dim, dtype=torch.float64, generator=torch.Generator())
+    found["dof head"] = timed(lambda: degrees_of_freedom(x, run.lam, not cfg.raw_gram))
+    tasks = [0.0, 0.0]
+    for name in run.tasks():
+        pinned = {Path(f.path).name for f in data.files(name)}
+        examples = load_task(name, cfg.data, cfg.limit, pinned)
+        first = functools.partial(evaluate.score_examples, teacher, run.tokenizer, examples[:1])
+        one = timed(first)
+        tasks = [total + len(examples) * t for total, t in zip(tasks, one)]
+    found["tasks"] = tuple(tasks)
+    return found
+
+
+def stage_seconds(run, name: str, spec, unit: dict) -> float:
+    """One stage's seconds with `unit` the seconds of each unit of work (perplexity and tasks:
+    under torchrun the ranks share them, and so did the probe's)."""
+    cfg, n_layer = run.cfg, run.teacher.config.n_layer
+    texts = [len(run.texts[text]) // run.ctx for text in evaluate.PPL_TEXTS]
+    ppl_windows = sum(min(n, cfg.eval_windows or n) for n in texts)
+    if name == "teacher evaluation":
+        return ppl_windows * unit["ppl"] + unit["tasks"]
+    if name == "DoF estimate":
+        heads = n_layer * run.teacher.config.n_head
+        return cfg.calib_windows * unit["ppl"] + heads * unit["dof head"]
+    if name == endtoend.SWAP_STAGE:  # the teacher and each layer's swap, per curve student
+        return len(stages.curve_specs(run)) * cfg.e2e_windows * (n_layer + 1) * unit["ppl"]
+    kind = step_kind(spec)
+    seconds = settings(run, spec.seed).steps * unit[kind] if kind else 0.0
+    oracles = set(stages.ORACLES) & set(cfg.variants)
+    if (
+        oracles
+        and (spec.variant, spec.loss) == ("fix", "softmax")
+        and spec.budget in cfg.curve_dims
+    ):
+        seconds += cfg.curve_windows * unit["layer"]  # its error curves
+    if spec.variant == "fix" and spec.budget not in run.budgets:  # a curve student only
+        return seconds
+    before = 2 if spec.variant in stages.TRAINED_PRF else 1  # and the untrained draw's errors
+    seconds += before * cfg.error_windows * unit["layer"] + cfg.e2e_windows * unit["e2e"]
+    scale = unit["student ppl"] / unit["ppl"]  # the tasks on the student's forward pass
+    return seconds + ppl_windows * unit["student ppl"] + scale * unit["tasks"]
+
+
+def estimate(run, todo: list) -> dict:
+    """{stage name: (low, high) seconds} of the stages in `todo` (plan names), probed here."""
+    if not todo:
+        return {}
+    specs = plan.students(run)
+    found = probe(run, [specs[name] for name in todo if name in specs])
+    ends = [{what: times[end] for what, times in found.items()} for end in (0, 1)]
+    seconds = {n: [stage_seconds(run, n, specs.get(n), unit) for unit in ends] for n in todo}
+    return {name: (low / SPREAD, high * SPREAD) for name, (low, high) in seconds.items()}
+
+
+def span(seconds: tuple) -> str:
+    """A (low, high) range of seconds in the unit that reads best."""
+    units = (("h", HOUR), ("min", 60.0), ("s", 1.0))
+    unit, size = next((u, size) for u, size in units if seconds[1] >= 2 * size or u == "s")
+    low, high = (x / size for x in seconds)
+    return f"{low:.2g}-{high:.2g} {unit}" if high < 10 else f"{low:.0f}-{high:.0f} {unit}"
+
+
+def total(seconds: dict, device: str) -> str:
+    """The plan's last words: the range of the stages left, and past an hour on a CPU, what
+    costs less."""
+    if not seconds:
+        return ""
+    low, high = (sum(ends) for ends in zip(*seconds.values()))
+    said = f"; the rest: {span((low, high))} here"
+    if device == "cpu" and low * high > HOUR**2:
+        said += "\n  cheaper: --device cuda (a GPU), --profile quick, or --variants fix,dof"
+    return said

@@ -1,0 +1,204 @@
+"""reproduce.py's command line: its flags over a profile's settings (--help shows each default,
+and each profile's own), and every value checked before any model or data work, a bad one
+refused in one line (fail) that names the flag and the value."""
+
+import argparse
+import dataclasses
+import math
+import os
+import textwrap
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from .. import hub
+from . import data, devices, keys, runs, stages
+from .finetune import parse_lr
+
+VARIANTS = ("performer", "dijiang", "fix", *keys.ALLOCATIONS, *stages.ORACLES)
+LOSSES = ("softmax", "l2", "direct")
+SEED_LIMIT = 2**31 - 1  # seeds are offset by the layer index and must stay within torch's range
+MAX_FEATURES = 4096  # per layer: far above any head size, below what memory can hold
+ENVIRONMENT = """environment:
+  DOFMINI_DATA=DIR         the data store (else $XDG_CACHE_HOME/dofmini/data, ~/.cache/...)
+  DOFMINI_DATA_MIRROR=URL  fetch every data file from URL/<path in the store> instead
+  DOFMINI_WEIGHTS=DIR      where named models are downloaded (else weights/ in the checkout)"""
+
+
+def parse(argv, config, profiles: dict, description: str) -> dict:
+    """{RunConfig field: value} of the flags given: each flag's dest is its field, and a flag
+    left out is absent (argparse.SUPPRESS), so it never undoes what the profile sets. No flag
+    may be abbreviated (--s is not --seeds)."""
+    said = partial(default, {f.name: f.default for f in dataclasses.fields(config)}, profiles)
+    p = argparse.ArgumentParser(
+        description=description,
+        epilog=ENVIRONMENT,
+        formatter_class=argparse.RawTextHelpFormatter,
+        argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,
+    )
+    known = ", ".join(hub.HUB_REPOS)
+    folder = "config.json, model.safetensors, tokenizer.json"
+    p.add_argument("model", help=f"a known name ({known})\nor a folder holding {folder}")
+    profile = (
+        "quick: a smoke run; default: one seed, one budget;\n"
+        "study: seeds 0-2, budgets 16/32/64, Fix, 6 DoF rules,\n"
+        "2 oracles; paper: the paper's sizes, meant for a GPU"
+    )
+    p.add_argument("--profile", choices=profiles, default="default", help=profile)
+    out = partial(_arg, "--out", Path)
+    p.add_argument("--out", type=out, help="default runs/MODEL-PROFILE")
+    store = "default $DOFMINI_DATA, else the user cache"
+    p.add_argument("--data", type=Path, help=f"the data store ({store})")
+    device = "auto (a GPU where torch sees one), cpu, cuda, cuda:N"
+    torchrun = "under torchrun cuda is each rank's own"
+    p.add_argument("--device", help=f"{device};\n{said('device')}; {torchrun}")
+    bf16 = "bf16: the teacher in autocast"
+    p.add_argument("--precision", choices=("fp32", "bf16"), help=f"{bf16}; {said('precision')}")
+    part = "windows back-propagated at once"
+    quarter = said("per_device", none="a quarter of the batch")
+    per_device = dict(type=int, dest="per_device", help=f"{part}; {quarter}")
+    p.add_argument("--batch-per-device", **per_device)
+    variants = partial(_arg, "--variants", _variants)
+    choose = f"from {', '.join(VARIANTS)}; none: only the teacher and DoF"
+    variants_help = textwrap.fill(f"{choose}; {said('variants')}", 60)
+    p.add_argument("--variants", type=variants, help=variants_help)
+    losses = partial(_arg, "--loss", _split)
+    choose = f"from {', '.join(LOSSES)}, e.g. softmax,l2"
+    p.add_argument("--loss", dest="losses", type=losses, help=f"{choose}; {said('losses')}")
+    seeds = partial(_arg, "--seeds", _ints)
+    p.add_argument("--seeds", type=seeds, help=f"e.g. 0,1,2; {said('seeds')}")
+    budgets = partial(_arg, "--budgets", _ints)
+    head = said("budgets", none="the head size")
+    p.add_argument("--budgets", type=budgets, help=f"mean features a layer; {head}")
+    limit = said("limit", none="all")
+    p.add_argument("--limit", type=int, help=f"first N examples a task (0: none);\n{limit}")
+    lam = said("lam", none="2^-4 for GPT-2, 2^-8 for Pythia")
+    p.add_argument("--lam", type=float, help=f"DoF λ; {lam}")
+    sampled = "queries and keys sampled a head for DoF"
+    p.add_argument("--J", type=int, help=f"{sampled}; {said('J')}")
+    raw = "DoF from the raw Gram G, not G/J; default off"
+    p.add_argument("--raw-gram", action="store_true", help=raw)
+    plan = "print the plan, with its estimate, and stop;\ndefault off"
+    p.add_argument("--plan-only", action="store_true", help=plan)
+    tune = "fine-tune every model on the tasks; default off"
+    p.add_argument("--finetune", action="store_true", help=tune)
+    rates = "TASK=LR,... or paper (Table 8); default none:\nthe teacher's grid search"
+    p.add_argument("--finetune-lr", type=_finetune_lr, help=rates)
+    return vars(p.parse_args(argv))
+
+
+def default(fields: dict, profiles: dict, name: str, none: str = "") -> str:
+    """ "default X" of RunConfig's field `name`, then each profile's own: "quick Y"."""
+
+    def shown(value) -> str:
+        if value is None:
+            return none
+        return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+    own = [f"{p} {shown(v[name])}" for p, v in profiles.items() if name in v]
+    return "; ".join([f"default {shown(fields[name])}", *own])
+
+
+def fail(message: str):
+    """Stop with reproduce.py's one-line error (naming the rank under torchrun)."""
+    rank = f"rank {devices.rank()} of {devices.world()}: " if devices.world() > 1 else ""
+    raise SystemExit(f"reproduce.py: error: {rank}{message}")
+
+
+def _arg(flag: str, convert, text: str):
+    """`flag`'s argument `text` converted (argparse's type, partly applied); '' (no value) and
+    integers that do not parse refused in one line."""
+    if text == "":
+        fail(f"{flag} '': expected {'a folder' if flag == '--out' else 'a value'}, or no flag")
+    try:
+        return convert(text)
+    except ValueError:
+        fail(f"{flag} {text!r}: expected comma-separated integers")
+
+
+def _ints(text: str) -> tuple:
+    return tuple(int(x) for x in text.split(","))
+
+
+def _split(text: str) -> tuple:
+    return tuple(text.split(","))
+
+
+def _finetune_lr(text: str) -> tuple:
+    try:
+        return parse_lr(text)
+    except ValueError as err:
+        fail(f"--finetune-lr {err}")
+
+
+def _variants(text: str) -> tuple:
+    return () if text == "none" else _split(text)
+
+
+def check(cfg):
+    """Every value checked before any model or data work; one line naming the flag and the value."""
+    for kind, values, known in (("variant", cfg.variants, VARIANTS), ("loss", cfg.losses, LOSSES)):
+        if unknown := [value for value in values if value not in known]:
+            fail(f"unknown {kind} {unknown[0]!r}; choose from {', '.join(known)}")
+    if cfg.lam is not None and not (cfg.lam > 0 and math.isfinite(cfg.lam)):
+        fail(f"--lam {cfg.lam}: expected a positive finite number")
+    if cfg.limit is not None and cfg.limit < 0:
+        fail(f"--limit {cfg.limit}: expected 0 (no tasks) or more")
+    if (cfg.finetune or cfg.finetune_lr) and (cfg.limit == 0 or devices.world() > 1):
+        fail("--finetune scores tasks in one process: not with --limit 0 or under torchrun")
+    if cfg.J < 2:
+        fail(f"--J {cfg.J}: expected 2 or more samples per head")
+    if cfg.per_device is not None and cfg.per_device < 1:
+        fail(f"--batch-per-device {cfg.per_device}: expected 1 or more windows")
+    part = cfg.per_device or max(1, cfg.batch // 4)  # 1, 2 or 4 devices share its parts evenly
+    if -(-cfg.batch // part) < devices.world():
+        why = f"the profile's {cfg.batch} windows a step, back-propagated {part} at a time"
+        fail(f"{devices.world()} ranks: expected at most one for each part ({why})")
+    for seed in cfg.seeds:
+        if not 0 <= seed <= SEED_LIMIT - 1000:
+            fail(f"--seeds {seed}: expected 0..{SEED_LIMIT - 1000}")
+    listed = {"--variants": cfg.variants, "--loss": cfg.losses, "--seeds": cfg.seeds}
+    for flag, values in listed.items():
+        if len(set(values)) != len(values):
+            fail(f"{flag} {','.join(map(str, values))}: a value appears twice")
+    for budget in cfg.budgets or ():
+        if not 1 <= budget <= MAX_FEATURES:
+            fail(f"--budgets {budget}: expected 1..{MAX_FEATURES} features per layer")
+    device = pick_device(cfg.device)
+    hub.locate(cfg.model)  # its CheckpointError (an unknown name, no config.json): main's one line
+    out = cfg.out or Path("runs") / f"{Path(cfg.model).name}-{cfg.profile}"
+    runs.check_writable(out, "--out", fail)
+    store = data.store_dir(cfg.data)
+    if store.exists() and not store.is_dir():
+        fail(f"--data {store} is a file; expected the data store's folder")
+    tuned = cfg.finetune or bool(cfg.finetune_lr)  # rates given ask for fine-tuning
+    replaced = dict(out=out, data=store, per_device=part, device=device, finetune=tuned)
+    return dataclasses.replace(cfg, **replaced)
+
+
+def pick_device(asked: str) -> str:
+    """`asked` if torch sees it; auto: cuda where torch sees a CUDA device (under torchrun,
+    devices.start made it the rank's own, cuda:LOCAL_RANK), else cpu."""
+    cuda = torch.cuda.is_available()
+    if asked == "auto":
+        return "cuda" if cuda else "cpu"
+    index = asked.removeprefix("cuda:")
+    available = asked == "cpu" or (asked == "cuda" and cuda)
+    if not available and not (index.isdigit() and int(index) < torch.cuda.device_count()):
+        seen = f"torch sees {torch.cuda.device_count()} CUDA device(s)"
+        expected = "expected auto, cpu, cuda, cuda:N"
+        fail(f"--device {asked} is not available here ({seen}); {expected}")
+    return asked
+
+
+def device_line(device: str) -> str:
+    """The plan's line on the device: which, and what torch sees."""
+    if not torch.cuda.is_available():
+        return f"device: {device} (no CUDA device seen)"
+    count = torch.cuda.device_count()
+    seen = f"{count} CUDA device(s)" if count else "a CUDA device"
+    rank = f"; under torchrun each rank's own, here cuda:{os.environ.get('LOCAL_RANK')}"
+    torchrun = rank if device == "cuda" and devices.world() > 1 else ""
+    return f"device: {device} (torch sees {seen}{torchrun})"

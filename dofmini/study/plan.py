@@ -1,0 +1,59 @@
+"""A run's stages in run order, each with the files its results are saved in and their keys: what
+reproduce.py's plan marks done (every file saved with its key), the stages its progress lines
+count, and what the estimate costs. It comes after endtoend.py, whose files a student's stage
+includes. A student's key needs its dims: DoF's come from the saved allocation, an oracle's from
+the saved error curves (and swap curves); until those are saved its key is None. A row's
+validator checks a saved result's shape (runs.saved)."""
+
+from . import endtoend, runs, stages
+from .endtoend import SWAP_STAGE
+from .keys import Student, stage_files, student_file
+from .oracle import curves_record
+
+
+def stages_of(run) -> list:
+    """[(stage name, file, key, validator)] of every result the run saves, in run order; one row
+    a file: a curve student its curve errors, a student its evaluation and end-to-end KL (a Fix
+    student of the curves all three), the swap curves one per curve student."""
+    cfg = run.cfg
+    rows = [(name, *saved) for name, saved in stage_files(run).items()]
+    oracles = set(stages.ORACLES) & set(cfg.variants)
+    curve_specs = stages.curve_specs(run) if oracles else []
+    if "oracle_e2e" in cfg.variants:
+        rows += [(SWAP_STAGE, *endtoend.stage_file(run, s, swap=True)) for s in curve_specs]
+    students = [(spec.name, *student_file(run, spec, curve=True)) for spec in curve_specs]
+    allocation = runs.saved(*stage_files(run)["DoF estimate"])
+    curves = saved_curves(run, curve_specs, students)
+    for spec in stages.specs(run, allocation, curves):
+        for file, key, valid in (student_file(run, spec), endtoend.stage_file(run, spec)):
+            students.append((spec.name, file, key if spec.dims else None, valid))
+    return rows + students
+
+
+def saved_curves(run, curve_specs: list, curve_rows: list):
+    """The oracles' curves record from the saved curve errors (with the swap curves under "e2e"
+    once saved), or None while one is missing."""
+    errors = {}
+    for spec, (_, *saved) in zip(curve_specs, curve_rows):
+        errors.setdefault(str(spec.seed), []).append(runs.saved(*saved))
+    if not errors or any(None in by_m for by_m in errors.values()):
+        return None
+    curves = curves_record(errors, run.cfg.curve_dims, run.budgets, 0.0)
+    swaps = "oracle_e2e" in run.cfg.variants and endtoend.swap_curves(run, saved_only=True)
+    return {**curves, "e2e": swaps} if swaps else curves
+
+
+def names(rows: list) -> list:
+    return list(dict.fromkeys(row[0] for row in rows))
+
+
+def done(rows: list) -> set:
+    """The names of the stages whose every file is saved with its key."""
+    pending = {name for name, *saved in rows if saved[1] is None or runs.saved(*saved) is None}
+    return set(names(rows)) - pending
+
+
+def students(run) -> dict:
+    """{stage name: Student without dims} of every student, for what a stage costs."""
+    found = (Student(*key, ()) for key in stages.student_keys(run))
+    return {student.name: student for student in found}
