@@ -213,6 +213,20 @@ def plan_run(run: keys.Run):
         log(f"  {name}: {estimate.span(seconds[name]) if name in seconds else 'done'}")
     rest = estimate.total(seconds, cfg.device)
     log(f"  {len(done)} of {len(names)} stages done{rest}")
+    log(f"  {units_line(plan.new_units(run), teacher.config.n_layer)}")
+
+
+def units_line(fresh: dict, n_layer: int) -> str:
+    """How many layer units (bank.py) the layerwise students still train: each (loss, layer,
+    M, seed) once, whichever students share it."""
+    known = sum(count for count in fresh.values() if count is not None)
+    unknown = [name for name, count in fresh.items() if count is None]
+    sized = len(fresh) - len(unknown)
+    said = f"layer units to train: {known} (layerwise students of known dims: {sized})"
+    if unknown:
+        later = f"{len(unknown)} whose dims DoF or the curves give"
+        said += f"; up to {n_layer} more for each of {later}"
+    return said
 
 
 def stop_if_unreachable(cfg: RunConfig, weights: list, absent: list):

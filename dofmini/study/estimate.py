@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..distill import distill, train_direct
+from ..distill import distill_layer, train_direct
 from ..dof import degrees_of_freedom
 from ..students import make_student
 from . import data, devices, endtoend, evaluate, plan, stages
@@ -54,20 +54,32 @@ def step_kind(spec) -> tuple | None:
 
 def step_seconds(run, loss: str, kind: str, dims: tuple) -> tuple:
     """(faster, slower) seconds of one optimiser step: two steps of one round of parts (a part
-    on each rank), times the rounds a step of the run's batch takes."""
+    on each rank), times the rounds a step of the run's batch takes. A layerwise loss: the step
+    of one layer unit (bank.py), the mean of the first layer's and the last's (a unit runs the
+    teacher up to its layer)."""
     cfg, world = run.cfg, devices.world()
     parts = -(-cfg.batch // cfg.per_device)
     rounds = -(-parts // world)
     probe = dataclasses.replace(settings(run, 0), steps=2, batch=cfg.per_device * world)
-    seen = []
-    loop = dict(log=lambda _: None, on_step=lambda state: seen.append(state.seconds))
     tokens = run.texts["train"]
     if loss == "direct":
-        train_direct(make_student(run.teacher, kind, dims, 0), tokens, probe, **loop)
+        student = make_student(run.teacher, kind, dims, 0)
+        direct = functools.partial(train_direct, student, tokens, probe, share=devices.shared)
+        steps = two_steps(direct)
     else:
-        distill(run.teacher, dims, tokens, probe, loss=loss, **loop)
-    steps = (seen[0], seen[1] - seen[0])
+        layer = dict(token_ids=tokens, loss=loss, share=devices.shared)
+        unit = functools.partial(distill_layer, run.teacher, **layer)
+        first = two_steps(functools.partial(unit, 0, dims[0], settings=probe))
+        last = two_steps(functools.partial(unit, len(dims) - 1, dims[-1], settings=probe))
+        steps = [(a + b) / 2 for a, b in zip(first, last)]
     return min(steps) * rounds, max(steps) * rounds
+
+
+def two_steps(train) -> list:
+    """The seconds of each of two optimiser steps of train(log=, on_step=)."""
+    seen = []
+    train(log=lambda _: None, on_step=lambda state: seen.append(state.seconds))
+    return [seen[0], seen[1] - seen[0]]
 
 
 def probe(run, students: list) -> dict:
@@ -100,9 +112,10 @@ def probe(run, students: list) -> dict:
     return found
 
 
-def stage_seconds(run, name: str, spec, unit: dict) -> float:
+def stage_seconds(run, name: str, spec, unit: dict, fresh: dict) -> float:
     """One stage's seconds with `unit` the seconds of each unit of work (perplexity and tasks:
-    under torchrun the ranks share them, and so did the probe's)."""
+    under torchrun the ranks share them, and so did the probe's); a layerwise student trains
+    only the layer units `fresh` gives it (plan.new_units; all of them where it has None)."""
     cfg, n_layer = run.cfg, run.teacher.config.n_layer
     texts = [len(run.texts[text]) // run.ctx for text in evaluate.PPL_TEXTS]
     ppl_windows = sum(min(n, cfg.eval_windows or n) for n in texts)
@@ -114,7 +127,9 @@ def stage_seconds(run, name: str, spec, unit: dict) -> float:
     if name == endtoend.SWAP_STAGE:  # the teacher and each layer's swap, per curve student
         return len(stages.curve_specs(run)) * cfg.e2e_windows * (n_layer + 1) * unit["ppl"]
     kind = step_kind(spec)
-    seconds = settings(run, spec.seed).steps * unit[kind] if kind else 0.0
+    steps = settings(run, spec.seed).steps * unit[kind] if kind else 0.0
+    units = fresh.get(spec.name, n_layer) if spec.loss in stages.LAYERWISE else 1
+    seconds = steps * (n_layer if units is None else units)
     oracles = set(stages.ORACLES) & set(cfg.variants)
     if (
         oracles
@@ -137,7 +152,8 @@ def estimate(run, todo: list) -> dict:
     specs = plan.students(run)
     found = probe(run, [specs[name] for name in todo if name in specs])
     ends = [{what: times[end] for what, times in found.items()} for end in (0, 1)]
-    seconds = {n: [stage_seconds(run, n, specs.get(n), unit) for unit in ends] for n in todo}
+    fresh = plan.new_units(run)
+    seconds = {n: [stage_seconds(run, n, specs.get(n), unit, fresh) for unit in ends] for n in todo}
     return {name: (low / SPREAD, high * SPREAD) for name, (low, high) in seconds.items()}
 
 

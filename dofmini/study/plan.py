@@ -5,7 +5,7 @@ includes. A student's key needs its dims: DoF's come from the saved allocation, 
 the saved error curves (and swap curves); until those are saved its key is None. A row's
 validator checks a saved result's shape (runs.saved)."""
 
-from . import endtoend, runs, stages
+from . import bank, endtoend, runs, stages
 from .endtoend import SWAP_STAGE
 from .keys import Student, stage_files, student_file
 from .oracle import curves_record
@@ -15,19 +15,29 @@ def stages_of(run) -> list:
     """[(stage name, file, key, validator)] of every result the run saves, in run order; one row
     a file: a curve student its curve errors, a student its evaluation and end-to-end KL (a Fix
     student of the curves all three), the swap curves one per curve student."""
-    cfg = run.cfg
     rows = [(name, *saved) for name, saved in stage_files(run).items()]
-    oracles = set(stages.ORACLES) & set(cfg.variants)
-    curve_specs = stages.curve_specs(run) if oracles else []
-    if "oracle_e2e" in cfg.variants:
+    curve_specs, curve_rows, later = _students(run)
+    if "oracle_e2e" in run.cfg.variants:
         rows += [(SWAP_STAGE, *endtoend.stage_file(run, s, swap=True)) for s in curve_specs]
-    students = [(spec.name, *student_file(run, spec, curve=True)) for spec in curve_specs]
-    allocation = runs.saved(*stage_files(run)["DoF estimate"])
-    curves = saved_curves(run, curve_specs, students)
-    for spec in stages.specs(run, allocation, curves):
+    students = list(curve_rows)
+    for spec in curve_specs + later:
+        if spec.budget not in run.budgets:  # a curve student only
+            continue
         for file, key, valid in (student_file(run, spec), endtoend.stage_file(run, spec)):
             students.append((spec.name, file, key if spec.dims else None, valid))
     return rows + students
+
+
+def _students(run) -> tuple:
+    """(the curve students, their curve rows, the other students in run order), dims where
+    known."""
+    oracles = set(stages.ORACLES) & set(run.cfg.variants)
+    curve_specs = stages.curve_specs(run) if oracles else []
+    curve_rows = [(s.name, *student_file(run, s, curve=True)) for s in curve_specs]
+    allocation = runs.saved(*stage_files(run)["DoF estimate"])
+    curves = saved_curves(run, curve_specs, curve_rows)
+    later = [spec for spec in stages.specs(run, allocation, curves) if spec not in curve_specs]
+    return curve_specs, curve_rows, later
 
 
 def saved_curves(run, curve_specs: list, curve_rows: list):
@@ -41,6 +51,24 @@ def saved_curves(run, curve_specs: list, curve_rows: list):
     curves = curves_record(errors, run.cfg.curve_dims, run.budgets, 0.0)
     swaps = "oracle_e2e" in run.cfg.variants and endtoend.swap_curves(run, saved_only=True)
     return {**curves, "e2e": swaps} if swaps else curves
+
+
+def new_units(run) -> dict:
+    """{layerwise student's name: the units it trains first, or None while its dims are unknown
+    (then all of its layers are counted)}: a unit an earlier student trains, or one already
+    saved, costs nothing (bank.plan)."""
+    curve_specs, _, later = _students(run)
+    specs = [s for s in curve_specs + later if s.loss in stages.LAYERWISE]
+    saved = {row["unit"] for row in bank.plan(run, [s for s in specs if s.dims]) if row["done"]}
+    seen, found = set(saved), {}
+    for spec in specs:
+        if not spec.dims:
+            found[spec.name] = None
+            continue
+        names = [unit.name for unit in bank.units_of(spec) if unit.name not in seen]
+        seen.update(names)
+        found[spec.name] = found.get(spec.name, 0) + len(names)
+    return found
 
 
 def names(rows: list) -> list:
