@@ -72,6 +72,9 @@ def parse(argv, config, profiles: dict, description: str) -> dict:
     budgets = partial(_arg, "--budgets", _ints)
     head = said("budgets", none="the head size")
     p.add_argument("--budgets", type=budgets, help=f"mean features a layer; {head}")
+    curve_dims = partial(_arg, "--curve-dims", _ints)
+    curves = f"the oracles' error curves' feature counts; {said('curve_dims')}"
+    p.add_argument("--curve-dims", dest="curve_dims", type=curve_dims, help=curves)
     limit = said("limit", none="all")
     p.add_argument("--limit", type=int, help=f"first N examples a task (0: none);\n{limit}")
     lam = said("lam", none="2^-4 for GPT-2, 2^-8 for Pythia")
@@ -160,12 +163,17 @@ def check(cfg):
         if not 0 <= seed <= SEED_LIMIT - 1000:
             fail(f"--seeds {seed}: expected 0..{SEED_LIMIT - 1000}")
     listed = {"--variants": cfg.variants, "--loss": cfg.losses, "--seeds": cfg.seeds}
+    listed["--curve-dims"] = cfg.curve_dims
     for flag, values in listed.items():
         if len(set(values)) != len(values):
             fail(f"{flag} {','.join(map(str, values))}: a value appears twice")
-    for budget in cfg.budgets or ():
-        if not 1 <= budget <= MAX_FEATURES:
-            fail(f"--budgets {budget}: expected 1..{MAX_FEATURES} features per layer")
+    counted = {"--budgets": cfg.budgets or (), "--curve-dims": cfg.curve_dims}
+    for flag, counts in counted.items():
+        for count in counts:
+            if not 1 <= count <= MAX_FEATURES:
+                fail(f"{flag} {count}: expected 1..{MAX_FEATURES} features per layer")
+    if list(cfg.curve_dims) != sorted(cfg.curve_dims):
+        fail(f"--curve-dims {','.join(map(str, cfg.curve_dims))}: expected increasing counts")
     device = pick_device(cfg.device)
     hub.locate(cfg.model)  # its CheckpointError (an unknown name, no config.json): main's one line
     out = cfg.out or Path("runs") / f"{Path(cfg.model).name}-{cfg.profile}"
