@@ -9,8 +9,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .checks import need_integers, need_one_of, need_positive
 from .linear_attention import LinearAttention, unit_features
-from .model import need_integers, need_one_of, need_positive
 from .students import make_student, trainable
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}

@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import torch
 
-from .model import need_integers, need_one_of, need_positive
+from .checks import need_integers, need_one_of, need_positive
 
 
 def dof_by_definition(x, lam, normalize=True):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .model import need_integers
+from .checks import need_integers
 
 
 def recurrent_step(q, k, v, S):

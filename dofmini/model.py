@@ -3,8 +3,6 @@ torch only. Every projection is stored [in, out] and applied as `x @ W + b` (GPT
 checkpoint.py brings NeoX's weights to it), so both families share one forward pass. Each layer's
 attention is its own module so a student can swap it while keeping the teacher's projections."""
 
-import math
-import numbers
 from dataclasses import dataclass
 
 import torch
@@ -204,28 +202,3 @@ class Model(nn.Module):
             span = f"{token_ids.min()}..{token_ids.max()}"
             raise ValueError(f"{what}: token ids span {span}; expected ids in [0, {vocab})")
         return token_ids.long().cpu().contiguous()
-
-
-def need_integers(what: str, least: int = 1, **values) -> None:
-    """A ValueError naming `what`, an argument and its value, unless each
-    is an integer >= least (no bool)."""
-    for name, value in values.items():
-        whole = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-        if not (whole and value >= least):
-            raise ValueError(f"{what}: {name}={value!r}; expected an integer >= {least}")
-
-
-def need_positive(what: str, **values) -> None:
-    """need_integers' error unless each value is a positive finite number."""
-    for name, value in values.items():
-        real = isinstance(value, numbers.Real) and not isinstance(value, bool)
-        if not (real and math.isfinite(value) and value > 0):
-            raise ValueError(f"{what}: {name}={value!r}; expected a positive finite number")
-
-
-def need_one_of(what: str, choices, **values) -> None:
-    """need_integers' error unless each value is one of `choices`."""
-    allowed = list(choices)
-    for name, value in values.items():
-        if value not in allowed:
-            raise ValueError(f"{what}: {name}={value!r}; expected one of {allowed}")

@@ -9,10 +9,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .checkpoint import CheckpointError
+from .checks import need_integers, need_one_of
 from .dijiang import DiJiangAttention
 from .files import as_json, atomic_write
 from .linear_attention import LinearAttention
-from .model import need_integers, need_one_of
 
 KINDS = ("prf", "dijiang")
 

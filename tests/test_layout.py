@@ -11,6 +11,7 @@ PACKAGE = REPO / "dofmini"
 # the method: infrastructure, then the paper's steps; generate serves any model
 CORE = (
     "files",
+    "checks",
     "model",
     "checkpoint",
     "hub",

@@ -88,7 +88,7 @@ def evaluate_with(run, hook):
     student = make_student(run.teacher, "prf", (8, 8), 0)
     student.register_forward_hook(hook)
     path = run.cfg.out / "eval" / "prf.json"
-    return evaluation(run, "prf", path, {"student": "prf"}, student, student=True)
+    return evaluation(run, "prf", path, {"student": "prf"}, None, student, student=True)
 
 
 def without_seconds(result: dict) -> dict:
@@ -125,6 +125,6 @@ def test_a_part_of_other_settings_is_not_reused(tiny, tiny_ids, tmp_path, capsys
     again = Stop()
     student.register_forward_hook(again)
     path = tmp_path / "eval" / "prf.json"
-    evaluation(run, "prf", path, {"student": "prf", "eval_windows": 2}, student, student=True)
+    evaluation(run, "prf", path, {"student": "prf", "eval_windows": 2}, None, student, student=True)
     out = capsys.readouterr().out
     assert "done; redoing" not in out and again.calls == 2 and "wikitext2.json: eval_windows" in out

@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 TASKS = {"piqa", "arc_easy", "arc_challenge", "winogrande", "wsc273", "mmlu", "logiqa", "lambada"}
 TRAINING_LINE = re.compile(r"^(softmax|l2|direct) \d+/\d+: loss", re.M)  # distill's progress lines
 VENDORABLE = {"linear_attention.py": {"torch"}, "dof.py": {"torch"}, "model.py": {"torch"},
+              "checks.py": set(),
               "generate.py": {"torch"}, "study/tasks.py": set(),
               "study/stats.py": set(), "study/oracle.py": {"torch"}}  # fmt: skip
 
@@ -230,7 +231,9 @@ def test_vendorable_module_imports_only_torch_numpy_stdlib(module):
                 for alias in node.names}  # fmt: skip
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            assert node.level == 0, f"{module} imports a sibling module ({node.module})"
+            if node.level:  # the one sibling a vendored module may bring: checks.py
+                assert node.module == "checks", f"{module} imports a sibling ({node.module})"
+                continue
             imported.add(node.module.split(".")[0])
     outside = {name for name in imported if name not in sys.stdlib_module_names}
     outside -= VENDORABLE[module]
@@ -447,7 +450,10 @@ def test_results_and_the_evaluation_key_list_every_file_read_in_order(tmp_path):
     inputs, opened = results["inputs"], done.stdout.split("OPENED ")[1].split()
     opened = opened[len([k for k in inputs if "/" in k]) :]  # after each file's verification
     assert "piqa/valid-labels.lst" in opened and "mmlu/test/virology_test.csv" in opened
-    assert [p for p in inputs["read"] if p in opened] == opened == list(dict.fromkeys(opened))
+    first_opened = list(dict.fromkeys(opened))
+    assert [p for p in inputs["read"] if p in opened] == first_opened
+    # the plan's estimate times each task's first example, so a task file may open once more
+    assert all(opened.count(p) <= 2 for p in first_opened)
     key = json.loads((out / "teacher.json").read_text())["key"]["data"]
     assert key == {p: sha for p, sha in inputs.items() if "/" in p} and set(opened) <= set(key)
 

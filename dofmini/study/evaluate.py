@@ -12,8 +12,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..checks import need_integers
 from ..distill import layer_pass
-from ..model import need_integers
 from . import data, devices
 from .progress import Progress, duration
 from .tasks import TASKS, load_task

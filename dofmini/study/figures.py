@@ -110,6 +110,8 @@ def training_loss(results: dict, path):
     budget."""
     grouped = _groups(results)
     budgets = sorted({budget for _, _, budget in grouped})
+    if not budgets:  # no students
+        return False
     losses = {loss for _, loss, _ in grouped}
     figure, axes = _panels(len(budgets))
     for ax, budget in zip(axes, budgets):
@@ -129,6 +131,8 @@ def e2e_kl(results: dict, path):
     """(d) end-to-end KL per rule and budget (mean, 95% t-interval over seeds), and each rule's
     paired difference from Fix relative to Fix's mean; no bar where one seed."""
     e2e = results["e2e"]
+    if not e2e:  # no students
+        return False
     keys = [name.split("/") for name in e2e]
     rules = sorted({(variant, loss) for variant, loss, _ in keys})
     budgets = sorted({int(budget.removeprefix("b")) for _, _, budget in keys})

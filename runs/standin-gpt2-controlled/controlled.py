@@ -48,9 +48,10 @@ class VirtualTeacher(nn.Module):
         scales = ",".join(map(str, self.temperatures))
         self.identity = f"{teacher.identity}/layer {layer} at {scales}"
 
-    def capture(self, ids):
-        q, k, v = self.teacher.capture(ids)[self.layer]  # [B, H, T, d] each
-        return [(q * s**0.5, k * s**0.5, v) for s in self.temperatures]
+    def capture(self, ids, upto=None):
+        """Every virtual layer (upto: the first `upto` of them) from the one real layer."""
+        q, k, v = self.teacher.capture(ids, upto=self.layer + 1)[self.layer]  # [B, H, T, d] each
+        return [(q * s**0.5, k * s**0.5, v) for s in self.temperatures[:upto]]
 
     def token_ids(self, token_ids, need: int, what: str):
         return self.teacher.token_ids(token_ids, need, what)
