@@ -219,8 +219,8 @@ def plan_run(run: keys.Run):
 def units_line(fresh: dict, n_layer: int) -> str:
     """How many layer units (bank.py) the layerwise students still train: each (loss, layer,
     M, seed) once, whichever students share it."""
-    known = sum(count for count in fresh.values() if count is not None)
-    unknown = [name for name, count in fresh.items() if count is None]
+    known = sum(units[0] for units in fresh.values() if units is not None)
+    unknown = [name for name, units in fresh.items() if units is None]
     sized = len(fresh) - len(unknown)
     said = f"layer units to train: {known} (layerwise students of known dims: {sized})"
     if unknown:

@@ -1,6 +1,7 @@
 """Layerwise distillation of PRF features (paper §4), the direct baseline, and their training loop.
 Each layer's features learn from the frozen teacher's q, k of that layer alone: distill trains a
-whole student from one teacher pass, distill_layer one layer (the same tensors, bit for bit)."""
+whole student from one teacher pass, distill_layers any of its layers (the same tensors, bit for
+bit)."""
 
 import dataclasses
 import math
@@ -163,7 +164,8 @@ def layerwise_backward(teacher, layers: dict, loss: str, s: TrainSettings):
 
 @dataclasses.dataclass
 class TrainState:
-    """A training's state, for a harness that saves and resumes it; curve: [[step, mean loss]]."""
+    """A training's state, for a harness that saves and resumes it; curve: [[step, the mean
+    over layers, [each layer's mean]]] at each logged step."""
 
     params: dict
     opt: torch.optim.Adam
@@ -188,7 +190,8 @@ def fit(model, params, backward, tokens, what, s, share=None, log=print, resume=
     study.devices.shared's, by parts; a non-finite loss stops training),
     Adam steps `params`, log the mean loss. resume(state) may restore a
     saved TrainState first, on_step(state) sees it after each step.
-    Returns {"train_seconds" (all runs), "loss_curve"}."""
+    Returns {"train_seconds" (all runs), "loss_curve", "layer_curves" (per
+    layer)}."""
     n_ctx = model.config.n_ctx
     if s.ctx > n_ctx:
         raise ValueError(f"{what}: need ctx <= {n_ctx}; got ctx={s.ctx}")
@@ -222,7 +225,7 @@ def fit(model, params, backward, tokens, what, s, share=None, log=print, resume=
         report = done % every == 0 or done == s.steps
         if report:
             mean = [sum(col) / len(col) for col in zip(*window)]  # per layer
-            state.curve.append([done, sum(mean) / len(mean)])
+            state.curve.append([done, sum(mean) / len(mean), mean])
             window = []
         if on_step:
             on_step(state)
@@ -231,34 +234,44 @@ def fit(model, params, backward, tokens, what, s, share=None, log=print, resume=
             left = elapsed / (done - start) * (s.steps - done)
             text = " ".join(f"{x:.4g}" for x in mean)
             log(f"{what} {done}/{s.steps}: loss {text} ({elapsed:.0f}s, ~{left:.0f}s left)")
-    return {"train_seconds": state.seconds, "loss_curve": state.curve}
+    curve = [[step, mean] for step, mean, _ in state.curve]
+    layers = [[step, means] for step, _, means in state.curve]
+    return {"train_seconds": state.seconds, "loss_curve": curve, "layer_curves": layers}
 
 
 def distill(teacher, dims, token_ids, settings=TrainSettings(), *, loss="softmax", **loop):
     """(A PRF student, its record): dims[i] features in layer i, seed feature_seed + i (default
     0), each trained by `loss` ("l2" or "softmax") on the teacher's q, k of layer i, all from one
     teacher pass; the rest of `loop`: fit's keywords (share, log, resume, on_step)."""
-    student = make_student(teacher, "prf", dims, loop.pop("feature_seed", 0))
-    layers = {i: block.attn.features for i, block in enumerate(student.blocks)}
-    params = trainable(student)
-    backward = layerwise_backward(teacher, layers, loss, settings)
-    return student, fit(student, params, backward, token_ids, loss, settings, **loop)
+    seed = loop.get("feature_seed", 0)
+    layers = dict(enumerate(dims))
+    trained, record = distill_layers(teacher, layers, token_ids, settings, loss=loss, **loop)
+    student = make_student(teacher, "prf", dims, seed)
+    for i, features in trained.items():
+        student.blocks[i].attn.features.load_state_dict(features.state_dict())
+    record.pop("layer_curves")
+    return student, record
 
 
-def distill_layer(teacher, layer: int, n_features: int, token_ids, settings, *, loss, **loop):
-    """(Layer `layer`'s PRF features, their record): the tensors distill gives that layer in any
-    student (seed feature_seed + layer, the same windows, Adam per tensor), the teacher run up to
-    that layer only; params named as in a student, blocks.{layer}.attn.features.{z, a}."""
+def distill_layers(teacher, dims: dict, token_ids, settings, *, loss, **loop):
+    """({layer: its PRF features}, their record) for dims {layer: M}: the tensors distill gives
+    each of these layers in any student (seed feature_seed + layer, the same windows, Adam per
+    tensor, a layer's loss on its own q, k alone), all from one teacher pass run up to the last
+    of them; params named as in a student, blocks.{layer}.attn.features.{z, a}."""
     n_layer = teacher.config.n_layer
-    if not 0 <= layer < n_layer:
-        raise ValueError(f"distill_layer: layer {layer}; the teacher has 0..{n_layer - 1}")
-    seed = loop.pop("feature_seed", 0) + layer
-    features = LinearAttention(teacher.blocks[layer].attn, n_features, seed).features
-    prefix = f"blocks.{layer}.attn.features."
-    params = {prefix + n: p for n, p in features.named_parameters()}
-    backward = layerwise_backward(teacher, {layer: features}, loss, settings)
-    what = f"{loss} layer {layer}, M={n_features}"
-    return features, fit(teacher, params, backward, token_ids, what, settings, **loop)
+    for layer in dims:
+        if not 0 <= layer < n_layer:
+            raise ValueError(f"distill_layers: layer {layer}; the teacher has 0..{n_layer - 1}")
+    seed = loop.pop("feature_seed", 0)
+    attention = {i: teacher.blocks[i].attn for i in dims}
+    layers = {i: LinearAttention(attention[i], m, seed + i).features for i, m in dims.items()}
+    params = {}
+    for i, features in layers.items():
+        named = features.named_parameters()
+        params |= {f"blocks.{i}.attn.features.{n}": p for n, p in named}
+    backward = layerwise_backward(teacher, layers, loss, settings)
+    what = f"{loss}, layers {list(dims)}"
+    return layers, fit(teacher, params, backward, token_ids, what, settings, **loop)
 
 
 def train_direct(student, token_ids, settings=TrainSettings(), **loop):
@@ -272,4 +285,6 @@ def train_direct(student, token_ids, settings=TrainSettings(), **loop):
         return [nll.item()]
 
     params = trainable(student)
-    return student, fit(student, params, backward, token_ids, "direct", settings, **loop)
+    record = fit(student, params, backward, token_ids, "direct", settings, **loop)
+    record.pop("layer_curves")
+    return student, record

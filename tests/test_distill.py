@@ -16,7 +16,7 @@ from dofmini import load_tokenizer
 from dofmini.distill import (
     TrainSettings,
     distill,
-    distill_layer,
+    distill_layers,
     layer_backward,
     layer_pass,
     train_direct,
@@ -250,7 +250,8 @@ def test_layers_trained_alone_assemble_the_jointly_trained_student_bit_for_bit(t
     curves = []
     for layer, m in enumerate([3, 5]):
         options = dict(loss="softmax", feature_seed=3, log=quiet)
-        alone, info = distill_layer(tiny, layer, m, tiny_ids, settings, **options)
+        trained, info = distill_layers(tiny, {layer: m}, tiny_ids, settings, **options)
+        alone = trained[layer]
         mine = joint.blocks[layer].attn.features
         assert torch.equal(alone.z, mine.z) and torch.equal(alone.a, mine.a)
         curves.append(info["loss_curve"])
@@ -288,10 +289,12 @@ def test_a_second_rule_trains_only_the_units_no_earlier_student_had(tiny, tiny_i
     plan = bank.plan(run, [first, second])
     assert [u["unit"] for u in plan] == units and not any(u["done"] for u in plan)
     lines = []
-    bank.train_unit(run, bank.Unit("softmax", 0, 3, 0), log=lines.append)
-    bank.train_unit(run, bank.Unit("softmax", 0, 3, 0), log=lines.append)  # the second rule's
-    assert lines[-1].startswith("unit softmax/l0/m3/s0: trained already")
-    assert [u["done"] for u in bank.plan(run, [first, second])] == [True, False, False]
+    bank.train_units(run, [bank.Unit("softmax", 0, 3, 0)], log=lines.append)
+    second_units = bank.units_of(second)  # the second rule's: layer 0 trained already
+    assert bank.train_units(run, second_units, log=lines.append) == second_units[1:]
+    said = [line for line in lines if line.startswith("unit softmax/l0/m3/s0: trained already")]
+    assert len(said) == 1
+    assert [u["done"] for u in bank.plan(run, [first, second])] == [True, False, True]
     run.clock = Clock([first.name, second.name])
     assembled, info = stages.train_student(run, second)
     settings = stages.settings(run, 0)

@@ -104,10 +104,11 @@ def test_a_resumed_training_counts_its_whole_training(tiny, tiny_ids, tmp_path, 
         if "54/60" in line:
             raise KeyboardInterrupt
 
-    unit = bank.units_of(spec)[0]  # the student's first layer, trained alone
+    units = bank.units_of(spec)  # its layers' units, trained together
     with pytest.raises(KeyboardInterrupt):
-        bank.train_unit(run, unit, log=interrupt_after_the_save_at_step_50)
-    before = read_tensors(Path(f"{unit.path(tmp_path)}.progress"))[1]["seconds"]
+        bank.train_units(run, units, log=interrupt_after_the_save_at_step_50)
+    [progress] = (tmp_path / "units").glob("*.progress")
+    before = read_tensors(progress)[1]["seconds"]
     run.clock = Clock([spec.name])
     _, info = stages.train_student(run, spec)
     assert "at step 50/60" in capsys.readouterr().out

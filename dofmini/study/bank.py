@@ -5,11 +5,13 @@ once, resumably, into units/ under its key; a student is assembled from its laye
 rule costs only the units no earlier student had."""
 
 import functools
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint import CheckpointError
-from ..distill import distill_layer
+from ..distill import distill_layers
 from ..files import as_json
 from ..students import make_student, read_tensors, save_student, save_tensors
 from . import devices, runs
@@ -56,37 +58,60 @@ def trained(path: Path, key: dict, own: bool = True) -> bool:
     return meta.get("key") == as_json(key) and "info" in meta
 
 
-def save_unit(features, path: Path, record: dict):
-    tensors = {
-        f"blocks.{record['layer']}.attn.features.{n}": p for n, p in features.named_parameters()
-    }
-    save_tensors(tensors, path, record)
+def train_units(run: Run, units: list, log=log) -> list:
+    """Train the `units` (one loss and seed) that no file holds with their key yet, together: one
+    teacher pass a step serves every layer (the tensors are each unit's alone, bit for bit:
+    distill_layers), resumable from one progress file; one line names each unit trained already.
+    Each unit's record: its own loss curve and an equal share of the joint training's seconds.
+    The units trained."""
+    todo = []
+    for unit in units:
+        path = unit.path(run.cfg.out)
+        if trained(path, unit_key(run, unit)):
+            log(f"unit {unit.name}: trained already ({path}), not again")
+        else:
+            todo.append(unit)
+    if not todo:
+        return todo
+    loss, seed = todo[0].loss, todo[0].seed
+    dims = {unit.layer: unit.n_features for unit in todo}
+    train, tokens = settings(run, seed), run.texts["train"]
+    common = dict(loss=loss, feature_seed=seed, share=devices.shared)
+    fitting = functools.partial(distill_layers, run.teacher, dims, tokens, train, **common)
+    keys = {unit.name: unit_key(run, unit) for unit in todo}
+    group = run.cfg.out / "units" / f"training-{loss}-s{seed}-{digest(keys)}.safetensors"
+    record = {"loss": loss, "units": list(keys), "key": keys}
+    save = functools.partial(save_units, run, todo)
+    runs.train_into(group, record, train, tokens, fitting, log, save=save)
+    return todo
 
 
-def train_unit(run: Run, unit: Unit, log=log) -> bool:
-    """Train one unit into its file unless it holds this key already (then it says so); an
-    interrupted training resumes from its progress file. Whether it trained."""
-    key = unit_key(run, unit)
-    path = unit.path(run.cfg.out)
-    if trained(path, key):
-        log(f"unit {unit.name}: trained already ({path}), not again")
-        return False
-    train, tokens = settings(run, unit.seed), run.texts["train"]
-    common = dict(loss=unit.loss, feature_seed=unit.seed, share=devices.shared)
-    layer = (run.teacher, unit.layer, unit.n_features, tokens, train)
-    fitting = functools.partial(distill_layer, *layer, **common)
-    record = {"loss": unit.loss, "layer": unit.layer, "key": key}
-    runs.train_into(path, record, train, tokens, fitting, log, save=save_unit)
-    return True
+def digest(value) -> str:
+    return hashlib.sha256(json.dumps(as_json(value), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def save_units(run: Run, units: list, layers: dict, _, record: dict):
+    """Each of `units` into its own file with its own key (train_into's save)."""
+    info = record["info"]
+    share = info["train_seconds"] / len(units)
+    for unit in units:
+        column = list(layers).index(unit.layer)
+        curve = [[step, means[column]] for step, means in info["layer_curves"]]
+        tensors = {
+            f"blocks.{unit.layer}.attn.features.{n}": p
+            for n, p in layers[unit.layer].named_parameters()
+        }
+        meta = {"loss": unit.loss, "layer": unit.layer, "key": unit_key(run, unit)}
+        unit_info = {"train_seconds": share, "loss_curve": curve}
+        save_tensors(tensors, unit.path(run.cfg.out), {**meta, "info": unit_info})
 
 
 def assemble(run: Run, spec: Student, path: Path, record: dict) -> dict:
-    """A layerwise student saved at `path` with `record`, from its units (each trained first if
-    no earlier student had it). Its info: the units' summed seconds and their mean loss curve,
-    step by step (the number a joint training logs, to the bit)."""
+    """A layerwise student saved at `path` with `record`, from its units (those no earlier
+    student had trained first, together). Its info: the units' summed seconds and their mean
+    loss curve, step by step (the number a joint training logs, to the bit)."""
     units = units_of(spec)
-    for unit in units:
-        train_unit(run, unit)
+    train_units(run, units)
     devices.barrier()  # the writer has saved them
     student = make_student(run.teacher, "prf", spec.dims, spec.seed)
     seconds, curves = 0.0, []

@@ -1,6 +1,6 @@
 """What a run will cost here, before it starts: each kind of work timed twice at the run's own
 shapes (an optimiser step of each kind the run trains, one batch of each evaluation, the first
-example of each task, DoF's algebra on one head), then multiplied by the counts each stage needs.
+few examples of each task together, DoF's algebra on one head), then multiplied by the counts each stage needs.
 The range runs from the faster probe divided by SPREAD to the slower times SPREAD: a machine
 shared with other jobs, warm-up, and examples longer than the first all move the real time."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..distill import distill_layer, train_direct
+from ..distill import distill, train_direct
 from ..dof import degrees_of_freedom
 from ..students import make_student
 from . import data, devices, endtoend, evaluate, plan, stages
@@ -19,9 +19,10 @@ from .keys import settings
 from .tasks import load_task
 
 SPREAD = 1.5
+TASK_PROBE = 8  # examples of each task timed together
 HOUR = 3600.0
 HOW = (
-    "a step of each kind it trains, a batch of each evaluation, each task's first example, "
+    "a step of each kind it trains, a batch of each evaluation, each task's first examples, "
     f"each timed twice; the range: the faster / {SPREAD} to the slower x {SPREAD}"
 )
 
@@ -54,25 +55,30 @@ def step_kind(spec) -> tuple | None:
 
 def step_seconds(run, loss: str, kind: str, dims: tuple) -> tuple:
     """(faster, slower) seconds of one optimiser step: two steps of one round of parts (a part
-    on each rank), times the rounds a step of the run's batch takes. A layerwise loss: the step
-    of one layer unit (bank.py), the mean of the first layer's and the last's (a unit runs the
-    teacher up to its layer)."""
+    on each rank), times the rounds a step of the run's batch takes. A layerwise loss: the
+    step of a whole student, every layer's unit from one teacher pass (bank.train_units)."""
     cfg, world = run.cfg, devices.world()
     parts = -(-cfg.batch // cfg.per_device)
     rounds = -(-parts // world)
     probe = dataclasses.replace(settings(run, 0), steps=2, batch=cfg.per_device * world)
     tokens = run.texts["train"]
+    loop = dict(share=devices.shared)
     if loss == "direct":
         student = make_student(run.teacher, kind, dims, 0)
-        direct = functools.partial(train_direct, student, tokens, probe, share=devices.shared)
-        steps = two_steps(direct)
+        steps = two_steps(functools.partial(train_direct, student, tokens, probe, **loop))
     else:
-        layer = dict(token_ids=tokens, loss=loss, share=devices.shared)
-        unit = functools.partial(distill_layer, run.teacher, **layer)
-        first = two_steps(functools.partial(unit, 0, dims[0], settings=probe))
-        last = two_steps(functools.partial(unit, len(dims) - 1, dims[-1], settings=probe))
-        steps = [(a + b) / 2 for a, b in zip(first, last)]
+        student = functools.partial(distill, run.teacher, dims, tokens, probe, loss=loss, **loop)
+        steps = two_steps(student)
     return min(steps) * rounds, max(steps) * rounds
+
+
+def forward_seconds(run) -> tuple:
+    """(faster, slower) seconds of the teacher's pass through every layer on the batch a step
+    takes: the share of a layerwise step that does not shrink with fewer units."""
+    cfg = run.cfg
+    ids = run.texts["train"][: cfg.batch * run.ctx].view(cfg.batch, run.ctx)
+    device = next(run.teacher.parameters()).device
+    return timed(lambda: run.teacher.capture(ids.to(device)))
 
 
 def two_steps(train) -> list:
@@ -91,6 +97,7 @@ def probe(run, students: list) -> dict:
     for kind in dict.fromkeys(filter(None, map(step_kind, students))):
         dims = (head_dim,) * n_layer if kind[1] == "dijiang" else widest
         found[kind] = step_seconds(run, *kind, dims)
+    found["forward"] = forward_seconds(run)
     student = make_student(teacher, "prf", widest, 0)
     heldout = run.texts["heldout"]
     found["ppl"] = per_window(evaluate.perplexity, teacher, run, "wikitext2", 8)
@@ -105,9 +112,11 @@ def probe(run, students: list) -> dict:
     for name in run.tasks():
         pinned = {Path(f.path).name for f in data.files(name)}
         examples = load_task(name, cfg.data, cfg.limit, pinned)
-        first = functools.partial(evaluate.score_examples, teacher, run.tokenizer, examples[:1])
-        one = timed(first)
-        tasks = [total + len(examples) * t for total, t in zip(tasks, one)]
+        # a few examples at once, as the evaluation batches them: one alone costs more
+        first = examples[:TASK_PROBE]
+        scored = functools.partial(evaluate.score_examples, teacher, run.tokenizer, first)
+        each = [seconds / len(first) for seconds in timed(scored)]
+        tasks = [total + len(examples) * t for total, t in zip(tasks, each)]
     found["tasks"] = tuple(tasks)
     return found
 
@@ -115,7 +124,9 @@ def probe(run, students: list) -> dict:
 def stage_seconds(run, name: str, spec, unit: dict, fresh: dict) -> float:
     """One stage's seconds with `unit` the seconds of each unit of work (perplexity and tasks:
     under torchrun the ranks share them, and so did the probe's); a layerwise student trains
-    only the layer units `fresh` gives it (plan.new_units; all of them where it has None)."""
+    only the layer units `fresh` gives it (plan.new_units: their count and the layers the
+    teacher runs for them; all of them where it has None): the teacher's pass scales with the
+    deepest, the losses with the count."""
     cfg, n_layer = run.cfg, run.teacher.config.n_layer
     texts = [len(run.texts[text]) // run.ctx for text in evaluate.PPL_TEXTS]
     ppl_windows = sum(min(n, cfg.eval_windows or n) for n in texts)
@@ -127,9 +138,12 @@ def stage_seconds(run, name: str, spec, unit: dict, fresh: dict) -> float:
     if name == endtoend.SWAP_STAGE:  # the teacher and each layer's swap, per curve student
         return len(stages.curve_specs(run)) * cfg.e2e_windows * (n_layer + 1) * unit["ppl"]
     kind = step_kind(spec)
-    steps = settings(run, spec.seed).steps * unit[kind] if kind else 0.0
-    units = fresh.get(spec.name, n_layer) if spec.loss in stages.LAYERWISE else 1
-    seconds = steps * (n_layer if units is None else units)
+    step = unit[kind] if kind else 0.0
+    if spec.loss in stages.LAYERWISE:  # the units it trains first; None: all, unknown yet
+        count, deepest = fresh.get(spec.name) or (n_layer, n_layer)
+        forward = min(unit["forward"], step)
+        step = forward * deepest / n_layer + (step - forward) * count / n_layer
+    seconds = settings(run, spec.seed).steps * step
     oracles = set(stages.ORACLES) & set(cfg.variants)
     if (
         oracles

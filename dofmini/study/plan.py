@@ -54,9 +54,9 @@ def saved_curves(run, curve_specs: list, curve_rows: list):
 
 
 def new_units(run) -> dict:
-    """{layerwise student's name: the units it trains first, or None while its dims are unknown
-    (then all of its layers are counted)}: a unit an earlier student trains, or one already
-    saved, costs nothing (bank.plan)."""
+    """{layerwise student's name: (the units it trains first, the layers the teacher runs for
+    them), or None while its dims are unknown}: a unit an earlier student trains, or one already
+    saved, costs nothing (bank.plan), and a student with none to train maps to (0, 0)."""
     curve_specs, _, later = _students(run)
     specs = [s for s in curve_specs + later if s.loss in stages.LAYERWISE]
     saved = {row["unit"] for row in bank.plan(run, [s for s in specs if s.dims]) if row["done"]}
@@ -65,9 +65,10 @@ def new_units(run) -> dict:
         if not spec.dims:
             found[spec.name] = None
             continue
-        names = [unit.name for unit in bank.units_of(spec) if unit.name not in seen]
-        seen.update(names)
-        found[spec.name] = found.get(spec.name, 0) + len(names)
+        units = [unit for unit in bank.units_of(spec) if unit.name not in seen]
+        seen.update(unit.name for unit in units)
+        deepest = max((unit.layer + 1 for unit in units), default=0)
+        found[spec.name] = (len(units), deepest)
     return found
 
 
