@@ -1,8 +1,9 @@
 """What a run will cost here, before it starts: each kind of work timed twice at the run's own
 shapes (an optimiser step of each kind the run trains, one batch of each evaluation, the first
-few examples of each task together, DoF's algebra on one head), then multiplied by the counts each stage needs.
-The range runs from the faster probe divided by SPREAD to the slower times SPREAD: a machine
-shared with other jobs, warm-up, and examples longer than the first all move the real time."""
+few examples of each task together, DoF's algebra on one head), then multiplied by the counts
+each stage needs. The range runs from the faster probe divided by SPREAD to the slower times
+SPREAD: a machine shared with other jobs, warm-up, and examples longer than the first all move
+the real time."""
 
 import dataclasses
 import functools
