@@ -46,8 +46,6 @@ STUDY = tuple(
         "verdicts",
         "figures",
         "report",
-        "task_train",
-        "finetune",
         "flags",
     )
 )
