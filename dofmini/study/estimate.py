@@ -55,13 +55,14 @@ def step_kind(spec) -> tuple | None:
 
 
 def step_seconds(run, loss: str, kind: str, dims: tuple) -> tuple:
-    """(faster, slower) seconds of one optimiser step: two steps of one round of parts (a part
-    on each rank), times the rounds a step of the run's batch takes. A layerwise loss: the
-    step of a whole student, every layer's unit from one teacher pass (bank.train_units)."""
+    """(faster, slower) seconds of one optimiser step: two steps (after one to warm up) of one
+    round of parts (a part on each rank), times the rounds a step of the run's batch takes. A
+    layerwise loss: the step of a whole student, every layer's unit from one teacher pass
+    (bank.train_units)."""
     cfg, world = run.cfg, devices.world()
     parts = -(-cfg.batch // cfg.per_device)
     rounds = -(-parts // world)
-    probe = dataclasses.replace(settings(run, 0), steps=2, batch=cfg.per_device * world)
+    probe = dataclasses.replace(settings(run, 0), steps=3, batch=cfg.per_device * world)
     tokens = run.texts["train"]
     loop = dict(share=devices.shared)
     if loss == "direct":
@@ -83,10 +84,11 @@ def forward_seconds(run) -> tuple:
 
 
 def two_steps(train) -> list:
-    """The seconds of each of two optimiser steps of train(log=, on_step=)."""
+    """The seconds of each of two optimiser steps of train(log=, on_step=), after a first one
+    that warms up (allocations, caches) and is not counted."""
     seen = []
     train(log=lambda _: None, on_step=lambda state: seen.append(state.seconds))
-    return [seen[0], seen[1] - seen[0]]
+    return [seen[1] - seen[0], seen[2] - seen[1]]
 
 
 def probe(run, students: list) -> dict:
