@@ -25,7 +25,7 @@ from .tasks import (
 
 # task: (its training split, its data group, or None where no split is pinned); in Table 3's order
 SPLITS = {
-    "piqa": ("train.jsonl (16,113): 4.4 MB, no public Git copy under 4 MiB was found", None),
+    "piqa": ("train.jsonl (16,113): not pinned yet, so PIQA is not fine-tuned", None),
     "logiqa": ("Eval.txt, the dev split (651): Train.txt (7,376) is not pinned", "logiqa_ft"),
     "arc_easy": ("ARC-Easy train (2,251)", "arc_easy_train"),
     "arc_challenge": ("ARC-Challenge train (1,119)", "arc_challenge_train"),
