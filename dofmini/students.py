@@ -27,8 +27,8 @@ def replace_attention(model, dims, seed: int, orthogonal: bool = True):
 
 
 def make_student(teacher, kind: str, dims, feature_seed: int, orthogonal: bool = True):
-    """An untrained student sharing the teacher's tensors: "dijiang", or "prf" with dims[i]
-    PRF features in layer i, seed feature_seed + i (FAVOR+ unless orthogonal=False)."""
+    """An untrained student sharing the teacher's tensors: "dijiang", or "prf" with
+    `replace_attention`'s features (FAVOR+ unless orthogonal=False)."""
     need_integers("make_student", **{f"dims[{i}]": m for i, m in enumerate(dims)})
     dims = [int(m) for m in dims]
     n_layer = teacher.config.n_layer
