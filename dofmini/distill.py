@@ -20,10 +20,9 @@ TERMS = {"l2": "l2", "softmax": "ce"}  # each layerwise loss's term in chunk_ter
 
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
-    """`steps` Adam steps on `batch` windows of ctx tokens drawn with
-    data_seed; lr for z (and DiJiang's), lr_a for a = log α (the paper's
-    0.02, 0.2); `chunk` queries a piece and `dtype` for layerwise losses;
-    a log line every log_every (None: 1/10). part: windows back-propagated
+    """`steps` Adam steps on `batch` windows of ctx tokens drawn with data_seed; lr for z (and
+    DiJiang's), lr_a for a = log α (the paper's 0.02, 0.2); `chunk` queries a piece and `dtype`
+    for layerwise losses; a log line every log_every (None: 1/10). part: windows back-propagated
     at a time, by fit's `share` (None: the whole batch at once)."""
 
     steps: int = 200
@@ -43,9 +42,8 @@ class TrainSettings:
         need_integers(what, 2, ctx=self.ctx)  # a token to predict the next of
         need_positive(what, lr=self.lr, lr_a=self.lr_a)
         need_one_of(what, DTYPES, dtype=self.dtype)
-        for name in ("part", "log_every"):  # each None or a count
-            if getattr(self, name) is not None:
-                need_integers(what, **{name: getattr(self, name)})
+        counts = {"part": self.part, "log_every": self.log_every}  # each None or a count
+        need_integers(what, **{n: x for n, x in counts.items() if x is not None})
 
 
 def chunk_terms(features, q, k, v, unit_k, top_k, lo: int, hi: int, want: set) -> dict:
@@ -142,26 +140,6 @@ def layer_backward(features, q, k, term: str, chunk: int) -> torch.Tensor:
     return sums[term]
 
 
-def layerwise_backward(teacher, layers: dict, loss: str, s: TrainSettings):
-    """backward(ids) -> per-layer losses: each of `layers` ({index: PRFFeatures}) back-propagates
-    `loss` on the teacher's q, k of its own layer alone."""
-    need_one_of("layerwise distillation", TERMS, loss=loss)
-    term = TERMS[loss]
-    dtype = DTYPES[s.dtype]
-
-    def backward(ids):
-        captured = teacher.capture(ids, upto=max(layers) + 1)
-        losses = []
-        for index, features in layers.items():
-            q = captured[index][0].to(dtype)  # [B, H, T, d]
-            k = captured[index][1].to(dtype)  # [B, H, T, d]
-            means = layer_backward(features, q, k, term, s.chunk)  # [H]
-            losses.append(means.mean())
-        return torch.stack(losses).tolist()  # one read from the device per step
-
-    return backward
-
-
 @dataclasses.dataclass
 class TrainState:
     """A training's state, for a harness that saves and resumes it; curve: [[step, the mean
@@ -184,14 +162,12 @@ def adam(params: dict, s: TrainSettings) -> torch.optim.Adam:
 
 
 def fit(model, params, backward, tokens, what, s, share=None, log=print, resume=None, on_step=None):
-    """The loop: draw a batch of windows of `model`'s token ids (with
-    s.data_seed), back-propagate it (backward(ids), the whole batch at
-    once; or the step share(backward, params, s.part) makes, such as
-    study.devices.shared's, by parts; a non-finite loss stops training),
-    Adam steps `params`, log the mean loss. resume(state) may restore a
-    saved TrainState first, on_step(state) sees it after each step.
-    Returns {"train_seconds" (all runs), "loss_curve", "layer_curves" (per
-    layer)}."""
+    """The loop: draw a batch of windows of `model`'s token ids (with s.data_seed), back-propagate
+    it (backward(ids), the whole batch at once; or the step share(backward, params, s.part) makes,
+    such as study.devices.shared's, by parts; a non-finite loss stops training), Adam steps
+    `params`, log the mean loss. resume(state) may restore a saved TrainState first, on_step(state)
+    sees it after each step (then the log line). Returns {"train_seconds" (all runs),
+    "loss_curve", "layer_curves" (per layer)}."""
     n_ctx = model.config.n_ctx
     if s.ctx > n_ctx:
         raise ValueError(f"{what}: need ctx <= {n_ctx}; got ctx={s.ctx}")
@@ -244,9 +220,9 @@ def distill(teacher, dims, token_ids, settings=TrainSettings(), *, loss="softmax
     0), each trained by `loss` ("l2" or "softmax") on the teacher's q, k of layer i, all from one
     teacher pass; the rest of `loop`: fit's keywords (share, log, resume, on_step)."""
     seed = loop.get("feature_seed", 0)
+    student = make_student(teacher, "prf", dims, seed)  # bad dims refused before training
     layers = dict(enumerate(dims))
     trained, record = distill_layers(teacher, layers, token_ids, settings, loss=loss, **loop)
-    student = make_student(teacher, "prf", dims, seed)
     for i, features in trained.items():
         student.blocks[i].attn.features.load_state_dict(features.state_dict())
     record.pop("layer_curves")
@@ -256,12 +232,13 @@ def distill(teacher, dims, token_ids, settings=TrainSettings(), *, loss="softmax
 def distill_layers(teacher, dims: dict, token_ids, settings, *, loss, **loop):
     """({layer: its PRF features}, their record) for dims {layer: M}: the tensors distill gives
     each of these layers in any student (seed feature_seed + layer, the same windows, Adam per
-    tensor, a layer's loss on its own q, k alone), all from one teacher pass run up to the last
-    of them; params named as in a student, blocks.{layer}.attn.features.{z, a}."""
+    tensor, each layer's `loss` on its own q, k alone), all from one teacher pass run up to the
+    last of them; params named as in a student, blocks.{layer}.attn.features.{z, a}."""
     n_layer = teacher.config.n_layer
     for layer in dims:
         if not 0 <= layer < n_layer:
             raise ValueError(f"distill_layers: layer {layer}; the teacher has 0..{n_layer - 1}")
+    need_one_of("layerwise distillation", TERMS, loss=loss)
     seed = loop.pop("feature_seed", 0)
     attention = {i: teacher.blocks[i].attn for i in dims}
     layers = {i: LinearAttention(attention[i], m, seed + i).features for i, m in dims.items()}
@@ -269,7 +246,18 @@ def distill_layers(teacher, dims: dict, token_ids, settings, *, loss, **loop):
     for i, features in layers.items():
         named = features.named_parameters()
         params |= {f"blocks.{i}.attn.features.{n}": p for n, p in named}
-    backward = layerwise_backward(teacher, layers, loss, settings)
+    dtype = DTYPES[settings.dtype]
+
+    def backward(ids):
+        captured = teacher.capture(ids, upto=max(layers) + 1)
+        losses = []
+        for index, features in layers.items():
+            q = captured[index][0].to(dtype)  # [B, H, T, d]
+            k = captured[index][1].to(dtype)  # [B, H, T, d]
+            means = layer_backward(features, q, k, TERMS[loss], settings.chunk)  # [H]
+            losses.append(means.mean())
+        return torch.stack(losses).tolist()  # one read from the device per step
+
     what = f"{loss}, layers {list(dims)}"
     return layers, fit(teacher, params, backward, token_ids, what, settings, **loop)
 

@@ -73,10 +73,9 @@ def estimate_dof(model, token_ids, lam, J=1024, seed=0, normalize=True, ctx=None
 
 
 def sample_queries_keys(model, token_ids, J=1024, seed=0, ctx=None, batch=8):
-    """J of each head's pooled queries and keys [L, H, J, d] float64, drawn uniformly
-    without replacement from windows of ctx tokens (default n_ctx) of token_ids (1-D).
-    One seeded draw of positions serves every head; windows with none are not run. Rows
-    are in draw order: [..., :j, :] is the draw of j, so one pass serves a sweep over J."""
+    """J of each head's pooled queries and keys [L, H, J, d] float64, drawn uniformly without
+    replacement from windows of ctx tokens (default n_ctx) of token_ids: one seeded draw
+    serves every head, and [..., :j, :] is the draw of j (one pass serves a sweep over J)."""
     cfg = model.config
     ctx = cfg.n_ctx if ctx is None else ctx
     if not 1 <= ctx <= cfg.n_ctx:
@@ -86,10 +85,8 @@ def sample_queries_keys(model, token_ids, J=1024, seed=0, ctx=None, batch=8):
     n_win = token_ids.numel() // ctx
     pool = 2 * ctx  # ctx queries, then ctx keys
     if n_win * pool < J:
-        raise ValueError(
-            f"sample_queries_keys: {n_win} windows of {ctx} tokens give {n_win * pool} "
-            f"queries+keys per head, fewer than J={J}; pass more text or a smaller J"
-        )
+        got = f"{n_win} windows of {ctx} tokens give {n_win * pool} queries+keys a head"
+        raise ValueError(f"sample_queries_keys: {got}, fewer than J={J}; pass more text")
     windows = token_ids[: n_win * ctx].view(n_win, ctx)  # [W, ctx]
     gen = torch.Generator().manual_seed(seed)
     drawn = torch.randperm(n_win * pool, generator=gen)[:J]  # [J]
@@ -123,15 +120,10 @@ def saturation_warning(dof, J):
 
 
 def allocate(layer_dof, budget, rule="proportional", cap=None, aggregate="max", floor=1):
-    """Per-layer feature dims [L] (steps 5-7) summing to exactly L·budget: the paper's
-    M_l = C·DoF_l / mean DoF, C = budget, from layer_dof [L] or per-head [L, H] (a
-    layer's DoF: its heads' "max", one M, the paper; or "mean"). Refinements, by name:
-    - rule "power:γ", any finite γ: DoF_l^γ for DoF_l ("power:1" is "proportional"
-      exactly, "power:0" uniform, γ < 0 gives more to less DoF);
-    - floor: no M_l below it; layers under it are fixed there, the rest shared again;
-    - integers by largest remainder, ties to more weight, then the earlier layer: more
-      weight never gets fewer features, equal weight equal (or 1 apart at the cut);
-    - cap: min(M_l, cap), the freed budget dropped ("DoF + clip", the paper)."""
+    """Per-layer feature dims [L] (steps 5-7) summing to exactly L·budget: M_l = C·w_l / mean w,
+    C = budget, w the `layer_weights`, none below `floor` (`exact_shares`); integers by largest
+    remainder, ties to more weight, then the earlier layer; cap: min(M_l, cap), the freed budget
+    dropped ("DoF + clip", the paper)."""
     weights = layer_weights(layer_dof, rule, aggregate)  # [L] DoF^γ
     need_integers("allocate", budget=budget, cap=budget if cap is None else cap)
     if not (isinstance(floor, numbers.Integral) and 1 <= floor <= budget):
@@ -146,7 +138,9 @@ def allocate(layer_dof, budget, rule="proportional", cap=None, aggregate="max", 
 
 
 def layer_weights(layer_dof, rule, aggregate):
-    """Each layer's exact weight DoF_l^γ [L] (Fractions), γ = 1 for "proportional"."""
+    """Each layer's exact weight [L] (Fractions) from layer_dof [L] or [L, H] (a layer's DoF: its
+    heads' "max", one M, the paper's; or "mean"): its DoF for rule "proportional" (the paper's),
+    DoF^γ for "power:γ", any finite γ (0: uniform, γ < 0: more to less DoF)."""
     need_one_of("allocate", ("max", "mean"), aggregate=aggregate)
     kind, _, arg = rule.partition(":")
     try:
@@ -154,8 +148,6 @@ def layer_weights(layer_dof, rule, aggregate):
     except ValueError:
         gamma = math.nan
     gamma = 1.0 if rule == "proportional" else gamma
-    if not math.isfinite(gamma):
-        raise ValueError(f"allocate: rule {rule!r}; expected 'proportional' or 'power:γ', γ finite")
     dof = torch.as_tensor(layer_dof, dtype=torch.float64)  # [L] or [L, H]
     if dof.dim() == 2 and dof.numel():
         dof = dof.amax(-1) if aggregate == "max" else dof.mean(-1)  # [L]
@@ -163,8 +155,9 @@ def layer_weights(layer_dof, rule, aggregate):
     if dof.dim() != 1 or len(dof) == 0 or not positive.all():
         raise ValueError(f"allocate: need positive finite layer_dof [L] or [L, H], got {layer_dof}")
     weights = dof.pow(gamma)  # [L] x^1.0 is x exactly
-    if not (torch.isfinite(weights) & (weights > 0)).all():
-        raise ValueError(f"allocate: rule {rule!r} takes DoF^{gamma:g} out of float64's range")
+    if not math.isfinite(gamma) or not (torch.isfinite(weights) & (weights > 0)).all():
+        want = "'proportional' or 'power:γ', γ finite, each DoF^γ in float64's range"
+        raise ValueError(f"allocate: rule {rule!r}; expected {want}")
     return [Fraction(w) for w in weights.tolist()]
 
 

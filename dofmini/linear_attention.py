@@ -2,9 +2,9 @@
 
 The paper's Eq. 2: y_t = φ_q,t·S_t / φ_q,t·s_t, with S_t = Σ_{s≤t} φ_k,s v_sᵀ
 and s_t = Σ_{s≤t} φ_k,s (normalize=False: no denominator; ones in v make S
-carry s_t). In order: the plain forms (`recurrent_step`, `chunked_attention`:
-four steps), the same on log-features (`log_step`, `log_chunks`),
-`causal_linear_attention` (any T), the features, the module."""
+carry s_t). In order: the plain forms (`chunked_attention`: four steps), the same
+on log-features (`log_loop` to read, `log_chunks` to run), any T, the features,
+the module."""
 
 import math
 from dataclasses import dataclass
@@ -84,13 +84,27 @@ def log_step(q, k, v, S, c):
     return y, S, new
 
 
+def log_loop(q, k, v, S, c):
+    """The four steps on log-features, one chunk at a time, to read (log_chunks runs them):
+    c moves to the largest key so far, the state with it (S·exp(c_old − c_new), as gated
+    linear attention rescales by its decays). A row whose keys all sit e^87 below c
+    underflows here; log_chunks keeps it."""
+    ys = []
+    for q_n, k_n, v_n in zip(q.unbind(2), k.unbind(2), v.unbind(2)):  # [B, H, L, ·]
+        new = torch.maximum(c, k_n.detach().amax(2, keepdim=True).mT)  # [B, H, M, 1]
+        S = S * torch.exp(c - new)
+        keys = torch.exp(k_n - new.mT)  # [B, H, L, M] ≤ 1
+        a = torch.softmax(q_n + new.mT, -1)  # [B, H, L, M]
+        ys.append(a @ S + (a @ keys.mT).tril() @ v_n)  # 3. and 4.
+        S = S + keys.mT @ v_n
+        c = new
+    return torch.stack(ys, 2), S, c
+
+
 def log_chunks(q, k, v, S, c):
-    """The four steps on log-features (PRF features leave fp32 once ‖k‖ ≳ 5√d), over
-    running maxima: no feature underflows at any norm. Keys over `start` (the running
-    maximum `refs` raised to the chunk's first key; capped at e^RISE: `_exact_rows`),
-    queries over their log-sum-exp (softmax: largest ≥ 1/M); the shifts look back and
-    cancel, the state moving to each new maximum as gated linear attention's by its
-    decays. Step 4's keys serve step 1 over the next start, where the scan wants them."""
+    """log_loop's steps for all chunks at once: keys over `start` (the running maximum `refs`
+    raised to the chunk's first key; capped at e^RISE: `_exact_rows`), so no row underflows;
+    the scan moves the states. Step 4's keys serve step 1 over the next start."""
     kd = k.detach()
     top = kd.amax(3, keepdim=True)  # [B, H, N, 1, M] each chunk's largest
     refs = torch.cat([c.mT[:, :, None], top], 2).cummax(2).values  # N+1
@@ -237,12 +251,12 @@ def in_parts(form, q, k, x, carried, chunk):
 
 def check_inputs(phi_q, phi_k, v, chunk, normalize, log_space):
     """Each bad input refused by name, before any work."""
+    need_integers("causal_linear_attention", chunk=chunk)
     named = {"phi_q": phi_q, "phi_k": phi_k, "v": v}
     fits = phi_q.dim() == 4 == v.dim() and phi_q.shape == phi_k.shape
-    if not fits or v.shape[:3] != phi_q.shape[:3] or phi_q.shape[2] == 0 or chunk < 1:
+    if not fits or v.shape[:3] != phi_q.shape[:3] or phi_q.shape[2] == 0:
         got = ", ".join(f"{n} {tuple(x.shape)}" for n, x in named.items())
-        want = "[B, H, T, M] x2, [B, H, T, dv], T >= 1, chunk >= 1"
-        raise ValueError(f"{got}, chunk {chunk}: expected {want}")
+        raise ValueError(f"{got}: expected [B, H, T, M] x2, [B, H, T, dv], T >= 1")
     for name, x in named.items():
         if not x.is_floating_point():
             raise TypeError(f"{name} is {x.dtype}; expected a floating dtype")
@@ -252,14 +266,12 @@ def check_inputs(phi_q, phi_k, v, chunk, normalize, log_space):
         raise ValueError("log_space=True needs normalize=True: its shifts cancel only there")
     if log_space or not normalize:  # no denominator to keep ≥ 0: no read back
         return
+    hint = "PRF features overflow fp32 once ‖x‖ ≳ 5√d: pass log-features, log_space=True"
     for name, phi in (("phi_q", phi_q), ("phi_k", phi_k)):
         low, high = torch.aminmax(phi)  # one pass; NaN fails both tests
         if not bool((low >= 0) & (high < math.inf)):
-            raise ValueError(
-                f"{name} holds negative, infinite or NaN features; expected"
-                " finite features >= 0 (PRF features overflow fp32 once"
-                " ‖x‖ ≳ 5√d: pass log-features, log_space=True)"
-            )
+            got = f"{name} holds negative, infinite or NaN features"
+            raise ValueError(f"{got}; expected finite features >= 0 ({hint})")
 
 
 def start_state(state, v, shape, f, log_space):
@@ -274,10 +286,8 @@ def start_state(state, v, shape, f, log_space):
     got = (tuple(S.shape), None if c is None else tuple(c.shape))
     if got != (shape, c_shape):
         space = "log space: c [B, H, M, 1]" if log_space else "linear space: c None"
-        raise ValueError(
-            f"state S {got[0]}, c {got[1]} does not fit S [B, H, M, E] = {shape}"
-            f" (E = dv + 1 when normalize=True; {space})"
-        )
+        want = f"S [B, H, M, E] = {shape} (E = dv + 1 when normalize=True; {space})"
+        raise ValueError(f"state S {got[0]}, c {got[1]} does not fit {want}")
     return [S, c] if log_space else [S]
 
 
@@ -299,9 +309,8 @@ class PRFFeatures(nn.Module):
         """log Φ(x) [B, H, T, M] in fp32 or wider, for x [B, H, T, d]."""
         H, M, d = self.z.shape
         if x.dim() != 4 or x.shape[1] != H or x.shape[3] != d:
-            shape = tuple(x.shape)
-            want = f"[B, {H}, T, {d}]"
-            raise ValueError(f"PRFFeatures: {name} has shape {shape}; expected {want}")
+            got = f"{name} has shape {tuple(x.shape)}"
+            raise ValueError(f"PRFFeatures: {got}; expected [B, {H}, T, {d}]")
         f = torch.promote_types(torch.promote_types(x.dtype, self.z.dtype), torch.float32)
         x = x.to(f) / d**0.25  # [B, H, T, d]
         scale = 0.5 * (self.a.to(f)[:, None] - math.log(M))  # [H, 1, M] log sqrt(α/M)

@@ -1,6 +1,6 @@
-"""Students: a teacher with linear attention swapped in, and their files. A student shares the
-teacher's frozen tensors; its file holds only its trainable ones (PRF z and a = log α, or DiJiang's
-decay, norm and gate) and its record (kind, dims, seed, training, the teacher) as sorted JSON."""
+"""Students: a teacher with linear attention swapped in, and their files. A student shares
+the teacher's frozen tensors; its file holds only its trainable ones and its record (kind,
+dims, seed, training, the teacher) as sorted JSON."""
 
 import copy
 import json
@@ -27,8 +27,8 @@ def replace_attention(model, dims, seed: int, orthogonal: bool = True):
 
 
 def make_student(teacher, kind: str, dims, feature_seed: int, orthogonal: bool = True):
-    """An untrained student sharing the teacher's tensors: "dijiang", or "prf" with dims[i]
-    PRF features in layer i, seed feature_seed + i (FAVOR+ unless orthogonal=False)."""
+    """An untrained student sharing the teacher's tensors: "dijiang", or "prf" with
+    `replace_attention`'s features (FAVOR+ unless orthogonal=False)."""
     need_integers("make_student", **{f"dims[{i}]": m for i, m in enumerate(dims)})
     dims = [int(m) for m in dims]
     n_layer = teacher.config.n_layer
@@ -78,14 +78,12 @@ def load_student(teacher, path, expect=None):
     """(A saved student rebuilt on `teacher`, its file's record). Refuses a file of another
     teacher, with other tensors, or whose record differs from `expect` (e.g. dims, loss)."""
     stored, meta = read_tensors(path)
-    if meta.get("teacher") != teacher.identity or meta.get("kind") not in KINDS:
-        raise CheckpointError(
-            f"{path} holds a student of teacher {meta.get('teacher')!r}, kind "
-            f"{meta.get('kind')!r}; this teacher is {teacher.identity!r}, the kinds {KINDS}"
-        )
-    for field, value in as_json(expect or {}).items():  # tuples as lists
+    wanted = {"teacher": teacher.identity, **as_json(expect or {})}  # tuples as lists
+    for field, value in wanted.items():
         if meta.get(field) != value:
             raise CheckpointError(f"{path}: {field} is {meta.get(field)!r}; expected {value!r}")
+    if meta.get("kind") not in KINDS:
+        raise CheckpointError(f"{path}: kind is {meta.get('kind')!r}; expected one of {KINDS}")
     drawn = [meta.get(k) for k in ("kind", "dims", "feature_seed")]
     student = make_student(teacher, *drawn, meta.get("orthogonal", True))
     shapes = [{n: tuple(t.shape) for n, t in d.items()} for d in (stored, trainable(student))]

@@ -53,7 +53,7 @@ def test_identity_follows_the_weights_content(tmp_path):
     # the point of the identity: a student of one teacher is refused by the other
     student_file = tmp_path / "student.safetensors"
     save_student(make_student(original, "prf", [4, 4], 0), student_file)
-    with pytest.raises(CheckpointError, match="holds a student of teacher 'gpt2-tiny:"):
+    with pytest.raises(CheckpointError, match="teacher is 'gpt2-tiny:"):
         load_student(load(halved), student_file)
 
 

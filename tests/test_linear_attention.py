@@ -461,22 +461,6 @@ def test_student_tensors_go_to_the_teachers_device_and_a_decoding_step_reads_not
     assert caches[0].n == 1 and caches[0].S.device.type == "meta"
 
 
-def log_loop(q, k, v, S, c):
-    """log_chunks as a loop, a reference to read: per chunk, c moves to the largest key so far,
-    the state with it (S·exp(c_old − c_new), as gated linear attention rescales by its decays).
-    A row whose keys all sit e^87 below c underflows; log_chunks keeps it."""
-    ys = []
-    for q_n, k_n, v_n in zip(q.unbind(2), k.unbind(2), v.unbind(2)):  # [B, H, L, ·]
-        new = torch.maximum(c, k_n.detach().amax(2, keepdim=True).mT)  # [B, H, M, 1]
-        S = S * torch.exp(c - new)
-        keys = torch.exp(k_n - new.mT)  # [B, H, L, M] ≤ 1
-        a = torch.softmax(q_n + new.mT, -1)  # [B, H, L, M]
-        ys.append(a @ S + (a @ keys.mT).tril() @ v_n)  # 3. and 4.
-        S = S + keys.mT @ v_n
-        c = new
-    return torch.stack(ys, 2), S, c
-
-
 @FAST
 @given(problems(log_space=True))
 def test_the_loop_form_agrees_with_log_chunks(p):
@@ -484,7 +468,7 @@ def test_the_loop_form_agrees_with_log_chunks(p):
     on the same log-features: values and gradients, as the forms above agree."""
     out_size, grad_sizes = magnitudes(p, torch.float32)
     results = []
-    for form in (linear_attention.log_chunks, log_loop):
+    for form in (linear_attention.log_chunks, linear_attention.log_loop):
         (q, k, v), _, wrt = fed(p, torch.float32)
         out = causal_linear_attention(q, k, v, p["chunk"], log_space=True, form=form)
         grads = torch.autograd.grad((out.double() * cotangent(out, torch.float32)).sum(), wrt)
