@@ -211,11 +211,16 @@ def converted(stored, name: str, dtype: torch.dtype, file: Path) -> torch.Tensor
     raise CheckpointError(f"{what} has {beyond}; expected them to fit{wider}")
 
 
+def check_dtype(dtype) -> None:
+    """load's and load_folder's dtype, checked before any file is read or downloaded."""
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"load: dtype={dtype!r}; expected a floating torch.dtype")
+
+
 def load_folder(folder, dtype: torch.dtype = torch.float32) -> Model:
     """A frozen teacher from a folder holding config.json and model.safetensors. Its `identity` is
     the folder's name; hub.load sets the fingerprint of the content."""
-    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"load: dtype={dtype!r}; expected a floating torch.dtype")
+    check_dtype(dtype)
     cfg = read_config(folder)
     file = Path(folder) / "model.safetensors"
     if not file.is_file():

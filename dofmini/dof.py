@@ -18,12 +18,15 @@ def dof_by_definition(x, lam, normalize=True):
     x = x.double()
     gram = torch.exp(x @ x.mT / math.sqrt(d))  # [..., J, J]
     sigma = gram / J if normalize else gram  # [..., J, J]
-    e = torch.linalg.eigvalsh(sigma).clamp(min=0)  # [..., J] below 0 is rounding
+    stable = "use degrees_of_freedom, the stable form"
+    try:
+        e = torch.linalg.eigvalsh(sigma).clamp(min=0)  # [..., J] below 0 is rounding
+    except torch.linalg.LinAlgError as err:  # Σ̂ too ill-conditioned to converge
+        raise ValueError(f"dof_by_definition: {err}; {stable}") from None
     # eigvalsh's error is ~J·eps·max e: once it reaches λ, so do those of the eigenvalues near λ
     noise = J * torch.finfo(torch.float64).eps * e.amax()
     if not noise < lam:
         says = f"eigenvalues carry errors ~{noise:.3g} >= lam={lam}"
-        stable = "use degrees_of_freedom, the stable form"
         warnings.warn(f"dof_by_definition: {says}; {stable}", RuntimeWarning, stacklevel=2)
     return (e / (e + lam)).sum(-1)
 

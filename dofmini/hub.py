@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError, load_folder, read_config
+from .checkpoint import CheckpointError, check_dtype, load_folder, read_config
 from .files import by_hand, sha256_file
 from .model import Model
 
@@ -115,6 +115,7 @@ def fingerprint(folder: Path) -> str:
 def load(path_or_name, dtype: torch.dtype = torch.float32) -> Model:
     """A frozen teacher from a checkpoint folder or a known name (`gpt2`, `pythia-70m`, ...), with
     its content fingerprint as `.identity`."""
+    check_dtype(dtype)  # before a download
     folder = resolve(path_or_name)
     model = load_folder(folder, dtype)
     model.identity = fingerprint(folder)

@@ -48,9 +48,68 @@ def edit_tensors(folder: Path, change):
 
 
 def main():
+    only = sys.argv[1] if len(sys.argv) > 1 else ""
     with tempfile.TemporaryDirectory() as folder:
-        bad = probe_all(Path(folder), sys.argv[1] if len(sys.argv) > 1 else "")
+        bad = probe_library(only) + probe_all(Path(folder), only)
     sys.exit(1 if bad else 0)
+
+
+def library_call(call, says: str) -> tuple:
+    """(verdict, message) of a library call that must refuse its input: a ValueError, TypeError
+    or RuntimeWarning whose message holds `says` is a clear error; a result is silent wrong."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            call()
+    except (ValueError, TypeError, RuntimeWarning) as err:
+        clear = says in str(err)
+        return ("clear error" if clear else "raw traceback"), str(err)
+    except Exception as err:  # noqa: BLE001 - any other failure is what the probe looks for
+        return "raw traceback", f"{type(err).__name__}: {err}"
+    return "silent wrong", "(returned)"
+
+
+def probe_library(only: str = "") -> list:
+    """Calls a vendoring engineer makes with inputs the functions cannot compute (issue 45)."""
+    from conftest import FIXTURES
+
+    from dofmini import hub
+    from dofmini.dof import dof_by_definition
+    from dofmini.linear_attention import causal_linear_attention, recurrent_step
+
+    phi = torch.rand(1, 2, 5, 4)
+    v = torch.randn(1, 2, 5, 3)
+    tiny = hub.load(FIXTURES / "gpt2-tiny")
+    far = torch.full((1, 1, 32, 8), 4.0) + torch.arange(32.0).view(1, 1, 32, 1) / 8
+    squares = torch.linspace(70, 80, 32, dtype=torch.float64)  # ‖xᵢ‖²/√d: the Gram past e^70
+    rounding = torch.diag((squares * 32**0.5).sqrt())  # 32 orthogonal points
+    calls = [
+        ("integer v", lambda: causal_linear_attention(phi, phi, v.long()), "expected a float"),
+        ("negative features", lambda: causal_linear_attention(phi - 0.5, phi, v), "negative"),
+        ("features on meta beside cpu", lambda: causal_linear_attention(phi, phi.to("meta"), v),
+         "expected one"),
+        ("features past float32's range", lambda: causal_linear_attention(
+            torch.randn(1, 2, 5, 4).mul(100).exp(), phi, v), "log_space=True"),
+        ("recurrent_step of 2 tokens", lambda: recurrent_step(
+            phi[:, :, :2], phi[:, :, :2], v[:, :, :2], torch.zeros(1, 2, 4, 3)), "expected 1"),
+        ("dof_by_definition past e^70", lambda: dof_by_definition(rounding, 1.0),
+         "degrees_of_freedom"),
+        ("dof_by_definition, an ill-conditioned Gram", lambda: dof_by_definition(far * 8, 2.0**-4),
+         "degrees_of_freedom"),
+        ("float token ids", lambda: tiny(torch.zeros(1, 4)), "ids"),
+        ("load(dtype='float32')", lambda: hub.load(FIXTURES / "gpt2-tiny", dtype="float32"),
+         "dtype"),
+    ]  # fmt: skip
+    rows = []
+    for name, call, says in calls:
+        if re.search(only, name):
+            rows.append(("library", name, *library_call(call, says)))
+    print("| class | probe | verdict | what it said |\n|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(str(c)[:160].replace("|", "/") for c in row) + " |")
+    return [r for r in rows if r[2] in ("silent wrong", "raw traceback")]
 
 
 def probe_all(root: Path, only: str = "") -> list:
