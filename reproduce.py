@@ -203,7 +203,7 @@ def plan_run(run: keys.Run):
         log(f"timing the run's work here ({estimate.HOW})")
     seconds = estimate.estimate(run, todo)
     run.clock.plan = names
-    run.clock.estimates = {n: (low * high) ** 0.5 for n, (low, high) in seconds.items()}
+    run.clock.estimates = {name: estimate.middle(ends) for name, ends in seconds.items()}
     steps, world = keys.settings(run, cfg.seeds[0]).steps, devices.world()
     parts = -(-cfg.batch // cfg.per_device)
     share = f"; {world} ranks, each at most {-(-parts // world)} of a step's {parts} parts"

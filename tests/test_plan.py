@@ -75,7 +75,7 @@ def test_the_plan_gives_each_stage_an_estimate_and_the_config_its_device(tmp_pat
     result = reproduce(model, *args, "--out", tmp_path / "o", env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "device: cpu (no CUDA device seen)" in result.stdout or torch.cuda.is_available()
-    estimate = r"\d[\d.]*-\d[\d.]* (s|min|h)"
+    estimate = r"~[\d.]+ (s|min|h) \(\d[\d.]*-\d[\d.]*\)"
     for stage in ("teacher evaluation", "DoF estimate", "fix/softmax/b8/s0", "dof/softmax/b8/s0"):
         assert re.search(rf"\n  {re.escape(stage)}: {estimate}\n", result.stdout), stage
     assert re.search(rf"\n  0 of 4 stages done; the rest: {estimate} here\n", result.stdout)

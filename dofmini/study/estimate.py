@@ -24,7 +24,8 @@ TASK_PROBE = 8  # examples of each task timed together
 HOUR = 3600.0
 HOW = (
     "a step of each kind it trains, a batch of each evaluation, each task's first examples, "
-    f"each timed twice; the range: the faster / {SPREAD} to the slower x {SPREAD}"
+    f"each timed twice; ~ the two probes' geometric mean, then the range: the faster / {SPREAD} "
+    f"to the slower x {SPREAD}"
 )
 
 
@@ -135,9 +136,10 @@ def stage_seconds(run, name: str, spec, unit: dict, fresh: dict) -> float:
     ppl_windows = sum(min(n, cfg.eval_windows or n) for n in texts)
     if name == "teacher evaluation":
         return ppl_windows * unit["ppl"] + unit["tasks"]
-    if name == "DoF estimate":
+    if name == "DoF estimate":  # the teacher's layers without its head, then each head's algebra
         heads = n_layer * run.teacher.config.n_head
-        return cfg.calib_windows * unit["ppl"] + heads * unit["dof head"]
+        capture = cfg.calib_windows * unit["forward"] / cfg.batch
+        return capture + heads * unit["dof head"]
     if name == endtoend.SWAP_STAGE:  # the teacher and each layer's swap, per curve student
         return len(stages.curve_specs(run)) * cfg.e2e_windows * (n_layer + 1) * unit["ppl"]
     kind = step_kind(spec)
@@ -174,12 +176,22 @@ def estimate(run, todo: list) -> dict:
     return {name: (low / SPREAD, high * SPREAD) for name, (low, high) in seconds.items()}
 
 
+def middle(seconds: tuple) -> float:
+    """The estimate a (low, high) range stands for: its geometric middle, which is the
+    geometric mean of the two probes, the range being symmetric about it."""
+    low, high = seconds
+    return (low * high) ** 0.5
+
+
 def span(seconds: tuple) -> str:
-    """A (low, high) range of seconds in the unit that reads best."""
+    """A (low, high) range of seconds as "~middle (low-high)", in the unit that reads best."""
     units = (("h", HOUR), ("min", 60.0), ("s", 1.0))
     unit, size = next((u, size) for u, size in units if seconds[1] >= 2 * size or u == "s")
     low, high = (x / size for x in seconds)
-    return f"{low:.2g}-{high:.2g} {unit}" if high < 10 else f"{low:.0f}-{high:.0f} {unit}"
+    centre = middle(seconds) / size
+    if high < 10:
+        return f"~{centre:.2g} {unit} ({low:.2g}-{high:.2g})"
+    return f"~{centre:.0f} {unit} ({low:.0f}-{high:.0f})"
 
 
 def total(seconds: dict, device: str) -> str:
