@@ -123,7 +123,10 @@ def training_loss(results: dict, path):
             values = np.mean([[value for _, value in c] for c in curves], axis=0)
             ax.semilogy(steps, values, lw=1, label=_label(variant, loss, losses))
         ax.set(title=f"budget {budget}", xlabel="step", ylabel="training loss")
-        ax.legend(fontsize=6)
+        if ax.lines:
+            ax.legend(fontsize=6)
+        else:  # only untrained students at this budget
+            ax.text(0.5, 0.5, "nothing trained", ha="center", transform=ax.transAxes)
     _save(figure, path)
 
 
