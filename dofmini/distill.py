@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from .checks import need_integers, need_one_of, need_positive
-from .linear_attention import LinearAttention, unit_features
+from .linear_attention import LinearAttention
+from .log_space import unit_features
 from .students import make_student, trainable
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -111,18 +112,6 @@ def add_means(sums: dict, terms: dict):
     """Adds each chunk term's share of its per-head mean [H] to sums[term]."""
     for name, (t, count) in terms.items():
         sums[name] = sums.get(name, 0) + t.detach().sum(0) / count
-
-
-def layer_pass(features, q, k, v, want: set, chunk: int, dtype=torch.float32) -> dict:
-    """Per-head means [H] of the terms in `want` over one layer's batch, in `dtype`."""
-    q = q.to(dtype)  # [B, H, T, d]
-    k = k.to(dtype)
-    v = None if v is None else v.to(dtype)  # [B, H, T, dv]
-    unit_k, top_k = unit_features(features.log_features(k, "k"))  # [B, H, T, M], [.., 1]
-    sums = {}
-    for terms in layer_chunks(features, q, k, v, unit_k, top_k, want, chunk):
-        add_means(sums, terms)
-    return sums
 
 
 def layer_backward(features, q, k, term: str, chunk: int) -> torch.Tensor:

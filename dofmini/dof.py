@@ -110,18 +110,6 @@ def sample_queries_keys(model, token_ids, J=1024, seed=0, ctx=None, batch=8):
     return x
 
 
-def saturation_warning(dof, J):
-    """A message if any head's DoF [L, H] exceeds J/2 (J then limits it), else None."""
-    if not (over := int((dof > J / 2).sum())):
-        return None
-    layer, head = divmod(int(dof.argmax()), dof.shape[-1])
-    return (
-        f"warning: {over} of {dof.numel()} heads have DoF above J/2 = "
-        f"{J / 2:g} (largest {dof.max():.0f}, layer {layer} head {head}):"
-        " J limits these estimates; use a larger J or a larger lam"
-    )
-
-
 def allocate(layer_dof, budget, rule="proportional", cap=None, aggregate="max", floor=1):
     """Per-layer feature dims [L] (steps 5-7) summing to exactly L·budget: M_l = C·w_l / mean w,
     C = budget, w the `layer_weights`, none below `floor` (`exact_shares`); integers by largest
