@@ -1,7 +1,6 @@
 """Layerwise distillation of PRF features (paper §4), the direct baseline, and their training loop.
 Each layer's features learn from the frozen teacher's q, k of that layer alone: distill trains a
-whole student from one teacher pass, distill_layers any of its layers (the same tensors, bit for
-bit)."""
+whole student in one pass, distill_layers any of its layers (the same tensors, bit for bit)."""
 
 import dataclasses
 import math
@@ -151,12 +150,11 @@ def adam(params: dict, s: TrainSettings) -> torch.optim.Adam:
 
 
 def fit(model, params, backward, tokens, what, s, share=None, log=print, resume=None, on_step=None):
-    """The loop: draw a batch of windows of `model`'s token ids (with s.data_seed), back-propagate
-    it (backward(ids), the whole batch at once; or the step share(backward, params, s.part) makes,
-    such as study.devices.shared's, by parts; a non-finite loss stops training), Adam steps
-    `params`, log the mean loss. resume(state) may restore a saved TrainState first, on_step(state)
-    sees it after each step (then the log line). Returns {"train_seconds" (all runs),
-    "loss_curve", "layer_curves" (per layer)}."""
+    """The loop: draw a batch of windows of `model`'s token ids (s.data_seed), back-propagate it
+    (backward(ids) on the whole batch, or by parts the step share(backward, params, s.part) makes,
+    e.g. study.devices.shared's; a non-finite loss stops training), Adam steps `params`, logs the
+    mean loss. resume(state) may restore a saved TrainState first; on_step(state) sees it after each
+    step, before the log. Returns {"train_seconds" (all runs), "loss_curve", "layer_curves"}."""
     n_ctx = model.config.n_ctx
     if s.ctx > n_ctx:
         raise ValueError(f"{what}: need ctx <= {n_ctx}; got ctx={s.ctx}")
@@ -241,8 +239,7 @@ def distill_layers(teacher, dims: dict, token_ids, settings, *, loss, **loop):
         captured = teacher.capture(ids, upto=max(layers) + 1)
         losses = []
         for index, features in layers.items():
-            q = captured[index][0].to(dtype)  # [B, H, T, d]
-            k = captured[index][1].to(dtype)  # [B, H, T, d]
+            q, k = (t.to(dtype) for t in captured[index][:2])  # [B, H, T, d] each
             means = layer_backward(features, q, k, TERMS[loss], settings.chunk)  # [H]
             losses.append(means.mean())
         return torch.stack(losses).tolist()  # one read from the device per step

@@ -23,7 +23,7 @@ def dof_by_definition(x, lam, normalize=True):
         e = torch.linalg.eigvalsh(sigma).clamp(min=0)  # [..., J] below 0 is rounding
     except torch.linalg.LinAlgError as err:  # Σ̂ too ill-conditioned to converge
         raise ValueError(f"dof_by_definition: {err}; {stable}") from None
-    # eigvalsh's error is ~J·eps·max e: once it reaches λ, so do those of the eigenvalues near λ
+    # eigvalsh errs by ~J·eps·max e: once that reaches λ, so do the eigenvalues near λ
     noise = J * torch.finfo(torch.float64).eps * e.amax()
     if not noise < lam:
         says = f"eigenvalues carry errors ~{noise:.3g} >= lam={lam}"
@@ -32,13 +32,12 @@ def dof_by_definition(x, lam, normalize=True):
 
 
 def degrees_of_freedom(x, lam, normalize=True):
-    """dof_by_definition's DoF [...] float64 of x [..., J, d], computed where G overflows and
-    its small eigenvalues drown in rounding (Σ̂ = G/J: the paper's theory and numbers; its text
-    the raw G, normalize=False)."""
-    need_positive("degrees_of_freedom", lam=lam)
+    """dof_by_definition's DoF [...] float64 of x [..., J, d], also where G overflows or its
+    small eigenvalues drown in rounding (normalize=False: the raw G of the paper's text)."""
+    what = "degrees_of_freedom"
+    need_positive(what, lam=lam)
     if x.dim() < 2 or 0 in x.shape[-2:] or not x.isfinite().all():
-        got = f"shape {tuple(x.shape)}"
-        raise ValueError(f"degrees_of_freedom: x {got}; expected finite x [..., J>0, d>0]")
+        raise ValueError(f"{what}: x shape {tuple(x.shape)}; expected finite x [..., J>0, d>0]")
     *batch, J, d = x.shape
     heads = x.detach().reshape(-1, J, d).double()  # [N, J, d]
     out = heads.new_empty(len(heads))  # [N]
@@ -61,7 +60,7 @@ def degrees_of_freedom(x, lam, normalize=True):
         chol, info = torch.linalg.cholesky_ex(mat)  # [n, J, J]
         if info.any():
             failed = (i + info.nonzero().flatten()).tolist()
-            raise ValueError(f"degrees_of_freedom: Cholesky failed for heads {failed}")
+            raise ValueError(f"{what}: Cholesky failed for heads {failed}")
         # DoF = J - tr R(C+R)⁻¹ = J - ‖L⁻¹R^½‖²_F, at least 0
         root = ridge.sqrt().diag_embed()  # [n, J, J]
         lr = torch.linalg.solve_triangular(chol, root, upper=False)
@@ -79,17 +78,18 @@ def sample_queries_keys(model, token_ids, J=1024, seed=0, ctx=None, batch=8):
     """J of each head's pooled queries and keys [L, H, J, d] float64, drawn uniformly without
     replacement from windows of ctx tokens (default n_ctx) of token_ids: one seeded draw
     serves every head, and [..., :j, :] is the draw of j (one pass serves a sweep over J)."""
+    what = "sample_queries_keys"
     cfg = model.config
     ctx = cfg.n_ctx if ctx is None else ctx
     if not 1 <= ctx <= cfg.n_ctx:
-        raise ValueError(f"sample_queries_keys: ctx={ctx}; need 1..n_ctx = {cfg.n_ctx}")
-    need_integers("sample_queries_keys", J=J, batch=batch)
-    token_ids = model.token_ids(token_ids, ctx, "sample_queries_keys")
+        raise ValueError(f"{what}: ctx={ctx}; need 1..n_ctx = {cfg.n_ctx}")
+    need_integers(what, J=J, batch=batch)
+    token_ids = model.token_ids(token_ids, ctx, what)
     n_win = token_ids.numel() // ctx
     pool = 2 * ctx  # ctx queries, then ctx keys
     if n_win * pool < J:
         got = f"{n_win} windows of {ctx} tokens give {n_win * pool} queries+keys a head"
-        raise ValueError(f"sample_queries_keys: {got}, fewer than J={J}; pass more text")
+        raise ValueError(f"{what}: {got}, fewer than J={J}; pass more text")
     windows = token_ids[: n_win * ctx].view(n_win, ctx)  # [W, ctx]
     gen = torch.Generator().manual_seed(seed)
     drawn = torch.randperm(n_win * pool, generator=gen)[:J]  # [J]
@@ -122,8 +122,8 @@ def allocate(layer_dof, budget, rule="proportional", cap=None, aggregate="max", 
     total = len(weights) * int(budget)
     shares = exact_shares(weights, total, int(floor))  # C·w_l / mean w, floored
     dims = [math.floor(s) for s in shares]
-    by_remainder = sorted(range(len(dims)), key=lambda i: (dims[i] - shares[i], -weights[i], i))
-    for i in by_remainder[: total - sum(dims)]:
+    order = sorted(range(len(dims)), key=lambda i: (dims[i] - shares[i], -weights[i], i))
+    for i in order[: total - sum(dims)]:
         dims[i] += 1
     return dims if cap is None else [min(m, cap) for m in dims]
 

@@ -122,7 +122,6 @@ class PRFFeatures(nn.Module):
         super().__init__()
         need_integers("PRFFeatures", n_head=n_head, head_dim=head_dim, n_features=n_features)
         self.seed = seed
-        self.orthogonal = orthogonal
         gen = torch.Generator().manual_seed(seed)
         z = draw_gaussian(n_head, n_features, head_dim, gen, orthogonal)
         self.z = nn.Parameter(z.float())  # [H, M, d]

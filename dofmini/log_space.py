@@ -23,10 +23,9 @@ def log_step(q, k, v, S, c):
 
 
 def log_loop(q, k, v, S, c):
-    """The four steps on log-features, one chunk at a time, to read (log_chunks runs them):
-    c moves to the largest key so far, the state with it (S·exp(c_old − c_new), as gated
-    linear attention rescales by its decays). A row whose keys all sit e^87 below c
-    underflows here; log_chunks keeps it."""
+    """The four steps on log-features a chunk at a time, to read (log_chunks runs them): c moves
+    to the largest key so far, the state with it (S·exp(c_old − c_new), as gated linear attention
+    decays it). A row whose keys all sit e^87 below c underflows here; log_chunks keeps it."""
     ys = []
     for q_n, k_n, v_n in zip(q.unbind(2), k.unbind(2), v.unbind(2)):  # [B, H, L, ·]
         new = torch.maximum(c, k_n.detach().amax(2, keepdim=True).mT)  # [B, H, M, 1]
@@ -60,8 +59,7 @@ def log_chunks(q, k, v, S, c):
     inter = a @ before  # [B, H, N, L, E]
     y = ((a @ keys.mT).tril_() @ v).add_(inter)  # 4.
     if len(risen):
-        exact = _exact_rows(risen, q, k, v, start, inter, y)
-        y.flatten(0, 2)[risen] = exact
+        y.flatten(0, 2)[risen] = _exact_rows(risen, q, k, v, start, inter, y)
     return y, S, refs[:, :, -1].mT
 
 
@@ -70,8 +68,7 @@ def _pick(chunks, x):  # [n, ...]: chunks [n] of x [B, H, N, ...]
 
 
 def _exact_kv(chunks, k, v, ends):
-    """Step 1 of capped chunks [n] as [n, M, E]: their keys uncapped, over the next start
-    (factors ≤ 1)."""
+    """Step 1 of capped chunks [n] as [n, M, E]: keys uncapped, over the next start (≤ 1)."""
     next_start = _pick(chunks, ends[:, :, 1:])  # [n, 1, M]
     keys = torch.exp(_pick(chunks, k) - next_start)  # [n, L, M]
     return keys.mT @ _pick(chunks, v)

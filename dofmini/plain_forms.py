@@ -1,6 +1,5 @@
-"""Eq. 2 of the paper in its plain forms, on positive features; torch only:
-y_t = φ_q,t·S_t / φ_q,t·s_t, with S_t = Σ_{s≤t} φ_k,s v_sᵀ and s_t = Σ_{s≤t} φ_k,s (ones
-in v make S carry s_t). One token (`recurrent_step`) or chunks (`chunked_attention`: four steps)."""
+"""The paper's Eq. 2 on positive features (ones in v make S hold s_t), a token or chunks at a time:
+y_t = φ_q,t·S_t / φ_q,t·s_t, S_t = Σ_{s≤t} φ_k,s v_sᵀ, s_t = Σ_{s≤t} φ_k,s; torch only."""
 
 import torch
 
