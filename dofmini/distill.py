@@ -20,10 +20,9 @@ TERMS = {"l2": "l2", "softmax": "ce"}  # each layerwise loss's term in chunk_ter
 
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
-    """`steps` Adam steps on `batch` windows of ctx tokens drawn with data_seed; lr for z (and
-    DiJiang's), lr_a for a = log α (the paper's 0.02, 0.2); `chunk` queries a piece and `dtype`
-    for layerwise losses; a log line every log_every (None: 1/10). part: windows back-propagated
-    at a time, by fit's `share` (None: the whole batch at once)."""
+    """`steps` Adam steps on `batch` windows of ctx tokens (data_seed); lr for z (and DiJiang's),
+    lr_a for a = log α (paper: 0.02, 0.2); `chunk`: queries a piece, `dtype`: layerwise losses'; a
+    log line every log_every (None: 1/10); `part`: windows a backward (fit's `share`; None: all)."""
 
     steps: int = 200
     batch: int = 8

@@ -1,5 +1,4 @@
-"""Positive-random-feature (PRF) linear attention, the layer; torch only. Any T in Eq. 2's forms
-(plain_forms.py, log_space.py), part by part; the PRF features; the module a student swaps in."""
+"""Positive-random-feature (PRF) linear attention: any T, part by part; features; the module."""
 
 import math
 from dataclasses import dataclass

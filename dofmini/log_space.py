@@ -1,8 +1,7 @@
-"""Eq. 2's forms on log-features (PRF features without their exp), over running maxima c
-so nothing overflows: `log_step` for a token, `log_loop` to read, `log_chunks` to run."""
+"""Eq. 2 on log-features (log Φ) over running maxima c, so nothing overflows: `log_step` for
+a token, `log_loop` to read, `log_chunks` to run."""
 
 import torch
-from torch import nn
 
 from .plain_forms import chunk_states, recurrent_step
 
@@ -23,9 +22,9 @@ def log_step(q, k, v, S, c):
 
 
 def log_loop(q, k, v, S, c):
-    """The four steps on log-features a chunk at a time, to read (log_chunks runs them): c moves
-    to the largest key so far, the state with it (S·exp(c_old − c_new), as gated linear attention
-    decays it). A row whose keys all sit e^87 below c underflows here; log_chunks keeps it."""
+    """The four steps a chunk at a time, to read (log_chunks runs them): c moves to the largest key
+    so far, the state with it (S·exp(c_old − c_new), as gated linear attention decays it). A row
+    whose keys all sit e^87 below c underflows here; log_chunks keeps it."""
     ys = []
     for q_n, k_n, v_n in zip(q.unbind(2), k.unbind(2), v.unbind(2)):  # [B, H, L, ·]
         new = torch.maximum(c, k_n.detach().amax(2, keepdim=True).mT)  # [B, H, M, 1]
@@ -68,7 +67,7 @@ def _pick(chunks, x):  # [n, ...]: chunks [n] of x [B, H, N, ...]
 
 
 def _exact_kv(chunks, k, v, ends):
-    """Step 1 of capped chunks [n] as [n, M, E]: keys uncapped, over the next start (≤ 1)."""
+    """Step 1 of capped chunks [n] as [n, M, E]: keys uncapped over the next start (≤ 1)."""
     next_start = _pick(chunks, ends[:, :, 1:])  # [n, 1, M]
     keys = torch.exp(_pick(chunks, k) - next_start)  # [n, L, M]
     return keys.mT @ _pick(chunks, v)
@@ -109,7 +108,7 @@ def _log_intra(log_q, log_k, v):
         a, t = unit_features(log_q + log_k)  # [..., 1, M], [..., 1, 1]
         return a.sum(-1, keepdim=True) * v, t
     if L % 2:
-        pad = [nn.functional.pad(x, (0, 0, 0, 1)) for x in (log_q, log_k, v)]
+        pad = [torch.nn.functional.pad(x, (0, 0, 0, 1)) for x in (log_q, log_k, v)]
         return tuple(x[..., :L, :] for x in _log_intra(*pad))
     halves = [x.unflatten(-2, (2, L // 2)) for x in (log_q, log_k, v)]  # [..., 2, L/2, ·]
     y, t = _log_intra(*halves)  # [..., 2, L/2, E], [..., 2, L/2, 1]

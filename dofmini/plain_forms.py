@@ -1,11 +1,11 @@
-"""The paper's Eq. 2 on positive features (ones in v make S hold s_t), a token or chunks at a time:
+"""Eq. 2 on positive features (ones in v make S hold s_t), by token or by chunks:
 y_t = φ_q,t·S_t / φ_q,t·s_t, S_t = Σ_{s≤t} φ_k,s v_sᵀ, s_t = Σ_{s≤t} φ_k,s; torch only."""
 
 import torch
 
 
 def recurrent_step(q, k, v, S):
-    """Eq. 2 for one token, q, k [B, H, 1, M], v [B, H, 1, E], from S [B, H, M, E], in
+    """One token, q, k [B, H, 1, M], v [B, H, 1, E], from S [B, H, M, E], in
     O(M·E), in place without autograd: (y [B, H, 1, E], the state after)."""
     if q.shape[-2] != 1:
         raise ValueError(f"recurrent_step: q has {q.shape[-2]} tokens; expected 1")
@@ -14,7 +14,7 @@ def recurrent_step(q, k, v, S):
 
 
 def chunked_attention(q, k, v, S):
-    """Eq. 2 on N chunks of L tokens, q, k [B, H, N, L, M], v [B, H, N, L, E], from S
+    """N chunks of L tokens, q, k [B, H, N, L, M], v [B, H, N, L, E], from S
     [B, H, M, E]: (y [B, H, N, L, E], the state after)."""
     kv = k.mT @ v  # 1. each chunk's Σ_s φ_k,s v_sᵀ [B, H, N, M, E]
     before, S = chunk_states(S, kv)  # 2. the state before each chunk
@@ -24,7 +24,7 @@ def chunked_attention(q, k, v, S):
 
 
 def chunk_states(S, kv, A=None):
-    """Step 2: states before each chunk [B, H, N, M, E], after the last; A: decays (a scan)."""
+    """Step 2: states before each chunk [B, H, N, M, E], after the last; A: decays (scan)."""
     X = torch.cat([S[:, :, None], kv[:, :, :-1]], 2)  # step 3 takes its scan
     before = X.cumsum(2) if A is None else scan_chunks(X, A[..., :-1, :, :])
     decay = 1 if A is None else torch.exp(A[..., -1, :, :] - A[..., -2, :, :])
@@ -34,7 +34,7 @@ def chunk_states(S, kv, A=None):
 def scan_chunks(X, A, block=32):
     """P_n = Σ_{n'≤n} exp(A_n − A_n') X_n' along dim −3, A non-increasing: P_n = X_n +
     exp(A_n − A_n−1) P_n−1, each factor ≤ 1 formed directly. Past `block` chunks: blocks
-    side by side (the last filled up with the last chunk), then their ends: ~2√N steps."""
+    side by side (the last padded with chunk N), then the ends: ~2√N steps."""
     N = X.shape[-3]
     if N > block:
         if N % block:
