@@ -87,7 +87,7 @@ def _exact_rows(chunks, q, k, v, start, inter, fast):
 
 
 def unit_features(log_phi):
-    """The one shift, for queries and the distillation losses: (exp(log_phi − u), u = max_m
+    """The one shift, for queries and distillation losses: (exp(log_phi − u), u = max_m
     log_phi [..., 1] detached). Φ·Φ' = exp(u + u')·(unit·unit') never overflows and no row
     loses all its features (a fixed |z_m|²/2 would lose keys with |k/d^¼ − z_m| ≳ 14)."""
     u = log_phi.detach().amax(-1, keepdim=True)  # [..., 1]
