@@ -20,7 +20,7 @@ def dof_by_definition(x, lam, normalize=True):
     x = x.double()
     gram = torch.exp(x @ x.mT / math.sqrt(d))  # [..., J, J]
     sigma = gram / J if normalize else gram  # [..., J, J]
-    stable = "use the stable degrees_of_freedom"
+    stable = "use degrees_of_freedom, the stable form"
     try:
         e = torch.linalg.eigvalsh(sigma).clamp(min=0)  # [..., J] below 0 is rounding
     except torch.linalg.LinAlgError as err:  # Σ̂ too ill-conditioned to converge
@@ -113,7 +113,7 @@ def sample_queries_keys(model, token_ids, J=1024, seed=0, ctx=None, batch=8):
 
 def allocate(layer_dof, budget, rule="proportional", cap=None, aggregate="max", floor=1):
     """Per-layer feature dims [L] (steps 5-7) summing to L·budget: M_l = C·w_l / mean w,
-    C = budget, w the `layer_weights`, none below `floor` (`exact_shares`); integers by largest
+    C = budget, w: `layer_weights`, none below `floor` (`exact_shares`); integers by largest
     remainder, ties to more weight, then earlier layers; cap: min(M_l, cap), freed budget
     dropped ("DoF + clip", the paper)."""
     weights = layer_weights(layer_dof, rule, aggregate)  # [L] DoF^γ
