@@ -154,7 +154,8 @@ def load_teacher(cfg: RunConfig, hashes: dict) -> keys.Run:
     tokenizer = hub.load_tokenizer(cfg.model)
     model_cfg = teacher.config
     ctx = min(cfg.ctx or model_cfg.n_ctx, model_cfg.n_ctx, cfg.max_ctx)
-    lam = cfg.lam if cfg.lam is not None else (2.0**-4 if model_cfg.family == "gpt2" else 2.0**-8)
+    paper_lam = 2.0**-4 if model_cfg.family == "gpt2" else 2.0**-8
+    lam = cfg.lam if cfg.lam is not None else paper_lam
     budgets = cfg.budgets or (model_cfg.head_dim,)
     lo, hi = min(cfg.curve_dims), max(cfg.curve_dims)
     if "oracle" in cfg.variants and not all(lo <= b <= hi for b in budgets):
@@ -192,7 +193,8 @@ def plan_run(run: keys.Run):
     run."""
     cfg, teacher = run.cfg, run.teacher
     weight = next(teacher.parameters())
-    ids = torch.randint(0, teacher.config.vocab_size, (1, run.ctx), generator=torch.Generator())
+    vocab = teacher.config.vocab_size
+    ids = torch.randint(0, vocab, (1, run.ctx), generator=torch.Generator())
     if not torch.isfinite(teacher(ids.to(weight.device))).all():  # logits [1, ctx, V]
         why = f"its weights overflow {weight.dtype} in the forward pass"
         flags.fail(f"the teacher's logits on random tokens are not finite: {why}")

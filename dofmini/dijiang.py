@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear_attention import CausalMixer, chunk_states
+from .linear_attention import CausalMixer
+from .plain_forms import chunk_states
 
 
 def decayed_chunks(q, k, v, S, log_g):

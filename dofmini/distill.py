@@ -1,7 +1,6 @@
 """Layerwise distillation of PRF features (paper §4), the direct baseline, and their training loop.
 Each layer's features learn from the frozen teacher's q, k of that layer alone: distill trains a
-whole student from one teacher pass, distill_layers any of its layers (the same tensors, bit for
-bit)."""
+whole student in one pass, distill_layers any of its layers (the same tensors, bit for bit)."""
 
 import dataclasses
 import math
@@ -11,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from .checks import need_integers, need_one_of, need_positive
-from .linear_attention import LinearAttention, unit_features
+from .linear_attention import LinearAttention
+from .log_space import unit_features
 from .students import make_student, trainable
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -20,10 +20,9 @@ TERMS = {"l2": "l2", "softmax": "ce"}  # each layerwise loss's term in chunk_ter
 
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
-    """`steps` Adam steps on `batch` windows of ctx tokens drawn with data_seed; lr for z (and
-    DiJiang's), lr_a for a = log α (the paper's 0.02, 0.2); `chunk` queries a piece and `dtype`
-    for layerwise losses; a log line every log_every (None: 1/10). part: windows back-propagated
-    at a time, by fit's `share` (None: the whole batch at once)."""
+    """`steps` Adam steps on `batch` windows of ctx tokens (data_seed); lr for z (and DiJiang's),
+    lr_a for a = log α (paper: 0.02, 0.2); `chunk`: queries a piece, `dtype`: layerwise losses'; a
+    log line every log_every (None: 1/10); `part`: windows a backward (fit's `share`; None: all)."""
 
     steps: int = 200
     batch: int = 8
@@ -113,18 +112,6 @@ def add_means(sums: dict, terms: dict):
         sums[name] = sums.get(name, 0) + t.detach().sum(0) / count
 
 
-def layer_pass(features, q, k, v, want: set, chunk: int, dtype=torch.float32) -> dict:
-    """Per-head means [H] of the terms in `want` over one layer's batch, in `dtype`."""
-    q = q.to(dtype)  # [B, H, T, d]
-    k = k.to(dtype)
-    v = None if v is None else v.to(dtype)  # [B, H, T, dv]
-    unit_k, top_k = unit_features(features.log_features(k, "k"))  # [B, H, T, M], [.., 1]
-    sums = {}
-    for terms in layer_chunks(features, q, k, v, unit_k, top_k, want, chunk):
-        add_means(sums, terms)
-    return sums
-
-
 def layer_backward(features, q, k, term: str, chunk: int) -> torch.Tensor:
     """Back-propagates one layer's head-mean `term` chunk by chunk, one chunk's graph in memory
     at a time: the keys' unit features enter each chunk's graph as a detached leaf, whose summed
@@ -162,12 +149,11 @@ def adam(params: dict, s: TrainSettings) -> torch.optim.Adam:
 
 
 def fit(model, params, backward, tokens, what, s, share=None, log=print, resume=None, on_step=None):
-    """The loop: draw a batch of windows of `model`'s token ids (with s.data_seed), back-propagate
-    it (backward(ids), the whole batch at once; or the step share(backward, params, s.part) makes,
-    such as study.devices.shared's, by parts; a non-finite loss stops training), Adam steps
-    `params`, log the mean loss. resume(state) may restore a saved TrainState first, on_step(state)
-    sees it after each step (then the log line). Returns {"train_seconds" (all runs),
-    "loss_curve", "layer_curves" (per layer)}."""
+    """The loop: draw a batch of windows of `model`'s token ids (s.data_seed), back-propagate it
+    (backward(ids) on the whole batch, or by parts the step share(backward, params, s.part) makes,
+    e.g. study.devices.shared's; a non-finite loss stops training), Adam steps `params`, logs the
+    mean loss. resume(state) may restore a saved TrainState first; on_step(state) sees it after each
+    step, before the log. Returns {"train_seconds" (all runs), "loss_curve", "layer_curves"}."""
     n_ctx = model.config.n_ctx
     if s.ctx > n_ctx:
         raise ValueError(f"{what}: need ctx <= {n_ctx}; got ctx={s.ctx}")
@@ -252,8 +238,7 @@ def distill_layers(teacher, dims: dict, token_ids, settings, *, loss, **loop):
         captured = teacher.capture(ids, upto=max(layers) + 1)
         losses = []
         for index, features in layers.items():
-            q = captured[index][0].to(dtype)  # [B, H, T, d]
-            k = captured[index][1].to(dtype)  # [B, H, T, d]
+            q, k = (t.to(dtype) for t in captured[index][:2])  # [B, H, T, d] each
             means = layer_backward(features, q, k, TERMS[loss], settings.chunk)  # [H]
             losses.append(means.mean())
         return torch.stack(losses).tolist()  # one read from the device per step

@@ -1,5 +1,5 @@
-"""Degrees of freedom of attention kernels and the per-layer feature budget (Algorithm 1); torch
-only. A teacher is any module with `config`, `capture(ids)` and `token_ids(ids, need, what)`."""
+"""Degrees of freedom of attention kernels and each layer's feature budget (Algorithm 1); torch
+only. A teacher: any module with `config`, `capture(ids)`, `token_ids(ids, need, what)`."""
 
 import math
 import numbers
@@ -10,10 +10,12 @@ import torch
 
 from .checks import need_integers, need_one_of, need_positive
 
+EPS = torch.finfo(torch.float64).eps
+
 
 def dof_by_definition(x, lam, normalize=True):
-    """DoF [...] of x [..., J, d] by its definition: tr Σ̂(Σ̂+λI)⁻¹, the sum of e/(e+λ) over the
-    eigenvalues e of Σ̂ = G/J (or G), G_ij = exp(xᵢᵀxⱼ/√d). The reference for the stable form."""
+    """DoF [...] of x [..., J, d] by its definition: tr Σ̂(Σ̂+λI)⁻¹, Σ e/(e+λ) over the eigenvalues
+    e of Σ̂ = G/J (or G), G_ij = exp(xᵢᵀxⱼ/√d): the stable form's reference."""
     J, d = x.shape[-2:]
     x = x.double()
     gram = torch.exp(x @ x.mT / math.sqrt(d))  # [..., J, J]
@@ -23,8 +25,8 @@ def dof_by_definition(x, lam, normalize=True):
         e = torch.linalg.eigvalsh(sigma).clamp(min=0)  # [..., J] below 0 is rounding
     except torch.linalg.LinAlgError as err:  # Σ̂ too ill-conditioned to converge
         raise ValueError(f"dof_by_definition: {err}; {stable}") from None
-    # eigvalsh's error is ~J·eps·max e: once it reaches λ, so do those of the eigenvalues near λ
-    noise = J * torch.finfo(torch.float64).eps * e.amax()
+    # eigvalsh errs by ~J·eps·max e: once that reaches λ, so do those near λ
+    noise = J * EPS * e.amax()
     if not noise < lam:
         says = f"eigenvalues carry errors ~{noise:.3g} >= lam={lam}"
         warnings.warn(f"dof_by_definition: {says}; {stable}", RuntimeWarning, stacklevel=2)
@@ -32,18 +34,16 @@ def dof_by_definition(x, lam, normalize=True):
 
 
 def degrees_of_freedom(x, lam, normalize=True):
-    """dof_by_definition's DoF [...] float64 of x [..., J, d], computed where G overflows and
-    its small eigenvalues drown in rounding (Σ̂ = G/J: the paper's theory and numbers; its text
-    the raw G, normalize=False)."""
-    need_positive("degrees_of_freedom", lam=lam)
+    """dof_by_definition's DoF [...] float64 of x [..., J, d], also where G overflows or its
+    small eigenvalues drown in rounding (normalize=False: the paper's text's raw G)."""
+    what = "degrees_of_freedom"
+    need_positive(what, lam=lam)
     if x.dim() < 2 or 0 in x.shape[-2:] or not x.isfinite().all():
-        got = f"shape {tuple(x.shape)}"
-        raise ValueError(f"degrees_of_freedom: x {got}; expected finite x [..., J>0, d>0]")
+        raise ValueError(f"{what}: x shape {tuple(x.shape)}; expected finite [..., J>0, d>0]")
     *batch, J, d = x.shape
     heads = x.detach().reshape(-1, J, d).double()  # [N, J, d]
     out = heads.new_empty(len(heads))  # [N]
     step = max(1, 2**24 // (J * J))  # heads at a time: 128 MiB of float64
-    eps = torch.finfo(torch.float64).eps
     log_ridge = math.log(lam) + (math.log(J) if normalize else 0.0)
     for i in range(0, len(heads), step):
         xs = heads[i : i + step]  # [n, J, d]
@@ -54,14 +54,14 @@ def degrees_of_freedom(x, lam, normalize=True):
         mat.mul_(-2).add_(sq[:, :, None]).add_(sq[:, None, :])  # ‖xᵢ-xⱼ‖²/√d
         mat.clamp_(min=0).mul_(-0.5).exp_()  # [n, J, J] C
         # C's eigenvalues below J·d·eps·max sq are rounding; a ridge >= J·eps·(J+1+d·max sq)
-        # also meets Demmel's condition for Cholesky (λ_min > J(J+1)·eps/2; Higham 2002, §10.7).
-        floor = J * eps * (J + 1 + d * sq.amax(-1, keepdim=True))  # [n, 1]
+        # meets Demmel's condition for Cholesky (λ_min > J(J+1)·eps/2; Higham 2002, §10.7).
+        floor = J * EPS * (J + 1 + d * sq.amax(-1, keepdim=True))  # [n, 1]
         ridge = torch.exp(log_ridge - sq).maximum(floor)  # [n, J]
         mat.diagonal(0, -2, -1).add_(ridge)  # [n, J, J] C+R
         chol, info = torch.linalg.cholesky_ex(mat)  # [n, J, J]
         if info.any():
             failed = (i + info.nonzero().flatten()).tolist()
-            raise ValueError(f"degrees_of_freedom: Cholesky failed for heads {failed}")
+            raise ValueError(f"{what}: Cholesky failed for heads {failed}")
         # DoF = J - tr R(C+R)⁻¹ = J - ‖L⁻¹R^½‖²_F, at least 0
         root = ridge.sqrt().diag_embed()  # [n, J, J]
         lr = torch.linalg.solve_triangular(chol, root, upper=False)
@@ -70,26 +70,27 @@ def degrees_of_freedom(x, lam, normalize=True):
 
 
 def estimate_dof(model, token_ids, lam, J=1024, seed=0, normalize=True, ctx=None, batch=8):
-    """Per-head DoF [L, H] of a frozen teacher's kernels on its own queries and keys (1-4)."""
+    """Per-head DoF [L, H] of a frozen teacher's kernels on its queries and keys (1-4)."""
     x = sample_queries_keys(model, token_ids, J, seed, ctx, batch)
     return degrees_of_freedom(x, lam, normalize)  # x [L, H, J, d]
 
 
 def sample_queries_keys(model, token_ids, J=1024, seed=0, ctx=None, batch=8):
     """J of each head's pooled queries and keys [L, H, J, d] float64, drawn uniformly without
-    replacement from windows of ctx tokens (default n_ctx) of token_ids: one seeded draw
-    serves every head, and [..., :j, :] is the draw of j (one pass serves a sweep over J)."""
+    replacement from ctx-token windows (default n_ctx) of token_ids: one seeded draw
+    serves every head, and [..., :j, :] is the draw of j (one pass, a sweep over J)."""
+    what = "sample_queries_keys"
     cfg = model.config
     ctx = cfg.n_ctx if ctx is None else ctx
     if not 1 <= ctx <= cfg.n_ctx:
-        raise ValueError(f"sample_queries_keys: ctx={ctx}; need 1..n_ctx = {cfg.n_ctx}")
-    need_integers("sample_queries_keys", J=J, batch=batch)
-    token_ids = model.token_ids(token_ids, ctx, "sample_queries_keys")
+        raise ValueError(f"{what}: ctx={ctx}; need 1..n_ctx = {cfg.n_ctx}")
+    need_integers(what, J=J, batch=batch)
+    token_ids = model.token_ids(token_ids, ctx, what)
     n_win = token_ids.numel() // ctx
     pool = 2 * ctx  # ctx queries, then ctx keys
     if n_win * pool < J:
-        got = f"{n_win} windows of {ctx} tokens give {n_win * pool} queries+keys a head"
-        raise ValueError(f"sample_queries_keys: {got}, fewer than J={J}; pass more text")
+        got = f"{n_win} windows of {ctx} tokens: {n_win * pool} queries+keys a head"
+        raise ValueError(f"{what}: {got}, fewer than J={J}; pass more text")
     windows = token_ids[: n_win * ctx].view(n_win, ctx)  # [W, ctx]
     gen = torch.Generator().manual_seed(seed)
     drawn = torch.randperm(n_win * pool, generator=gen)[:J]  # [J]
@@ -110,32 +111,20 @@ def sample_queries_keys(model, token_ids, J=1024, seed=0, ctx=None, batch=8):
     return x
 
 
-def saturation_warning(dof, J):
-    """A message if any head's DoF [L, H] exceeds J/2 (J then limits it), else None."""
-    if not (over := int((dof > J / 2).sum())):
-        return None
-    layer, head = divmod(int(dof.argmax()), dof.shape[-1])
-    return (
-        f"warning: {over} of {dof.numel()} heads have DoF above J/2 = "
-        f"{J / 2:g} (largest {dof.max():.0f}, layer {layer} head {head}):"
-        " J limits these estimates; use a larger J or a larger lam"
-    )
-
-
 def allocate(layer_dof, budget, rule="proportional", cap=None, aggregate="max", floor=1):
-    """Per-layer feature dims [L] (steps 5-7) summing to exactly L·budget: M_l = C·w_l / mean w,
-    C = budget, w the `layer_weights`, none below `floor` (`exact_shares`); integers by largest
-    remainder, ties to more weight, then the earlier layer; cap: min(M_l, cap), the freed budget
+    """Per-layer feature dims [L] (steps 5-7) summing to L·budget: M_l = C·w_l / mean w,
+    C = budget, w: `layer_weights`, none below `floor` (`exact_shares`); integers by largest
+    remainder, ties to more weight, then earlier layers; cap: min(M_l, cap), freed budget
     dropped ("DoF + clip", the paper)."""
     weights = layer_weights(layer_dof, rule, aggregate)  # [L] DoF^γ
     need_integers("allocate", budget=budget, cap=budget if cap is None else cap)
     if not (isinstance(floor, numbers.Integral) and 1 <= floor <= budget):
-        raise ValueError(f"allocate: floor must be an integer in 1..{budget}, got {floor!r}")
+        raise ValueError(f"allocate: floor={floor!r}; expected an integer in 1..{budget}")
     total = len(weights) * int(budget)
     shares = exact_shares(weights, total, int(floor))  # C·w_l / mean w, floored
     dims = [math.floor(s) for s in shares]
-    by_remainder = sorted(range(len(dims)), key=lambda i: (dims[i] - shares[i], -weights[i], i))
-    for i in by_remainder[: total - sum(dims)]:
+    order = sorted(range(len(dims)), key=lambda i: (dims[i] - shares[i], -weights[i], i))
+    for i in order[: total - sum(dims)]:
         dims[i] += 1
     return dims if cap is None else [min(m, cap) for m in dims]
 
@@ -143,7 +132,7 @@ def allocate(layer_dof, budget, rule="proportional", cap=None, aggregate="max", 
 def layer_weights(layer_dof, rule, aggregate):
     """Each layer's exact weight [L] (Fractions) from layer_dof [L] or [L, H] (a layer's DoF: its
     heads' "max", one M, the paper's; or "mean"): its DoF for rule "proportional" (the paper's),
-    DoF^γ for "power:γ", any finite γ (0: uniform, γ < 0: more to less DoF)."""
+    DoF^γ for "power:γ", any finite γ (0: uniform; < 0: more to less DoF)."""
     need_one_of("allocate", ("max", "mean"), aggregate=aggregate)
     kind, _, arg = rule.partition(":")
     try:
@@ -156,7 +145,7 @@ def layer_weights(layer_dof, rule, aggregate):
         dof = dof.amax(-1) if aggregate == "max" else dof.mean(-1)  # [L]
     positive = torch.isfinite(dof) & (dof > 0)
     if dof.dim() != 1 or len(dof) == 0 or not positive.all():
-        raise ValueError(f"allocate: need positive finite layer_dof [L] or [L, H], got {layer_dof}")
+        raise ValueError(f"allocate: layer_dof {layer_dof}; expected positive finite [L] or [L, H]")
     weights = dof.pow(gamma)  # [L] x^1.0 is x exactly
     if not math.isfinite(gamma) or not (torch.isfinite(weights) & (weights > 0)).all():
         want = "'proportional' or 'power:γ', γ finite, each DoF^γ in float64's range"
@@ -165,8 +154,8 @@ def layer_weights(layer_dof, rule, aggregate):
 
 
 def exact_shares(weights, total, floor):
-    """Exact shares max(c·w_l, floor) summing to total: fix the layers below the floor and
-    share out the rest again until none is (c only falls: a fixed layer stays fixed)."""
+    """Exact shares max(c·w_l, floor) summing to total: fix the layers below the floor, share
+    out the rest again until none is (c only falls: fixed layers stay fixed)."""
     fixed = set()
     while True:
         free = [i for i in range(len(weights)) if i not in fixed]

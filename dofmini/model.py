@@ -1,7 +1,6 @@
-"""GPT-2 and GPT-NeoX (Pythia) forward passes, reimplemented from their Hugging Face checkpoints;
-torch only. Every projection is stored [in, out] and applied as `x @ W + b` (GPT-2's Conv1D layout;
-checkpoint.py brings NeoX's weights to it), so both families share one forward pass. Each layer's
-attention is its own module so a student can swap it while keeping the teacher's projections."""
+"""GPT-2 and GPT-NeoX (Pythia) forward passes; torch only. Each projection is stored [in, out],
+applied as `x @ W + b` (GPT-2's Conv1D layout; checkpoint.py brings NeoX's weights to it): one pass
+serves both. A student swaps each layer's attention, keeping the teacher's projections."""
 
 from dataclasses import dataclass
 
@@ -150,12 +149,10 @@ class Model(nn.Module):
         self.requires_grad_(False)  # a frozen teacher, its LayerNorms included
 
     def forward(self, ids, start=0, caches=None, capture=None, keep=None, upto=None):
-        """Logits [B, T, V] of token ids [B, T] at positions start..start+T-1.
-        caches: one KVCache per layer holding positions < start.
-        capture: a list that receives each layer's (q, k, v) [B, H, T, d].
-        keep: a bool mask [B, T]; only kept positions pass the final norm and
-        head (most of a small model's cost): [N = keep.sum(), V], row-major.
-        upto: run the first `upto` blocks only; their output [B, T, D]."""
+        """Logits [B, T, V] of token ids [B, T] at positions start..start+T-1. caches: a KVCache per
+        layer, of positions < start. capture: a list getting each layer's (q, k, v). keep: a bool
+        mask [B, T]; only kept positions pass the final norm and head (most of a small model's
+        cost): [N = keep.sum(), V], row-major. upto: the first `upto` blocks' output [B, T, D]."""
         integer = not (ids.dtype.is_floating_point or ids.dtype.is_complex)
         if ids.dim() != 2 or not integer or ids.dtype == torch.bool:
             got = f"{ids.dtype} {list(ids.shape)}"
@@ -183,8 +180,7 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def capture(self, ids, upto=None):
-        """(q, k, v) [B, H, T, d] of each of the first `upto` layers (default
-        all) for ids [B, T]; the later layers and the head are not run."""
+        """(q, k, v) [B, H, T, d] of ids [B, T] in the first `upto` layers (default all), alone."""
         layers = []
         self(ids, capture=layers, upto=upto or len(self.blocks))
         return layers

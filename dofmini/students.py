@@ -1,6 +1,6 @@
 """Students: a teacher with linear attention swapped in, and their files. A student shares
-the teacher's frozen tensors; its file holds only its trainable ones and its record (kind,
-dims, seed, training, the teacher) as sorted JSON."""
+its teacher's frozen tensors; its file holds its trainable ones and record (kind, dims,
+seed, training, teacher) as sorted JSON."""
 
 import copy
 import json
@@ -18,7 +18,7 @@ KINDS = ("prf", "dijiang")
 
 
 def replace_attention(model, dims, seed: int, orthogonal: bool = True):
-    """Swap block i's attn for LinearAttention, dims[i] features, seed + i, in place."""
+    """Block i's attn becomes LinearAttention (dims[i] features, seed + i), in place."""
     if len(dims) != len(model.blocks):
         raise ValueError(f"replace_attention: {len(dims)} dims for {len(model.blocks)} blocks")
     for i, (block, M) in enumerate(zip(model.blocks, dims)):
@@ -53,7 +53,7 @@ def trainable(model) -> dict:
 
 
 def save_tensors(tensors: dict, path, metadata: dict):
-    """A safetensors file written atomically, `metadata` as sorted JSON under "dofmini"."""
+    """A safetensors file written atomically, `metadata` sorted JSON under "dofmini"."""
     tensors = {n: t.detach().cpu().contiguous() for n, t in sorted(tensors.items())}
     meta = {"dofmini": json.dumps(metadata, sort_keys=True)}
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), meta))
@@ -63,7 +63,8 @@ def read_tensors(path):
     """(tensors, metadata) of a file save_tensors wrote."""
     try:
         with safe_open(str(path), "pt") as f:
-            return {n: f.get_tensor(n) for n in f.keys()}, json.loads(f.metadata()["dofmini"])
+            tensors = {n: f.get_tensor(n) for n in f.keys()}
+            return tensors, json.loads(f.metadata()["dofmini"])
     except (SafetensorError, OSError, KeyError, TypeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"cannot read {path}: {type(err).__name__}: {err}") from None
 
@@ -75,15 +76,15 @@ def save_student(student, path, record=None):
 
 
 def load_student(teacher, path, expect=None):
-    """(A saved student rebuilt on `teacher`, its file's record). Refuses a file of another
+    """(A saved student rebuilt on `teacher`, its record). Refuses a file of another
     teacher, with other tensors, or whose record differs from `expect` (e.g. dims, loss)."""
     stored, meta = read_tensors(path)
     wanted = {"teacher": teacher.identity, **as_json(expect or {})}  # tuples as lists
     for field, value in wanted.items():
-        if meta.get(field) != value:
-            raise CheckpointError(f"{path}: {field} is {meta.get(field)!r}; expected {value!r}")
-    if meta.get("kind") not in KINDS:
-        raise CheckpointError(f"{path}: kind is {meta.get('kind')!r}; expected one of {KINDS}")
+        if (got := meta.get(field)) != value:
+            raise CheckpointError(f"{path}: {field} is {got!r}; expected {value!r}")
+    if (kind := meta.get("kind")) not in KINDS:
+        raise CheckpointError(f"{path}: kind is {kind!r}; expected one of {KINDS}")
     drawn = [meta.get(k) for k in ("kind", "dims", "feature_seed")]
     student = make_student(teacher, *drawn, meta.get("orthogonal", True))
     shapes = [{n: tuple(t.shape) for n, t in d.items()} for d in (stored, trainable(student))]

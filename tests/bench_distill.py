@@ -23,10 +23,10 @@ from dofmini.distill import (  # noqa: E402
     TrainSettings,
     distill,
     layer_backward,
-    layer_pass,
     train_direct,
 )
 from dofmini.students import make_student  # noqa: E402
+from dofmini.study.evaluate import layer_pass  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 PAPER_MS = {"l2": 60.6, "softmax": 90.4, "direct": 109.4}

@@ -13,7 +13,8 @@ decoding steps). One run prints:
   interleaved, one untimed call first; a timing spans at least 8K tokens of calls (8 calls at
   T = 1K), so one interruption weighs less; best of rounds (other processes on a shared machine only
   add time). Also ms per 1K tokens (flat: linear in T), whole/parts, and --old REV's module (e.g.
-  cd447bd, loaded from git into a temp file) timed in the same rounds, new/old.
+  cd447bd, its dofmini/ extracted from git into a temp folder; or a tree's folder) timed in the
+  same rounds, new/old.
 - decoding: one token at a time from a prefilled state (T = 1, no autograd), µs per token, log
   and plain interleaved, best of rounds.
 - peak memory of one forward call above what its inputs hold, per (T, form, way): on CUDA
@@ -35,7 +36,7 @@ printed either way, so the two settings can be told apart.
 """
 
 import argparse
-import importlib.util
+import importlib
 import math
 import os
 import resource
@@ -44,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -54,28 +56,29 @@ FORMS = ("plain", "log")
 HEAP = {"MALLOC_MMAP_THRESHOLD_": str(2**25), "MALLOC_TRIM_THRESHOLD_": str(2**30)}  # 32 MiB, 1 GiB
 
 
-def load(path, name, way=None):
-    """linear_attention.py at path as a fresh module, set to run `way`: whole (one part on any
-    device), parts (CPU_PART tokens at a time; a GPU always takes one part) or None (its own
-    device rule)."""
-    spec = importlib.util.spec_from_file_location(f"{name}_{way}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def load(package, name, way=None):
+    """linear_attention.py of the dofmini folder `package` as a fresh module (its siblings with
+    it, the package's __init__ not run), set to run `way`: whole (one part on any device), parts
+    (CPU_PART tokens at a time; a GPU always takes one part) or None (its own device rule)."""
+    root = types.ModuleType(f"{name}_{way}")
+    root.__path__ = [str(package)]
+    sys.modules[root.__name__] = root
+    module = importlib.import_module(f"{root.__name__}.linear_attention")
     if way == "whole":
         module.CPU_PART = sys.maxsize
     return module
 
 
 def old_path(rev):
-    """linear_attention.py as of git revision rev, written to a temp file (or rev itself, when it
-    names a file: a copy without git, e.g. on a remote machine)."""
-    if Path(rev).is_file():
-        return Path(rev)
-    show = ["git", "show", f"{rev}:dofmini/linear_attention.py"]
-    text = subprocess.run(show, cwd=REPO, capture_output=True, text=True, check=True).stdout
-    path = Path(tempfile.mkdtemp()) / "old_linear_attention.py"
-    path.write_text(text)
-    return path
+    """The dofmini folder as of git revision rev, extracted to a temp folder (or rev itself, when
+    it names a folder: a tree without git, e.g. on a remote machine; its dofmini/ if it has one)."""
+    if Path(rev).is_dir():
+        return Path(rev) / "dofmini" if (Path(rev) / "dofmini").is_dir() else Path(rev)
+    tree = Path(tempfile.mkdtemp())
+    archive = subprocess.run(["git", "archive", rev, "dofmini"], cwd=REPO, capture_output=True,
+                             check=True).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree / "dofmini"
 
 
 def draws(T, device, form):
@@ -268,7 +271,7 @@ def main():
     if a.device == "cpu" and not a.default_heap and not a.memory and not kept:
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **HEAP})
     torch.set_num_threads(a.threads)
-    path = REPO / "dofmini" / "linear_attention.py"
+    path = REPO / "dofmini"
     if a.memory:
         way, form, T = a.memory
         return print(peak_mb(load(path, "new", way), form, int(T), a.device))

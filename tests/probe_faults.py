@@ -77,7 +77,8 @@ def probe_library(only: str = "") -> list:
 
     from dofmini import hub
     from dofmini.dof import dof_by_definition
-    from dofmini.linear_attention import causal_linear_attention, recurrent_step
+    from dofmini.linear_attention import causal_linear_attention
+    from dofmini.plain_forms import recurrent_step
 
     phi = torch.rand(1, 2, 5, 4)
     v = torch.randn(1, 2, 5, 3)

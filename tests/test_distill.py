@@ -18,14 +18,13 @@ from dofmini.distill import (
     distill,
     distill_layers,
     layer_backward,
-    layer_pass,
     train_direct,
 )
 from dofmini.files import changed_settings
 from dofmini.linear_attention import PRFFeatures, causal_linear_attention
 from dofmini.students import make_student
 from dofmini.study import bank, devices, stages
-from dofmini.study.evaluate import layer_errors, perplexity
+from dofmini.study.evaluate import layer_errors, layer_pass, perplexity
 from dofmini.study.keys import Clock, Student
 
 S = TrainSettings

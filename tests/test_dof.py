@@ -15,8 +15,8 @@ from dofmini.dof import (
     dof_by_definition,
     estimate_dof,
     sample_queries_keys,
-    saturation_warning,
 )
+from dofmini.study.stages import saturation_warning
 
 FAST = settings(max_examples=60, deadline=None)
 

@@ -16,6 +16,8 @@ CORE = (
     "checkpoint",
     "hub",
     "dof",
+    "plain_forms",
+    "log_space",
     "linear_attention",
     "dijiang",
     "students",

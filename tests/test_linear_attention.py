@@ -14,7 +14,7 @@ from conftest import FIXTURES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dofmini import linear_attention, load
+from dofmini import load, log_space, plain_forms
 from dofmini.dijiang import decay_form
 from dofmini.linear_attention import (
     CPU_PART,
@@ -22,9 +22,9 @@ from dofmini.linear_attention import (
     LinearState,
     PRFFeatures,
     causal_linear_attention,
-    scan_chunks,
-    unit_features,
 )
+from dofmini.log_space import unit_features
+from dofmini.plain_forms import scan_chunks
 from dofmini.students import replace_attention
 
 # Relative-RMS bounds, relative to the size of what is summed (`magnitudes`). All forms compute in
@@ -336,10 +336,10 @@ def test_log_space_denominators_are_at_least_one(p):
     dens, (S, c) = [], start
     if T >= L:
         whole = [x[:, :, : T // L * L].unflatten(2, (-1, L)) for x in (log_q, log_k, ones)]
-        dens.append(linear_attention.log_chunks(*whole, *start)[0])  # [B, H, T // L, L, 1]
+        dens.append(log_space.log_chunks(*whole, *start)[0])  # [B, H, T // L, L, 1]
     for t in range(T):
         token = (x[:, :, t : t + 1] for x in (log_q, log_k, ones))
-        den, S, c = linear_attention.log_step(*token, S, c)  # [B, H, 1, 1]
+        den, S, c = log_space.log_step(*token, S, c)  # [B, H, 1, 1]
         dens.append(den)
     # Each 1 is exp of a difference of fp32 numbers of size up to Λ (log-features and their
     # shifts), so it carries a few Λ·eps32 (Λ near 780 gave 0.99997574, under a fixed 1 − 1e-5);
@@ -468,7 +468,7 @@ def test_the_loop_form_agrees_with_log_chunks(p):
     on the same log-features: values and gradients, as the forms above agree."""
     out_size, grad_sizes = magnitudes(p, torch.float32)
     results = []
-    for form in (linear_attention.log_chunks, linear_attention.log_loop):
+    for form in (log_space.log_chunks, log_space.log_loop):
         (q, k, v), _, wrt = fed(p, torch.float32)
         out = causal_linear_attention(q, k, v, p["chunk"], log_space=True, form=form)
         grads = torch.autograd.grad((out.double() * cotangent(out, torch.float32)).sum(), wrt)
@@ -673,5 +673,5 @@ def test_calls_a_vendoring_engineer_makes_are_refused_by_name():
     with pytest.raises(ValueError, match=r"phi_q holds .* infinite .*log_space=True"):
         causal_linear_attention(overflowed, phi, v)
     with pytest.raises(ValueError, match="recurrent_step: q has 2 tokens; expected 1"):
-        linear_attention.recurrent_step(phi[:, :, :2], phi[:, :, :2], v[:, :, :2],
+        plain_forms.recurrent_step(phi[:, :, :2], phi[:, :, :2], v[:, :, :2],
                                         torch.zeros(1, 2, 4, 3))  # fmt: skip

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from ..checks import need_integers
-from ..distill import layer_pass
+from ..distill import add_means, layer_chunks
+from ..log_space import unit_features
 from . import data, devices
 from .progress import Progress, duration
 from .tasks import TASKS, load_task
@@ -143,6 +144,18 @@ def held_out(teacher, token_ids, ctx: int, windows: int, offset: int, what: str)
     device; `what` names the caller in errors."""
     token_ids = teacher.token_ids(token_ids, (offset + windows) * ctx, what)[offset * ctx :]
     return token_ids[: windows * ctx].view(windows, ctx).to(next(teacher.parameters()).device)
+
+
+def layer_pass(features, q, k, v, want: set, chunk: int, dtype=torch.float32) -> dict:
+    """Per-head means [H] of the terms in `want` over one layer's batch, in `dtype`."""
+    q = q.to(dtype)  # [B, H, T, d]
+    k = k.to(dtype)
+    v = None if v is None else v.to(dtype)  # [B, H, T, dv]
+    unit_k, top_k = unit_features(features.log_features(k, "k"))  # [B, H, T, M], [.., 1]
+    sums = {}
+    for terms in layer_chunks(features, q, k, v, unit_k, top_k, want, chunk):
+        add_means(sums, terms)
+    return sums
 
 
 @torch.no_grad()

@@ -141,10 +141,22 @@ def estimate_allocation(run: Run) -> dict:
             dims[b][variant] = dof.allocate(per_head, int(b), rule, most, aggregate, floor)
         found = dict(lam=run.lam, J=cfg.J, seed=seed, normalize=normalize, dims=dims)
         found["calibration"] = f"{CALIBRATION}: first {len(calib)} tokens, ctx {run.ctx}"
-        found.update(per_head=per_head.tolist(), warning=dof.saturation_warning(per_head, cfg.J))
+        found.update(per_head=per_head.tolist(), warning=saturation_warning(per_head, cfg.J))
         return dict(found, seconds=time.time() - t0)
 
     return run.stage("DoF estimate", *stage_files(run)["DoF estimate"], compute)
+
+
+def saturation_warning(per_head, J):
+    """A message if any head's DoF [L, H] exceeds J/2 (J then limits it), else None."""
+    if not (over := int((per_head > J / 2).sum())):
+        return None
+    layer, head = divmod(int(per_head.argmax()), per_head.shape[-1])
+    return (
+        f"warning: {over} of {per_head.numel()} heads have DoF above J/2 = "
+        f"{J / 2:g} (largest {per_head.max():.0f}, layer {layer} head {head}):"
+        " J limits these estimates; use a larger J or a larger lam"
+    )
 
 
 def train_student(run: Run, spec: Student):
