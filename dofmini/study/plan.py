@@ -41,9 +41,10 @@ def finetune_rows(run, specs: list) -> list:
     for stage_name, name, seed, spec in finetune.models_of(run, specs):
         key = finetune.model_key(run, spec)
         for task in tasks:
-            known = key is not None and rates[task] is not None
-            where = (name, key, task, rates[task]["lr"], seed) if known else None
-            saved = finetune.stage_file(run, *where) if known else (None, None)
+            if key is None or rates[task] is None:
+                rows.append((stage_name, None, None, None))
+                continue
+            saved = finetune.stage_file(run, name, key, task, rates[task]["lr"], seed)
             rows.append((stage_name, *saved, None))
     return rows
 
