@@ -2,14 +2,21 @@
 is learnt, an interrupted fine-tuning resumes to the same result, a bad --finetune-lr is refused
 before any work; the training splits load where the data store holds them."""
 
+import hashlib
+import json
 import random
+import re
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import REPO, data_path
+from conftest import FIXTURES, REPO, data_path, tiny_store
+from test_reproduce import reproduce as run_script
 
 from dofmini.students import make_student
 from dofmini.study import finetune, task_train
+from dofmini.study.tasks import PINNED_UNREAD, TASK_FILES
 
 sys.path.insert(0, str(REPO))
 import reproduce  # noqa: E402
@@ -93,3 +100,75 @@ def test_training_splits_load_with_valid_labels(task):
     assert (len(train), len(test)) == SPLIT_SIZES[task]
     for e in train:
         assert 0 <= e.label < len(e.contexts) == len(e.continuations)
+
+
+# the fine-tuning splits made from the tiny task fixtures (each a copy of the task's evaluation
+# examples: these tests time and resume the stages, they measure no accuracy)
+TRAINING_COPIES = {
+    "logiqa_ft": {"logiqa/Eval.txt": "logiqa/Test.txt"},
+    "arc_easy_train": {"arc/ARC-Easy-Train.jsonl": "arc/ARC-Easy-Test.jsonl"},
+    "arc_challenge_train": {"arc/ARC-Challenge-Train.jsonl": "arc/ARC-Challenge-Test.jsonl"},
+    "winogrande_train": {
+        "winogrande/winogrande_1.1/train_l.jsonl": "winogrande/winogrande_1.1/dev.jsonl"
+    },
+    "mmlu_train": {
+        f"mmlu/val/{s}_val.csv": f"mmlu/test/{s}_test.csv"
+        for s in ("astronomy", "abstract_algebra")
+    },
+}
+WSC = [  # SuperGLUE WSC's format: span2_index counts words
+    {"text": "The cup fell off the table because it was round.", "label": True,
+     "target": {"span1_text": "The cup", "span2_text": "it", "span2_index": 7}},
+    {"text": "Ann thanked Mary because she had helped.", "label": False,
+     "target": {"span1_text": "Ann", "span2_text": "she", "span2_index": 4}},
+]  # fmt: skip
+
+
+def tuning_store(root: Path) -> tuple:
+    """tiny_store with every task (the tiny fixtures) and every fine-tuning split registered."""
+    model, env = tiny_store(root)
+    store, registry = root / "store", root / "registry.tsv"
+    shutil.copytree(FIXTURES / "tasks", store, dirs_exist_ok=True)
+    pins = {p: t for t, paths in TASK_FILES.items() for p in paths + PINNED_UNREAD.get(t, ())}
+    found = [p for p in (FIXTURES / "tasks").rglob("*") if p.is_file()]
+    tasks = [p.relative_to(FIXTURES / "tasks").as_posix() for p in found]
+    files = {path: pins.get(path, "mmlu") for path in tasks}  # MMLU's are found, not named
+    for group, copies in TRAINING_COPIES.items():
+        for made, source in copies.items():
+            (store / made).parent.mkdir(exist_ok=True)
+            shutil.copyfile(store / source, store / made)
+            files[made] = group
+    (store / "superglue_wsc").mkdir()
+    for name in ("train.jsonl", "val.jsonl"):
+        (store / "superglue_wsc" / name).write_text("".join(json.dumps(e) + "\n" for e in WSC))
+        files[f"superglue_wsc/{name}"] = "superglue_wsc"
+    rows = []
+    for path, group in files.items():
+        body = (store / path).read_bytes()
+        sha = hashlib.sha256(body).hexdigest()
+        rows.append(f"{group}\t{path}\t{len(body)}\t{sha}\thttps://example.invalid/{path}")
+    registry.write_text(registry.read_text() + "\n".join(rows) + "\n")
+    return model, env
+
+
+ESTIMATE = r"~[\d.]+ (s|min|h) \(\d[\d.]*-\d[\d.]*\)"
+
+
+def test_the_plan_lists_and_costs_each_fine_tuning_then_marks_it_done(tmp_path):
+    """A quick --finetune run (one Fix student, the grid on WSC only): its plan lists the grid,
+    the teacher's and the student's fine-tuning, each with an estimate, in the total, and its
+    progress lines count them; after it, the plan finds every stage done."""
+    model, env = tuning_store(tmp_path)
+    rates = ",".join(f"{task}=1e-4" for task in task_train.trainable_tasks() if task != "wsc")
+    args = [model, "--profile", "quick", "--variants", "fix", "--finetune-lr", rates]
+    args += ["--out", tmp_path / "o"]
+    run = run_script(*args, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    tuned = ["fine-tuning teacher: grid", "fine-tuning teacher/s0", "fine-tuning fix/softmax/b8/s0"]
+    for number, stage in enumerate(tuned, start=4):
+        assert re.search(rf"\n  {re.escape(stage)}: {ESTIMATE}\n", run.stdout), stage
+        assert re.search(rf"\n\[{number}/6\] {re.escape(stage)} \(run: ", run.stdout), stage
+    assert re.search(rf"\n  0 of 6 stages done; the rest: {ESTIMATE} here\n", run.stdout)
+    again = run_script(*args, "--plan-only", env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "\n  6 of 6 stages done\n" in again.stdout

@@ -1,9 +1,9 @@
 """What a run will cost here, before it starts: each kind of work timed twice at the run's own
 shapes (an optimiser step of each kind the run trains, one batch of each evaluation, the first
-few examples of each task together, DoF's algebra on one head), then multiplied by the counts
-each stage needs. The range runs from the faster probe divided by SPREAD to the slower times
-SPREAD: a machine shared with other jobs, warm-up, and examples longer than the first all move
-the real time."""
+few examples of each task together, DoF's algebra on one head, a fine-tuning step), then
+multiplied by the counts each stage needs. The range runs from the faster probe divided by
+SPREAD to the slower times SPREAD: a machine shared with other jobs, warm-up, and examples longer
+than the first all move the real time."""
 
 import dataclasses
 import functools
@@ -15,12 +15,16 @@ import torch
 from ..distill import distill, train_direct
 from ..dof import degrees_of_freedom
 from ..students import make_student
-from . import data, devices, endtoend, evaluate, plan, stages
+from . import data, devices, endtoend, evaluate, finetune, plan, stages, task_train
 from .keys import settings
 from .tasks import load_task
 
 SPREAD = 1.5
 TASK_PROBE = 8  # examples of each task timed together
+# fine-tuning's optimiser step is timed on this task's examples only (all six tasks' steps took
+# ~20 s on the stand-in): its training examples are near the tasks' mean length weighted by
+# their epochs (~300 tokens with every choice; LogiQA's ~750 and Winogrande's ~45 either side)
+PROBE_TASK = "mmlu"
 HOUR = 3600.0
 HOW = (
     "a step of each kind it trains, a batch of each evaluation, each task's first examples, "
@@ -120,9 +124,53 @@ def probe(run, students: list) -> dict:
         first = examples[:TASK_PROBE]
         scored = functools.partial(evaluate.score_examples, teacher, run.tokenizer, first)
         each = [seconds / len(first) for seconds in timed(scored)]
+        found[("example", name)] = tuple(each)
         tasks = [total + len(examples) * t for total, t in zip(tasks, each)]
     found["tasks"] = tuple(tasks)
     return found
+
+
+def tuning_probe(run, found: dict) -> dict:
+    """{("fine-tune", task): (faster, slower) seconds of the teacher's fine-tuning on `task` at
+    the run's sizes (finetune.settings_for)}: its steps x one optimiser step (two timed after one
+    to warm up) on PROBE_TASK's first training examples, plus each epoch's evaluation x an
+    example's scoring: the task probe's per example in `found` (the same scorer,
+    evaluate.score_requests, on the same split), else timed on the split's first TASK_PROBE
+    (WSC's, SuperGLUE's, is not the zero-shot WSC273)."""
+    cfg = run.cfg
+    model, opt = finetune.trainable(run.teacher, 0.0)  # the rate does not change a step's time
+    s = finetune.settings_for(run, PROBE_TASK, 0.0, cfg.seeds[0])
+    batch = task_train.load_split(PROBE_TASK, "train", cfg.data, s.batch)
+    encoded = finetune.encode(run.tokenizer, batch)
+    step = functools.partial(finetune.train_step, model, opt, encoded, s.part)
+    step()  # the warm-up
+    steps, tuning = timed(step), {}
+    for task in task_train.trainable_tasks():
+        s = finetune.settings_for(run, task, 0.0, cfg.seeds[0])
+        train = task_train.load_split(task, "train", cfg.data, s.train_limit)
+        test = task_train.load_split(task, "eval", cfg.data, s.eval_limit)
+        each = found.get(("example", task)) or scoring(run, model, test[:TASK_PROBE])
+        count, scored = -(-len(train) // s.batch) * s.epochs, s.epochs * len(test)
+        tuning[("fine-tune", task)] = tuple(count * t + scored * e for t, e in zip(steps, each))
+    return tuning
+
+
+def scoring(run, model, examples: list) -> list:
+    """[faster, slower] seconds an example of `examples` takes to score together (the
+    fine-tuning's accuracy after an epoch)."""
+    encoded = finetune.encode(run.tokenizer, examples)
+    with torch.no_grad():
+        return [t / len(examples) for t in timed(lambda: finetune.accuracy(model, encoded))]
+
+
+def tuning_seconds(run, name: str, unit: dict) -> float:
+    """A fine-tuning stage's seconds (finetune.models_of's names, or the grid's): each task's
+    fine-tuning once a model, or once a grid point; a student's on its own forward pass."""
+    tasks = task_train.trainable_tasks()
+    counts = {t: len(finetune.grid(run, t)) if name == finetune.GRID_STAGE else 1 for t in tasks}
+    seconds = sum(n * unit[("fine-tune", t)] for t, n in counts.items())
+    teacher = name.startswith(f"{finetune.PREFIX}teacher")
+    return seconds if teacher else seconds * unit["student ppl"] / unit["ppl"]
 
 
 def stage_seconds(run, name: str, spec, unit: dict, fresh: dict) -> float:
@@ -134,6 +182,8 @@ def stage_seconds(run, name: str, spec, unit: dict, fresh: dict) -> float:
     cfg, n_layer = run.cfg, run.teacher.config.n_layer
     texts = [len(run.texts[text]) // run.ctx for text in evaluate.PPL_TEXTS]
     ppl_windows = sum(min(n, cfg.eval_windows or n) for n in texts)
+    if name.startswith(finetune.PREFIX):
+        return tuning_seconds(run, name, unit)
     if name == "teacher evaluation":
         return ppl_windows * unit["ppl"] + unit["tasks"]
     if name == "DoF estimate":  # the teacher's layers without its head, then each head's algebra
@@ -170,6 +220,8 @@ def estimate(run, todo: list) -> dict:
         return {}
     specs = plan.students(run)
     found = probe(run, [specs[name] for name in todo if name in specs])
+    if any(name.startswith(finetune.PREFIX) for name in todo):
+        found |= tuning_probe(run, found)
     ends = [{what: times[end] for what, times in found.items()} for end in (0, 1)]
     fresh = plan.new_units(run)
     seconds = {n: [stage_seconds(run, n, specs.get(n), unit, fresh) for unit in ends] for n in todo}

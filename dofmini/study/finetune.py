@@ -22,6 +22,7 @@ from ..files import changed_settings
 from ..students import read_tensors, save_tensors
 from . import data, evaluate, runs, stages, stats, task_train
 from .compare import md_table
+from .progress import Progress
 
 TASKS = task_train.TASKS  # Table 3's columns
 PAPER_LR = {  # Table 8, GPT-2: each task's rate chosen on the original model
@@ -41,6 +42,8 @@ PROFILES = {
     "paper": dict(train_limit=None, epochs=3, batch=None),
 }
 LAST_EPOCH = ("mmlu",)  # one epoch, its accuracy reported
+PREFIX = "fine-tuning "  # of each fine-tuning stage's name in the plan
+GRID_STAGE = f"{PREFIX}teacher: grid"  # every grid point of every task, one stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,43 +136,63 @@ def accuracy(model, encoded) -> float:
     return hits / len(encoded)
 
 
-def fine_tune(model, train, test, settings: Settings, progress: Path, log, on_step=None) -> dict:
+def trainable(model, lr: float) -> tuple:
+    """(a copy of `model` whose every tensor trains, its AdamW at `lr`)."""
+    model = copy.deepcopy(model).requires_grad_(True)  # its own tensors: every one trains
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.01)
+    return model, opt
+
+
+def train_step(model, opt, chosen: list, part: int) -> float:
+    """One optimiser step on the encoded examples `chosen`, back-propagated `part` at a time
+    (gradient accumulation); its loss."""
+    opt.zero_grad()
+    step_loss = 0.0
+    for start in range(0, len(chosen), part):
+        part_loss = loss(model, chosen[start : start + part]) / len(chosen)
+        part_loss.backward()
+        step_loss += part_loss.item()
+    opt.step()
+    return step_loss
+
+
+def fine_tune(
+    model, train, test, settings: Settings, progress: Path, log, on_step=None, what="fine-tuning"
+) -> dict:
     """Fine-tune a copy of `model` on the encoded `train` examples, scoring `test` after each
     epoch; {"epoch_acc", "acc" (the best epoch's, the last with one epoch), "epoch", "steps",
     "train_seconds", "loss_curve"}. Progress goes to `progress` and a run of the same settings
-    resumes from it exactly (tensors, AdamW, the step, the curves); on_step(step) after each."""
+    resumes from it exactly (tensors, AdamW, the step, the curves); on_step(step) after each;
+    a progress line (progress.Progress) names it `what`."""
     s, n = settings, len(train)
-    model = copy.deepcopy(model).requires_grad_(True)  # its own tensors: every one trains
+    model, opt = trainable(model, s.lr)
     params = dict(model.named_parameters())
-    opt = torch.optim.AdamW(params.values(), lr=s.lr, betas=(0.9, 0.999), weight_decay=0.01)
     per_epoch = -(-n // s.batch)
     total, keep = per_epoch * s.epochs, {**s.record(), "train_examples": n, "test": len(test)}
     state = dict(step=0, seconds=0.0, loss_curve=[], epoch_acc=[])
     _restore(progress, keep, params, opt, state, log)
-    while state["step"] < total:
-        started, (epoch, index) = time.time(), divmod(state["step"], per_epoch)
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(s.seed * 1000 + epoch))
-        for group in opt.param_groups:
-            group["lr"] = s.lr * (1 - state["step"] / total)
-        opt.zero_grad()
-        chosen = [train[i] for i in order[index * s.batch : (index + 1) * s.batch].tolist()]
-        step_loss = 0.0
-        for start in range(0, len(chosen), s.part):
-            part_loss = loss(model, chosen[start : start + s.part]) / len(chosen)
-            part_loss.backward()
-            step_loss += part_loss.item()
-        opt.step()
-        state["step"] += 1
-        state["loss_curve"].append(step_loss)
-        if state["step"] % per_epoch == 0:
-            with torch.no_grad():
-                state["epoch_acc"].append(accuracy(model, test))
-            log(f"  epoch {epoch + 1}/{s.epochs}: acc {state['epoch_acc'][-1]:.4f}")
-        state["seconds"] += time.time() - started
-        if state["step"] < total and (state["step"] % min(s.save_every, per_epoch) == 0):
-            _save(progress, keep, params, opt, state)
-        if on_step:
-            on_step(state["step"])
+    resumed = f" (resumed at step {state['step']} of {total})" if state["step"] else ""
+    with Progress(f"{what}{resumed}", total - state["step"], "steps") as shown:
+        while state["step"] < total:
+            started, (epoch, index) = time.time(), divmod(state["step"], per_epoch)
+            shuffle = torch.Generator().manual_seed(s.seed * 1000 + epoch)
+            order = torch.randperm(n, generator=shuffle)
+            for group in opt.param_groups:
+                group["lr"] = s.lr * (1 - state["step"] / total)
+            chosen = [train[i] for i in order[index * s.batch : (index + 1) * s.batch].tolist()]
+            step_loss = train_step(model, opt, chosen, s.part)
+            state["step"] += 1
+            state["loss_curve"].append(step_loss)
+            if state["step"] % per_epoch == 0:
+                with torch.no_grad():
+                    state["epoch_acc"].append(accuracy(model, test))
+                log(f"  epoch {epoch + 1}/{s.epochs}: acc {state['epoch_acc'][-1]:.4f}")
+            state["seconds"] += time.time() - started
+            if state["step"] < total and (state["step"] % min(s.save_every, per_epoch) == 0):
+                _save(progress, keep, params, opt, state)
+            shown.update(1)
+            if on_step:
+                on_step(state["step"])
     progress.unlink(missing_ok=True)
     accs = state["epoch_acc"]
     best = len(accs) - 1 if s.epochs == 1 else max(range(len(accs)), key=accs.__getitem__)
@@ -225,39 +248,82 @@ def settings_for(run, task: str, lr: float, seed: int) -> Settings:
     return Settings(lr, epochs, batch, max(1, batch // 4), seed, **limits)
 
 
-def stage(run, name: str, model, model_key, task: str, lr: float, seed: int) -> dict:
-    """One model's fine-tuning on one task, saved under finetune/ with everything it depends on:
-    the model's own key, the task's data files, the settings, the tokenizer and the device."""
-    s, cfg = settings_for(run, task, lr, seed), run.cfg
+def stage_file(run, name: str, model_key, task: str, lr: float, seed: int) -> tuple:
+    """(file, key) of one model's fine-tuning on one task, saved under finetune/ with everything
+    it depends on: the model's own key, the task's data files, the settings, the tokenizer and
+    the device."""
+    s = settings_for(run, task, lr, seed)
     files = {f.path: run.inputs[f.path] for g in task_train.groups(task) for f in data.files(g)}
     key = dict(model=model_key, task=task, settings=s.record(), data=files)
     key.update(tokenizer=run.inputs["tokenizer"], device=run.inputs["device"])
-    path = cfg.out / "finetune" / f"{name.replace('/', '-')}-{task}-lr{lr:g}-s{seed}.json"
+    path = run.cfg.out / "finetune" / f"{name.replace('/', '-')}-{task}-lr{lr:g}-s{seed}.json"
+    return path, key
+
+
+def stage(run, model, name: str, model_key, task: str, lr: float, seed: int) -> dict:
+    """One model's fine-tuning on one task, in its stage_file."""
+    s, cfg = settings_for(run, task, lr, seed), run.cfg
+    path, key = stage_file(run, name, model_key, task, lr, seed)
 
     def compute():
         train = task_train.load_split(task, "train", cfg.data, s.train_limit)
         test = task_train.load_split(task, "eval", cfg.data, s.eval_limit)
         runs.log(f"fine-tuning {name} on {task}: {len(train)} examples, lr {lr:g}, seed {seed}")
         encoded = [encode(run.tokenizer, examples) for examples in (train, test)]
-        return fine_tune(model, *encoded, s, Path(f"{path}.progress"), runs.log)
+        what = f"fine-tuning {name} on {task}"
+        return fine_tune(model, *encoded, s, Path(f"{path}.progress"), runs.log, what=what)
 
     return runs.stage(path, key, compute)
 
 
-def learning_rates(run) -> dict:
+def grid(run, task: str) -> list:
+    """stage_file's (name, model key, task, lr, seed) of each of the teacher's grid points on
+    `task` (first seed); none where --finetune-lr gives its rate."""
+    if task in dict(run.cfg.finetune_lr):
+        return []
+    lrs, seed = GRIDS[run.teacher.config.family], run.cfg.seeds[0]
+    return [("teacher", run.inputs["teacher"], task, lr, seed) for lr in lrs]
+
+
+def learning_rates(run, saved_only: bool = False) -> dict:
     """{task: {"lr", "source", "grid"}}: --finetune-lr's rate, else the grid's best on the
-    teacher (first seed; the smaller rate on a tie), each grid point's accuracy recorded."""
-    given, family, chosen = dict(run.cfg.finetune_lr), run.teacher.config.family, {}
+    teacher (first seed; the smaller rate on a tie), each grid point's accuracy recorded. With
+    `saved_only`, from the saved grid points without fine-tuning, a task None while one is
+    missing."""
+    chosen = {}
     for task in task_train.trainable_tasks():
-        if task in given:
-            chosen[task] = dict(lr=given[task], source="--finetune-lr", grid=None)
+        points = grid(run, task)
+        if not points:
+            given = dict(run.cfg.finetune_lr)[task]
+            chosen[task] = dict(lr=given, source="--finetune-lr", grid=None)
             continue
-        teacher = (run.teacher, run.inputs["teacher"], task)
-        grid = {lr: stage(run, "teacher", *teacher, lr, run.cfg.seeds[0]) for lr in GRIDS[family]}
-        best = max(grid, key=lambda lr: grid[lr]["acc"])
-        recorded = {f"{lr:g}": found["acc"] for lr, found in grid.items()}
+        if saved_only:
+            found = {where[3]: runs.saved(*stage_file(run, *where)) for where in points}
+        else:
+            run.clock.begin(GRID_STAGE)
+            found = {where[3]: stage(run, run.teacher, *where) for where in points}
+        if None in found.values():
+            chosen[task] = None
+            continue
+        best = max(found, key=lambda lr: found[lr]["acc"])
+        recorded = {f"{lr:g}": result["acc"] for lr, result in found.items()}
         chosen[task] = dict(lr=best, source="grid on the teacher", grid=recorded)
     return chosen
+
+
+def models_of(run, specs) -> list:
+    """(plan stage name, stage_file's name, seed, stages.Student or None: the teacher) of each
+    model fine-tuned after the grid, in run order: the teacher at each seed, then each student."""
+    teacher = [(f"{PREFIX}teacher/s{seed}", "teacher", seed, None) for seed in run.cfg.seeds]
+    return teacher + [(PREFIX + spec.name, spec.name, spec.seed, spec) for spec in specs]
+
+
+def model_key(run, spec):
+    """The key of the model fine-tuned: the teacher's (spec None), a student's; None while the
+    student's dims are unknown."""
+    if spec is None:
+        return run.inputs["teacher"]
+    return stages.train_key(run, spec) if spec.dims else None
 
 
 def run_all(run, specs) -> dict:
@@ -266,14 +332,12 @@ def run_all(run, specs) -> dict:
     "models": {label: {seed: {task: fine_tune's record}}}}, a student's label its name less seed."""
     rates, models = learning_rates(run), {}
     tasks = task_train.trainable_tasks()
-    teacher = ("teacher", run.teacher, run.inputs["teacher"])
-    for seed in run.cfg.seeds:
-        by_task = {t: stage(run, *teacher, t, rates[t]["lr"], seed) for t in tasks}
-        models.setdefault("teacher", {})[str(seed)] = by_task
-    for spec in specs:
-        student = (spec.name, stages.train_student(run, spec)[0], stages.train_key(run, spec))
-        by_task = {t: stage(run, *student, t, rates[t]["lr"], spec.seed) for t in tasks}
-        models.setdefault(spec.name.rsplit("/s", 1)[0], {})[str(spec.seed)] = by_task
+    for stage_name, name, seed, spec in models_of(run, specs):
+        model = run.teacher if spec is None else stages.train_student(run, spec)[0]
+        key = model_key(run, spec)
+        run.clock.begin(stage_name)
+        by_task = {t: stage(run, model, name, key, t, rates[t]["lr"], seed) for t in tasks}
+        models.setdefault(name.rsplit("/s", 1)[0], {})[str(seed)] = by_task
     return dict(lr=rates, models=models)
 
 

@@ -1,11 +1,12 @@
 """A run's stages in run order, each with the files its results are saved in and their keys: what
-reproduce.py's plan marks done (every file saved with its key), the stages its progress lines
-count, and what the estimate costs. It comes after endtoend.py, whose files a student's stage
-includes. A student's key needs its dims: DoF's come from the saved allocation, an oracle's from
-the saved error curves (and swap curves); until those are saved its key is None. A row's
-validator checks a saved result's shape (runs.saved)."""
+reproduce.py's plan marks done (every file saved with its key), the stages its progress lines count,
+and what the estimate costs. It comes after endtoend.py, whose files a student's stage includes, and
+finetune.py, whose stages follow the students' when the run fine-tunes. A student's key needs its
+dims: DoF's come from the saved allocation, an oracle's from the saved error curves (and swap
+curves); until those are saved its key is None. A row's validator checks a saved result's shape
+(runs.saved)."""
 
-from . import bank, endtoend, runs, stages
+from . import bank, endtoend, finetune, runs, stages, task_train
 from .endtoend import SWAP_STAGE
 from .keys import Student, stage_files, student_file
 from .oracle import curves_record
@@ -14,9 +15,10 @@ from .oracle import curves_record
 def stages_of(run) -> list:
     """[(stage name, file, key, validator)] of every result the run saves, in run order; one row
     a file: a curve student its curve errors, a student its evaluation and end-to-end KL (a Fix
-    student of the curves all three), the swap curves one per curve student."""
+    student of the curves all three), the swap curves one per curve student; with --finetune, then
+    finetune_rows."""
     rows = [(name, *saved) for name, saved in stage_files(run).items()]
-    curve_specs, curve_rows, later = _students(run)
+    curve_specs, curve_rows, later, specs = _students(run)
     if "oracle_e2e" in run.cfg.variants:
         rows += [(SWAP_STAGE, *endtoend.stage_file(run, s, swap=True)) for s in curve_specs]
     students = list(curve_rows)
@@ -25,19 +27,39 @@ def stages_of(run) -> list:
             continue
         for file, key, valid in (student_file(run, spec), endtoend.stage_file(run, spec)):
             students.append((spec.name, file, key if spec.dims else None, valid))
-    return rows + students
+    return rows + students + (finetune_rows(run, specs) if run.cfg.finetune else [])
+
+
+def finetune_rows(run, specs: list) -> list:
+    """The rows of every fine-tuning (finetune.run_all's stages, `specs` the students it tunes),
+    in its order: each grid point as one stage (finetune.GRID_STAGE), then each model at each
+    seed, a row a task; file and key None while unknown: a task's rate until its grid points are
+    all saved, a student's key until its dims are known."""
+    tasks, rates = task_train.trainable_tasks(), finetune.learning_rates(run, saved_only=True)
+    points = [where for task in tasks for where in finetune.grid(run, task)]
+    rows = [(finetune.GRID_STAGE, *finetune.stage_file(run, *where), None) for where in points]
+    for stage_name, name, seed, spec in finetune.models_of(run, specs):
+        key = finetune.model_key(run, spec)
+        for task in tasks:
+            if key is None or rates[task] is None:
+                rows.append((stage_name, None, None, None))
+                continue
+            saved = finetune.stage_file(run, name, key, task, rates[task]["lr"], seed)
+            rows.append((stage_name, *saved, None))
+    return rows
 
 
 def _students(run) -> tuple:
-    """(the curve students, their curve rows, the other students in run order), dims where
-    known."""
+    """(the curve students, their curve rows, the other students in run order, stages.specs:
+    every student of the run's budgets, in run order), dims where known."""
     oracles = set(stages.ORACLES) & set(run.cfg.variants)
     curve_specs = stages.curve_specs(run) if oracles else []
     curve_rows = [(s.name, *student_file(run, s, curve=True)) for s in curve_specs]
     allocation = runs.saved(*stage_files(run)["DoF estimate"])
     curves = saved_curves(run, curve_specs, curve_rows)
-    later = [spec for spec in stages.specs(run, allocation, curves) if spec not in curve_specs]
-    return curve_specs, curve_rows, later
+    specs = stages.specs(run, allocation, curves)
+    later = [spec for spec in specs if spec not in curve_specs]
+    return curve_specs, curve_rows, later, specs
 
 
 def saved_curves(run, curve_specs: list, curve_rows: list):
@@ -57,7 +79,7 @@ def new_units(run) -> dict:
     """{layerwise student's name: (the units it trains first, the layers the teacher runs for
     them), or None while its dims are unknown}: a unit an earlier student trains, or one already
     saved, costs nothing (bank.plan), and a student with none to train maps to (0, 0)."""
-    curve_specs, _, later = _students(run)
+    curve_specs, _, later, _ = _students(run)
     specs = [s for s in curve_specs + later if s.loss in stages.LAYERWISE]
     saved = {row["unit"] for row in bank.plan(run, [s for s in specs if s.dims]) if row["done"]}
     seen, found = set(saved), {}
