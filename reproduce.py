@@ -39,7 +39,7 @@ from dofmini.study import (
     runs,
     stages,
 )
-from dofmini.study.finetune import data_groups, report_table, run_all
+from dofmini.study.finetune import data_groups, run_all
 from dofmini.study.runs import log
 
 # What each profile changes in RunConfig's defaults (which are the "default" profile).
@@ -143,7 +143,7 @@ def _main(cfg: RunConfig):
     results = collect(run, teacher, allocation, curves, students)
     if cfg.finetune:
         results["finetune"] = run_all(run, stages.specs(run, allocation, curves))
-        log(report_table(results["finetune"]))
+        log(report.finetune_table(results["finetune"]))
     write_text(cfg.out / "results.json", json.dumps(results, indent=1, sort_keys=True))
     log("\n" + report.write(cfg.out, results))
     log("\n" + report.closing(cfg.out, results))

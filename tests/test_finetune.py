@@ -164,11 +164,17 @@ def test_the_plan_lists_and_costs_each_fine_tuning_then_marks_it_done(tmp_path):
     args += ["--out", tmp_path / "o"]
     run = run_script(*args, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    tuned = ["fine-tuning teacher: grid", "fine-tuning teacher/s0", "fine-tuning fix/softmax/b8/s0"]
+    tuned = ["fine-tuning teacher: zero-shot", "fine-tuning teacher: grid"]
+    tuned += ["fine-tuning teacher/s0", "fine-tuning fix/softmax/b8/s0"]
     for number, stage in enumerate(tuned, start=4):
         assert re.search(rf"\n  {re.escape(stage)}: {ESTIMATE}\n", run.stdout), stage
-        assert re.search(rf"\n\[{number}/6\] {re.escape(stage)} \(run: ", run.stdout), stage
-    assert re.search(rf"\n  0 of 6 stages done; the rest: {ESTIMATE} here\n", run.stdout)
+        assert re.search(rf"\n\[{number}/7\] {re.escape(stage)} \(run: ", run.stdout), stage
+    assert re.search(rf"\n  0 of 7 stages done; the rest: {ESTIMATE} here\n", run.stdout)
+    report = (tmp_path / "o" / "report.md").read_text()
+    assert "## Fine-tuned tasks (Table 3's shape)" in report
+    assert "| teacher, not fine-tuned |" in report
+    # one seed gives no interval, so no task counts as lifted
+    assert "(95% t over seeds) on 0 of 6 tasks." in report
     again = run_script(*args, "--plan-only", env=env)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "\n  6 of 6 stages done\n" in again.stdout
+    assert "\n  7 of 7 stages done\n" in again.stdout

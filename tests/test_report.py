@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import REPO
 
-from dofmini.study import compare, figures, report, verdicts
+from dofmini.study import compare, figures, report, task_train, verdicts
 from dofmini.study.stats import window_bootstrap
 
 RULES_RUN = REPO / "runs" / "standin-gpt2-rules" / "results.json"
@@ -124,3 +124,22 @@ def test_the_regime_line_sets_untrained_features_against_trained_fix(one_seed):
         verdicts.regime(results)
         == f"budget 32: untrained 0.039 nats against Fix's trained {trained}"
     )
+
+
+def test_the_fine_tuned_table_counts_a_task_lifted_only_beyond_its_interval():
+    """Three seeds: a task whose fine-tuned acc's 95% t-interval lies above the teacher's
+    zero-shot acc counts as lifted; one whose interval reaches below it does not."""
+    tasks = task_train.trainable_tasks()
+    spread = {"arc_easy": (0.50, 0.52, 0.54), "mmlu": (0.20, 0.40, 0.60)}
+    seeds = {
+        str(seed): {t: {"acc": spread.get(t, (0.3, 0.3, 0.3))[seed]} for t in tasks}
+        for seed in range(3)
+    }
+    found = {
+        "models": {"teacher": seeds},
+        "zero_shot": {t: {"acc": 0.35, "n": 100} for t in tasks},
+        "lr": {t: {"lr": 1e-4, "source": "--finetune-lr"} for t in tasks},
+    }
+    table = report.finetune_table(found)
+    assert f"on 1 of {len(tasks)} tasks: arc_easy." in table
+    assert "| teacher, not fine-tuned | — | 0.3500 |" in table  # PIQA has no training split

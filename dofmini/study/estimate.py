@@ -152,6 +152,7 @@ def tuning_probe(run, found: dict) -> dict:
         each = found.get(("example", task)) or scoring(run, model, test[:TASK_PROBE])
         count, scored = -(-len(train) // s.batch) * s.epochs, s.epochs * len(test)
         tuning[("fine-tune", task)] = tuple(count * t + scored * e for t, e in zip(steps, each))
+        tuning[("zero-shot", task)] = tuple(len(test) * e for e in each)
     return tuning
 
 
@@ -164,9 +165,12 @@ def scoring(run, model, examples: list) -> list:
 
 
 def tuning_seconds(run, name: str, unit: dict) -> float:
-    """A fine-tuning stage's seconds (finetune.models_of's names, or the grid's): each task's
-    fine-tuning once a model, or once a grid point; a student's on its own forward pass."""
+    """A fine-tuning stage's seconds (finetune.models_of's names, the grid's, or the zero-shot
+    scoring's): each task's fine-tuning once a model, or once a grid point; a student's on its
+    own forward pass."""
     tasks = task_train.trainable_tasks()
+    if name == finetune.ZERO_STAGE:
+        return sum(unit[("zero-shot", t)] for t in tasks)
     counts = {t: len(finetune.grid(run, t)) if name == finetune.GRID_STAGE else 1 for t in tasks}
     seconds = sum(n * unit[("fine-tune", t)] for t, n in counts.items())
     teacher = name.startswith(f"{finetune.PREFIX}teacher")

@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from ..checkpoint import CheckpointError
 from ..files import changed_settings
 from ..students import read_tensors, save_tensors
-from . import data, evaluate, runs, stages, stats, task_train
-from .compare import md_table
+from . import data, evaluate, runs, stages, task_train
 from .progress import Progress
 
 TASKS = task_train.TASKS  # Table 3's columns
@@ -37,13 +36,14 @@ PAPER_BATCH = {"gpt2": 128, "neox": 64}  # the paper's first sizes; see README "
 # per reproduce.py profile: training examples per task (None: all), epochs, examples a step
 PROFILES = {
     "quick": dict(train_limit=8, epochs=1, batch=4),
-    "default": dict(train_limit=256, epochs=3, batch=16),
+    "default": dict(train_limit=64, epochs=3, batch=16),  # the stand-in's in about an hour
     "study": dict(train_limit=256, epochs=3, batch=16),
     "paper": dict(train_limit=None, epochs=3, batch=None),
 }
 LAST_EPOCH = ("mmlu",)  # one epoch, its accuracy reported
 PREFIX = "fine-tuning "  # of each fine-tuning stage's name in the plan
 GRID_STAGE = f"{PREFIX}teacher: grid"  # every grid point of every task, one stage
+ZERO_STAGE = f"{PREFIX}teacher: zero-shot"  # the teacher on each evaluation split, before
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,11 +253,36 @@ def stage_file(run, name: str, model_key, task: str, lr: float, seed: int) -> tu
     it depends on: the model's own key, the task's data files, the settings, the tokenizer and
     the device."""
     s = settings_for(run, task, lr, seed)
-    files = {f.path: run.inputs[f.path] for g in task_train.groups(task) for f in data.files(g)}
-    key = dict(model=model_key, task=task, settings=s.record(), data=files)
-    key.update(tokenizer=run.inputs["tokenizer"], device=run.inputs["device"])
+    key = dict(model=model_key, task=task, settings=s.record(), **inputs_of(run, task))
     path = run.cfg.out / "finetune" / f"{name.replace('/', '-')}-{task}-lr{lr:g}-s{seed}.json"
     return path, key
+
+
+def inputs_of(run, task: str) -> dict:
+    """What every fine-tuning stage on `task` reads: its data files, the tokenizer, the device."""
+    files = {f.path: run.inputs[f.path] for g in task_train.groups(task) for f in data.files(g)}
+    return dict(data=files, tokenizer=run.inputs["tokenizer"], device=run.inputs["device"])
+
+
+def zero_shot_file(run, task: str) -> tuple:
+    """(file, key) of the teacher's accuracy on `task`'s fine-tuning evaluation split before any
+    fine-tuning: what a fine-tuned teacher is read against (the same examples and scorer; WSC's
+    split is SuperGLUE's, not the zero-shot table's WSC273)."""
+    limit = run.cfg.limit
+    key = dict(model=run.inputs["teacher"], task=task, eval_limit=limit, **inputs_of(run, task))
+    return run.cfg.out / "finetune" / f"teacher-{task}-zero-shot.json", key
+
+
+def zero_shot(run, task: str) -> dict:
+    """{"acc", "n"} of the teacher on `task`'s evaluation split, in its zero_shot_file."""
+
+    def compute():
+        test = task_train.load_split(task, "eval", run.cfg.data, run.cfg.limit)
+        encoded = encode(run.tokenizer, test)
+        with torch.no_grad():
+            return dict(acc=accuracy(run.teacher, encoded), n=len(encoded))
+
+    return runs.stage(*zero_shot_file(run, task), compute)
 
 
 def stage(run, model, name: str, model_key, task: str, lr: float, seed: int) -> dict:
@@ -328,49 +353,18 @@ def model_key(run, spec):
 
 def run_all(run, specs) -> dict:
     """Every model fine-tuned on every task with a training split, at every seed: the teacher
-    once per seed, each student (stages.Student) at its own seed. {"lr": learning_rates,
-    "models": {label: {seed: {task: fine_tune's record}}}}, a student's label its name less seed."""
-    rates, models = learning_rates(run), {}
+    once per seed, each student (stages.Student) at its own seed, after the teacher's zero-shot
+    accuracy on each evaluation split. {"lr": learning_rates, "models": {label: {seed: {task:
+    fine_tune's record}}}, "zero_shot": {task: zero_shot's}}, a student's label its name less
+    seed."""
     tasks = task_train.trainable_tasks()
+    run.clock.begin(ZERO_STAGE)
+    before = {task: zero_shot(run, task) for task in tasks}
+    rates, models = learning_rates(run), {}
     for stage_name, name, seed, spec in models_of(run, specs):
         model = run.teacher if spec is None else stages.train_student(run, spec)[0]
         key = model_key(run, spec)
         run.clock.begin(stage_name)
         by_task = {t: stage(run, model, name, key, t, rates[t]["lr"], seed) for t in tasks}
         models.setdefault(name.rsplit("/s", 1)[0], {})[str(seed)] = by_task
-    return dict(lr=rates, models=models)
-
-
-def _cell(values) -> str:
-    mean, half = stats.mean_ci(values)
-    return f"{mean:.4f}" if math.isnan(half) else f"{mean:.4f} ± {half:.4f}"
-
-
-def report_table(found: dict) -> str:
-    """Table 3's shape: fine-tuned accuracy per task and the mean over the tasks run (mean ± 95%
-    t over seeds), each model's degradation from the teacher, and, for every student beside a
-    Fix of its loss and budget, the share of Fix's degradation it removes (stats.share_removed
-    on 1 − mean accuracy, seed by seed)."""
-    models, run = found["models"], [t for t in TASKS if t in task_train.trainable_tasks()]
-    mean_of = lambda by_task: sum(by_task[t]["acc"] for t in run) / len(run)  # noqa: E731
-    means = {label: [mean_of(r) for r in by_seed.values()] for label, by_seed in models.items()}
-    teacher = sum(means["teacher"]) / len(means["teacher"])
-    rows = []
-    for label, by_seed in models.items():
-        cells = [_cell([r[t]["acc"] for r in by_seed.values()]) if t in run else "—" for t in TASKS]
-        drop = "" if label == "teacher" else _cell([teacher - m for m in means[label]])
-        rows.append([label, *cells, _cell(means[label]), drop, _share(label, means, teacher)])
-    header = ["model", *TASKS, "mean", "teacher − model", "share of Fix's degradation removed"]
-    lrs = ", ".join(f"{t} {r['lr']:g} ({r['source']})" for t, r in found["lr"].items())
-    caption = f"Fine-tuned accuracy (acc; —: no pinned training split). Rates: {lrs}."
-    return f"{caption}\n\n{md_table(header, rows)}"
-
-
-def _share(label: str, means: dict, teacher: float) -> str:
-    variant, _, rest = label.partition("/")
-    fix = f"fix/{rest}"
-    if label == "teacher" or variant == "fix" or fix not in means:
-        return ""
-    errors = [[1 - m for m in means[name]] for name in (fix, label)]
-    found, why = stats.share_removed(1 - teacher, *errors)
-    return why if found is None else f"{found[0]:.2f} ± {found[1]:.2f}"
+    return dict(lr=rates, models=models, zero_shot=before)

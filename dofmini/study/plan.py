@@ -32,12 +32,14 @@ def stages_of(run) -> list:
 
 def finetune_rows(run, specs: list) -> list:
     """The rows of every fine-tuning (finetune.run_all's stages, `specs` the students it tunes),
-    in its order: each grid point as one stage (finetune.GRID_STAGE), then each model at each
-    seed, a row a task; file and key None while unknown: a task's rate until its grid points are
-    all saved, a student's key until its dims are known."""
+    in its order: the teacher's zero-shot accuracy on each task's evaluation split (one stage,
+    finetune.ZERO_STAGE), each grid point as one stage (finetune.GRID_STAGE), then each model at
+    each seed, a row a task; file and key None while unknown: a task's rate until its grid points
+    are all saved, a student's key until its dims are known."""
     tasks, rates = task_train.trainable_tasks(), finetune.learning_rates(run, saved_only=True)
     points = [where for task in tasks for where in finetune.grid(run, task)]
-    rows = [(finetune.GRID_STAGE, *finetune.stage_file(run, *where), None) for where in points]
+    rows = [(finetune.ZERO_STAGE, *finetune.zero_shot_file(run, task), None) for task in tasks]
+    rows += [(finetune.GRID_STAGE, *finetune.stage_file(run, *where), None) for where in points]
     for stage_name, name, seed, spec in finetune.models_of(run, specs):
         key = finetune.model_key(run, spec)
         for task in tasks:

@@ -1,11 +1,15 @@
 """Every table of a run: the allocation, and report.md (the statistics across seeds come from
 compare)."""
 
+import math
+
 import numpy as np
 
 from ..files import write_text
-from . import compare, figures, verdicts
+from . import compare, figures, stats, task_train, verdicts
 from .compare import md_table, spaced
+
+TASKS = task_train.TASKS  # the fine-tuned table's columns, in Table 3's order
 
 
 def allocation_table(result: dict) -> str:
@@ -106,7 +110,7 @@ scale free, so for students trained with them kl and output_rel are the errors t
 ## Zero-shot tasks
 
 {tasks_table(students, teacher)}
-"""
+{finetune_section(results.get("finetune"))}"""
     write_text(out / "report.md", text)
     return summary
 
@@ -131,3 +135,67 @@ def closing(out, results: dict) -> str:
     ]
     rules = verdicts.verdict_lines(results) or ["no rule beside Fix in this run"]
     return "\n".join(lines + [f"  {line}" for line in rules])
+
+
+def _cell(values) -> str:
+    mean, half = stats.mean_ci(values)
+    return f"{mean:.4f}" if math.isnan(half) else f"{mean:.4f} ± {half:.4f}"
+
+
+def finetune_section(found) -> str:
+    """The fine-tuned table under its heading, where the run fine-tuned."""
+    return f"\n## Fine-tuned tasks (Table 3's shape)\n\n{finetune_table(found)}\n" if found else ""
+
+
+def finetune_table(found: dict) -> str:
+    """Table 3's shape: fine-tuned accuracy per task and the mean over the tasks run (mean ± 95%
+    t over seeds), each model's degradation from the teacher, and, for every student beside a
+    Fix of its loss and budget, the share of Fix's degradation it removes (stats.share_removed
+    on 1 − mean accuracy, seed by seed); first the teacher before fine-tuning on the same
+    evaluation examples, and on which tasks fine-tuning lifted it beyond its interval."""
+    models = found["models"]
+    tuned = [t for t in TASKS if t in task_train.trainable_tasks()]
+    means = {label: [_mean(r, tuned) for r in seeds.values()] for label, seeds in models.items()}
+    teacher = sum(means["teacher"]) / len(means["teacher"])
+    before = found["zero_shot"]
+    zero = [f"{before[t]['acc']:.4f}" if t in tuned else "—" for t in TASKS]
+    zero_mean = sum(before[t]["acc"] for t in tuned) / len(tuned)
+    rows = [["teacher, not fine-tuned", *zero, f"{zero_mean:.4f}", "", ""]]
+    for label, by_seed in models.items():
+        accs = {t: [r[t]["acc"] for r in by_seed.values()] for t in tuned}
+        cells = [_cell(accs[t]) if t in tuned else "—" for t in TASKS]
+        drop = "" if label == "teacher" else _cell([teacher - m for m in means[label]])
+        rows.append([label, *cells, _cell(means[label]), drop, _share(label, means, teacher)])
+    header = ["model", *TASKS, "mean", "teacher − model", "share of Fix's degradation removed"]
+    lrs = ", ".join(f"{t} {r['lr']:g} ({r['source']})" for t, r in found["lr"].items())
+    caption = f"Fine-tuned accuracy (acc; —: no pinned training split). Rates: {lrs}."
+    lifted = lifted_tasks(models["teacher"], before, tuned)
+    which = f": {', '.join(lifted)}" if lifted else ""
+    count = f"on {len(lifted)} of {len(tuned)} tasks{which}"
+    said = f"Fine-tuning lifted the teacher beyond its zero-shot acc (95% t over seeds) {count}."
+    return f"{caption}\n\n{md_table(header, rows)}\n\n{said}"
+
+
+def _mean(by_task: dict, tasks: list) -> float:
+    return sum(by_task[t]["acc"] for t in tasks) / len(tasks)
+
+
+def lifted_tasks(by_seed: dict, before: dict, tasks: list) -> list:
+    """The tasks whose fine-tuned accuracy's 95% t-interval over seeds lies wholly above the
+    accuracy before fine-tuning (none with one seed: no interval)."""
+    lifted = []
+    for task in tasks:
+        mean, half = stats.mean_ci([r[task]["acc"] for r in by_seed.values()])
+        if mean - half > before[task]["acc"]:  # NaN (one seed) compares False
+            lifted.append(task)
+    return lifted
+
+
+def _share(label: str, means: dict, teacher: float) -> str:
+    variant, _, rest = label.partition("/")
+    fix = f"fix/{rest}"
+    if label == "teacher" or variant == "fix" or fix not in means:
+        return ""
+    errors = [[1 - m for m in means[name]] for name in (fix, label)]
+    found, why = stats.share_removed(1 - teacher, *errors)
+    return why if found is None else f"{found[0]:.2f} ± {found[1]:.2f}"
