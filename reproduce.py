@@ -39,7 +39,7 @@ from dofmini.study import (
     runs,
     stages,
 )
-from dofmini.study.finetune import data_groups, run_all
+from dofmini.study.finetune_stages import data_groups, run_all
 from dofmini.study.runs import log
 
 # What each profile changes in RunConfig's defaults (which are the "default" profile).

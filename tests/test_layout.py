@@ -43,6 +43,7 @@ STUDY = tuple(
         "stats",
         "compare",
         "finetune",
+        "finetune_stages",
         "plan",
         "estimate",
         "verdicts",

@@ -15,7 +15,7 @@ import torch
 from ..distill import distill, train_direct
 from ..dof import degrees_of_freedom
 from ..students import make_student
-from . import data, devices, endtoend, evaluate, finetune, plan, stages, task_train
+from . import data, devices, endtoend, evaluate, finetune, finetune_stages, plan, stages, task_train
 from .keys import settings
 from .tasks import load_task
 
@@ -132,21 +132,21 @@ def probe(run, students: list) -> dict:
 
 def tuning_probe(run, found: dict) -> dict:
     """{("fine-tune", task): (faster, slower) seconds of the teacher's fine-tuning on `task` at
-    the run's sizes (finetune.settings_for)}: its steps x one optimiser step (two timed after one
-    to warm up) on PROBE_TASK's first training examples, plus each epoch's evaluation x an
-    example's scoring: the task probe's per example in `found` (the same scorer,
+    the run's sizes (finetune_stages.settings_for)}: its steps x one optimiser step (two timed
+    after one to warm up) on PROBE_TASK's first training examples, plus each epoch's evaluation
+    x an example's scoring: the task probe's per example in `found` (the same scorer,
     evaluate.score_requests, on the same split), else timed on the split's first TASK_PROBE
-    (WSC's, SuperGLUE's, is not the zero-shot WSC273)."""
+    (WSC's, SuperGLUE's, is not the zero-shot WSC273); ("zero-shot", task): one evaluation."""
     cfg = run.cfg
     model, opt = finetune.trainable(run.teacher, 0.0)  # the rate does not change a step's time
-    s = finetune.settings_for(run, PROBE_TASK, 0.0, cfg.seeds[0])
+    s = finetune_stages.settings_for(run, PROBE_TASK, 0.0, cfg.seeds[0])
     batch = task_train.load_split(PROBE_TASK, "train", cfg.data, s.batch)
     encoded = finetune.encode(run.tokenizer, batch)
     step = functools.partial(finetune.train_step, model, opt, encoded, s.part)
     step()  # the warm-up
     steps, tuning = timed(step), {}
     for task in task_train.trainable_tasks():
-        s = finetune.settings_for(run, task, 0.0, cfg.seeds[0])
+        s = finetune_stages.settings_for(run, task, 0.0, cfg.seeds[0])
         train = task_train.load_split(task, "train", cfg.data, s.train_limit)
         test = task_train.load_split(task, "eval", cfg.data, s.eval_limit)
         each = found.get(("example", task)) or scoring(run, model, test[:TASK_PROBE])
@@ -165,15 +165,16 @@ def scoring(run, model, examples: list) -> list:
 
 
 def tuning_seconds(run, name: str, unit: dict) -> float:
-    """A fine-tuning stage's seconds (finetune.models_of's names, the grid's, or the zero-shot
-    scoring's): each task's fine-tuning once a model, or once a grid point; a student's on its
-    own forward pass."""
+    """A fine-tuning stage's seconds (finetune_stages.models_of's names, the grid's, or the
+    zero-shot scoring's): each task's fine-tuning once a model, or once a grid point; a
+    student's on its own forward pass."""
     tasks = task_train.trainable_tasks()
-    if name == finetune.ZERO_STAGE:
+    if name == finetune_stages.ZERO_STAGE:
         return sum(unit[("zero-shot", t)] for t in tasks)
-    counts = {t: len(finetune.grid(run, t)) if name == finetune.GRID_STAGE else 1 for t in tasks}
+    grid = name == finetune_stages.GRID_STAGE
+    counts = {t: len(finetune_stages.grid(run, t)) if grid else 1 for t in tasks}
     seconds = sum(n * unit[("fine-tune", t)] for t, n in counts.items())
-    teacher = name.startswith(f"{finetune.PREFIX}teacher")
+    teacher = name.startswith(f"{finetune_stages.PREFIX}teacher")
     return seconds if teacher else seconds * unit["student ppl"] / unit["ppl"]
 
 
@@ -186,7 +187,7 @@ def stage_seconds(run, name: str, spec, unit: dict, fresh: dict) -> float:
     cfg, n_layer = run.cfg, run.teacher.config.n_layer
     texts = [len(run.texts[text]) // run.ctx for text in evaluate.PPL_TEXTS]
     ppl_windows = sum(min(n, cfg.eval_windows or n) for n in texts)
-    if name.startswith(finetune.PREFIX):
+    if name.startswith(finetune_stages.PREFIX):
         return tuning_seconds(run, name, unit)
     if name == "teacher evaluation":
         return ppl_windows * unit["ppl"] + unit["tasks"]
@@ -224,7 +225,7 @@ def estimate(run, todo: list) -> dict:
         return {}
     specs = plan.students(run)
     found = probe(run, [specs[name] for name in todo if name in specs])
-    if any(name.startswith(finetune.PREFIX) for name in todo):
+    if any(name.startswith(finetune_stages.PREFIX) for name in todo):
         found |= tuning_probe(run, found)
     ends = [{what: times[end] for what, times in found.items()} for end in (0, 1)]
     fresh = plan.new_units(run)

@@ -6,7 +6,7 @@ choices' summed continuation log-likelihoods, the zero-shot scorer's framing, so
 exactly what is trained. AdamW (β 0.9, 0.999, weight decay 0.01), the rate falling linearly from
 its value to 0 over all steps, no warm-up. Learning rates: a grid searched on the teacher, the
 best reused for every student (the paper's procedure), or --finetune-lr TASK=LR,... ("paper": its
-Table 8 rates for GPT-2). One stage per model x task x seed, resumable mid-epoch."""
+Table 8 rates for GPT-2); finetune_stages.py runs them. Resumable mid-epoch."""
 
 import copy
 import dataclasses
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ..checkpoint import CheckpointError
 from ..files import changed_settings
 from ..students import read_tensors, save_tensors
-from . import data, evaluate, runs, stages, task_train
+from . import evaluate, task_train
 from .progress import Progress
 
 TASKS = task_train.TASKS  # Table 3's columns
@@ -28,22 +28,6 @@ PAPER_LR = {  # Table 8, GPT-2: each task's rate chosen on the original model
     "piqa": 1e-4, "logiqa": 5e-5, "arc_easy": 1e-4, "arc_challenge": 1e-5,
     "winogrande": 5e-4, "mmlu": 1e-6, "wsc": 1e-6,
 }  # fmt: skip
-GRIDS = {  # the paper's grids, by teacher family
-    "gpt2": (1e-6, 5e-6, 1e-5, 5e-5, 1e-4, 5e-4),
-    "neox": (1e-7, 5e-7, 1e-6, 5e-6, 1e-5, 5e-5),
-}
-PAPER_BATCH = {"gpt2": 128, "neox": 64}  # the paper's first sizes; see README "Fine-tuning"
-# per reproduce.py profile: training examples per task (None: all), epochs, examples a step
-PROFILES = {
-    "quick": dict(train_limit=8, epochs=1, batch=4),
-    "default": dict(train_limit=64, epochs=3, batch=16),  # the stand-in's in about an hour
-    "study": dict(train_limit=256, epochs=3, batch=16),
-    "paper": dict(train_limit=None, epochs=3, batch=None),
-}
-LAST_EPOCH = ("mmlu",)  # one epoch, its accuracy reported
-PREFIX = "fine-tuning "  # of each fine-tuning stage's name in the plan
-GRID_STAGE = f"{PREFIX}teacher: grid"  # every grid point of every task, one stage
-ZERO_STAGE = f"{PREFIX}teacher: zero-shot"  # the teacher on each evaluation split, before
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,139 +216,3 @@ def _restore(path: Path, keep: dict, params: dict, opt, state: dict, log):
     opt.load_state_dict(adam)
     state.update({k: meta[k] for k in state})
     log(f"resuming from {path} at step {state['step']}")
-
-
-def data_groups() -> list:
-    """The data groups fine-tuning reads (downloaded only when a run fine-tunes)."""
-    return [g for task in task_train.trainable_tasks() for g in task_train.groups(task)]
-
-
-def settings_for(run, task: str, lr: float, seed: int) -> Settings:
-    """The run's profile's sizes (PROFILES), MMLU's one epoch, --limit evaluation examples."""
-    sizes = dict(PROFILES[run.cfg.profile])
-    batch = sizes.pop("batch") or PAPER_BATCH[run.teacher.config.family]
-    epochs = 1 if task in LAST_EPOCH else sizes.pop("epochs")
-    limits = dict(train_limit=sizes["train_limit"], eval_limit=run.cfg.limit)
-    return Settings(lr, epochs, batch, max(1, batch // 4), seed, **limits)
-
-
-def stage_file(run, name: str, model_key, task: str, lr: float, seed: int) -> tuple:
-    """(file, key) of one model's fine-tuning on one task, saved under finetune/ with everything
-    it depends on: the model's own key, the task's data files, the settings, the tokenizer and
-    the device."""
-    s = settings_for(run, task, lr, seed)
-    key = dict(model=model_key, task=task, settings=s.record(), **inputs_of(run, task))
-    path = run.cfg.out / "finetune" / f"{name.replace('/', '-')}-{task}-lr{lr:g}-s{seed}.json"
-    return path, key
-
-
-def inputs_of(run, task: str) -> dict:
-    """What every fine-tuning stage on `task` reads: its data files, the tokenizer, the device."""
-    files = {f.path: run.inputs[f.path] for g in task_train.groups(task) for f in data.files(g)}
-    return dict(data=files, tokenizer=run.inputs["tokenizer"], device=run.inputs["device"])
-
-
-def zero_shot_file(run, task: str) -> tuple:
-    """(file, key) of the teacher's accuracy on `task`'s fine-tuning evaluation split before any
-    fine-tuning: what a fine-tuned teacher is read against (the same examples and scorer; WSC's
-    split is SuperGLUE's, not the zero-shot table's WSC273)."""
-    limit = run.cfg.limit
-    key = dict(model=run.inputs["teacher"], task=task, eval_limit=limit, **inputs_of(run, task))
-    return run.cfg.out / "finetune" / f"teacher-{task}-zero-shot.json", key
-
-
-def zero_shot(run, task: str) -> dict:
-    """{"acc", "n"} of the teacher on `task`'s evaluation split, in its zero_shot_file."""
-
-    def compute():
-        test = task_train.load_split(task, "eval", run.cfg.data, run.cfg.limit)
-        encoded = encode(run.tokenizer, test)
-        with torch.no_grad():
-            return dict(acc=accuracy(run.teacher, encoded), n=len(encoded))
-
-    return runs.stage(*zero_shot_file(run, task), compute)
-
-
-def stage(run, model, name: str, model_key, task: str, lr: float, seed: int) -> dict:
-    """One model's fine-tuning on one task, in its stage_file."""
-    s, cfg = settings_for(run, task, lr, seed), run.cfg
-    path, key = stage_file(run, name, model_key, task, lr, seed)
-
-    def compute():
-        train = task_train.load_split(task, "train", cfg.data, s.train_limit)
-        test = task_train.load_split(task, "eval", cfg.data, s.eval_limit)
-        runs.log(f"fine-tuning {name} on {task}: {len(train)} examples, lr {lr:g}, seed {seed}")
-        encoded = [encode(run.tokenizer, examples) for examples in (train, test)]
-        what = f"fine-tuning {name} on {task}"
-        return fine_tune(model, *encoded, s, Path(f"{path}.progress"), runs.log, what=what)
-
-    return runs.stage(path, key, compute)
-
-
-def grid(run, task: str) -> list:
-    """stage_file's (name, model key, task, lr, seed) of each of the teacher's grid points on
-    `task` (first seed); none where --finetune-lr gives its rate."""
-    if task in dict(run.cfg.finetune_lr):
-        return []
-    lrs, seed = GRIDS[run.teacher.config.family], run.cfg.seeds[0]
-    return [("teacher", run.inputs["teacher"], task, lr, seed) for lr in lrs]
-
-
-def learning_rates(run, saved_only: bool = False) -> dict:
-    """{task: {"lr", "source", "grid"}}: --finetune-lr's rate, else the grid's best on the
-    teacher (first seed; the smaller rate on a tie), each grid point's accuracy recorded. With
-    `saved_only`, from the saved grid points without fine-tuning, a task None while one is
-    missing."""
-    chosen = {}
-    for task in task_train.trainable_tasks():
-        points = grid(run, task)
-        if not points:
-            given = dict(run.cfg.finetune_lr)[task]
-            chosen[task] = dict(lr=given, source="--finetune-lr", grid=None)
-            continue
-        if saved_only:
-            found = {where[3]: runs.saved(*stage_file(run, *where)) for where in points}
-        else:
-            run.clock.begin(GRID_STAGE)
-            found = {where[3]: stage(run, run.teacher, *where) for where in points}
-        if None in found.values():
-            chosen[task] = None
-            continue
-        best = max(found, key=lambda lr: found[lr]["acc"])
-        recorded = {f"{lr:g}": result["acc"] for lr, result in found.items()}
-        chosen[task] = dict(lr=best, source="grid on the teacher", grid=recorded)
-    return chosen
-
-
-def models_of(run, specs) -> list:
-    """(plan stage name, stage_file's name, seed, stages.Student or None: the teacher) of each
-    model fine-tuned after the grid, in run order: the teacher at each seed, then each student."""
-    teacher = [(f"{PREFIX}teacher/s{seed}", "teacher", seed, None) for seed in run.cfg.seeds]
-    return teacher + [(PREFIX + spec.name, spec.name, spec.seed, spec) for spec in specs]
-
-
-def model_key(run, spec):
-    """The key of the model fine-tuned: the teacher's (spec None), a student's; None while the
-    student's dims are unknown."""
-    if spec is None:
-        return run.inputs["teacher"]
-    return stages.train_key(run, spec) if spec.dims else None
-
-
-def run_all(run, specs) -> dict:
-    """Every model fine-tuned on every task with a training split, at every seed: the teacher
-    once per seed, each student (stages.Student) at its own seed, after the teacher's zero-shot
-    accuracy on each evaluation split. {"lr": learning_rates, "models": {label: {seed: {task:
-    fine_tune's record}}}, "zero_shot": {task: zero_shot's}}, a student's label its name less
-    seed."""
-    tasks = task_train.trainable_tasks()
-    run.clock.begin(ZERO_STAGE)
-    before = {task: zero_shot(run, task) for task in tasks}
-    rates, models = learning_rates(run), {}
-    for stage_name, name, seed, spec in models_of(run, specs):
-        model = run.teacher if spec is None else stages.train_student(run, spec)[0]
-        key = model_key(run, spec)
-        run.clock.begin(stage_name)
-        by_task = {t: stage(run, model, name, key, t, rates[t]["lr"], seed) for t in tasks}
-        models.setdefault(name.rsplit("/s", 1)[0], {})[str(seed)] = by_task
-    return dict(lr=rates, models=models, zero_shot=before)

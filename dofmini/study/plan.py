@@ -1,12 +1,12 @@
 """A run's stages in run order, each with the files its results are saved in and their keys: what
-reproduce.py's plan marks done (every file saved with its key), the stages its progress lines count,
-and what the estimate costs. It comes after endtoend.py, whose files a student's stage includes, and
-finetune.py, whose stages follow the students' when the run fine-tunes. A student's key needs its
-dims: DoF's come from the saved allocation, an oracle's from the saved error curves (and swap
-curves); until those are saved its key is None. A row's validator checks a saved result's shape
-(runs.saved)."""
+reproduce.py's plan marks done (every file saved with its key), the stages its progress lines
+count, and what the estimate costs. It comes after endtoend.py, whose files a student's stage
+includes, and finetune_stages.py, whose stages follow the students' when the run fine-tunes. A
+student's key needs its dims: DoF's come from the saved allocation, an oracle's from the saved
+error curves (and swap curves); until those are saved its key is None. A row's validator checks
+a saved result's shape (runs.saved)."""
 
-from . import bank, endtoend, finetune, runs, stages, task_train
+from . import bank, endtoend, finetune_stages, runs, stages, task_train
 from .endtoend import SWAP_STAGE
 from .keys import Student, stage_files, student_file
 from .oracle import curves_record
@@ -31,22 +31,24 @@ def stages_of(run) -> list:
 
 
 def finetune_rows(run, specs: list) -> list:
-    """The rows of every fine-tuning (finetune.run_all's stages, `specs` the students it tunes),
+    """The rows of every fine-tuning (finetune_stages.run_all's, `specs` the students it tunes),
     in its order: the teacher's zero-shot accuracy on each task's evaluation split (one stage,
-    finetune.ZERO_STAGE), each grid point as one stage (finetune.GRID_STAGE), then each model at
-    each seed, a row a task; file and key None while unknown: a task's rate until its grid points
-    are all saved, a student's key until its dims are known."""
-    tasks, rates = task_train.trainable_tasks(), finetune.learning_rates(run, saved_only=True)
-    points = [where for task in tasks for where in finetune.grid(run, task)]
-    rows = [(finetune.ZERO_STAGE, *finetune.zero_shot_file(run, task), None) for task in tasks]
-    rows += [(finetune.GRID_STAGE, *finetune.stage_file(run, *where), None) for where in points]
-    for stage_name, name, seed, spec in finetune.models_of(run, specs):
-        key = finetune.model_key(run, spec)
+    ZERO_STAGE), each grid point as one stage (GRID_STAGE), then each model at each seed, a row a
+    task; file and key None while unknown: a task's rate until its grid points are all saved, a
+    student's key until its dims are known."""
+    tuning = finetune_stages
+    tasks = task_train.trainable_tasks()
+    rates = tuning.learning_rates(run, saved_only=True)
+    points = [where for task in tasks for where in tuning.grid(run, task)]
+    rows = [(tuning.ZERO_STAGE, *tuning.zero_shot_file(run, task), None) for task in tasks]
+    rows += [(tuning.GRID_STAGE, *tuning.stage_file(run, *where), None) for where in points]
+    for stage_name, name, seed, spec in tuning.models_of(run, specs):
+        key = tuning.model_key(run, spec)
         for task in tasks:
             if key is None or rates[task] is None:
                 rows.append((stage_name, None, None, None))
                 continue
-            saved = finetune.stage_file(run, name, key, task, rates[task]["lr"], seed)
+            saved = tuning.stage_file(run, name, key, task, rates[task]["lr"], seed)
             rows.append((stage_name, *saved, None))
     return rows
 
