@@ -48,8 +48,7 @@ def causal_linear_attention(
         state.c = carried[1] if log_space else None
         state.n += T
     if normalize:  # only the denominator is clamped, only against 0/0
-        dv = v.shape[-1]
-        num, den = y.split_with_sizes([dv, 1], -1)  # one split, one backward
+        num, den = y.split_with_sizes([v.shape[-1], 1], -1)  # one split, one backward
         y = num * den.clamp_min(torch.finfo(f).tiny).reciprocal()
     return y.to(v.dtype)
 

@@ -51,7 +51,8 @@ def log_chunks(q, k, v, S, c):
     kv = (keys.mT @ v).mul_(over_next)  # 1. over the next start
     rise = (top - start).amax(-1)  # [B, H, N, 1]
     risen = (rise > RISE).flatten().nonzero()[:, 0]  # [n] chunks capped
-    kv.flatten(0, 2)[risen] = _exact_kv(risen, k, v, ends)
+    if len(risen):  # an empty write: ~8% more backward
+        kv.flatten(0, 2)[risen] = _exact_kv(risen, k, v, ends)
     held = S * torch.exp(c - start[:, :, 0].mT)  # over the first start
     before, S = chunk_states(held, kv, -ends.mT)  # 2.
     a = torch.softmax(q + start, -1)  # 3. against start (its scale cancels)
