@@ -179,8 +179,8 @@ def bad_calls():
         (lambda m: TrainSettings(lr_a=-1.0), r"TrainSettings: lr_a=-1.0; expected a positive"),
         (lambda m: layer_errors(m, m, ids, 16, 2, chunk=2.5), r"layer_errors: chunk=2.5"),
         (lambda m: allocate([1.0, 2.0], float("nan")), r"allocate: budget=nan; expected an int"),
-        (lambda m: allocate([[], []], 8), r"allocate: need positive finite layer_dof"),
-        (lambda m: allocate([], 8), r"allocate: need positive finite layer_dof"),
+        (lambda m: allocate([[], []], 8), r"allocate: layer_dof \[\[\], \[\]\]; expected positive"),
+        (lambda m: allocate([], 8), r"allocate: layer_dof \[\]; expected positive finite \[L\]"),
     ]
 
 
