@@ -59,6 +59,12 @@ def inputs_of(run, task: str) -> dict:
     return dict(data=files, tokenizer=run.inputs["tokenizer"], device=run.inputs["device"])
 
 
+def encoded_split(run, task: str, split: str, limit) -> list:
+    """The first `limit` examples of `task`'s "train" or "eval" split, encoded as scored."""
+    examples = task_train.load_split(task, split, run.cfg.data, limit)
+    return encode(run.tokenizer, examples)
+
+
 def zero_shot_file(run, task: str) -> tuple:
     """(file, key) of the teacher's accuracy on `task`'s fine-tuning evaluation split before any
     fine-tuning: what a fine-tuned teacher is read against (the same examples and scorer; WSC's
@@ -72,8 +78,7 @@ def zero_shot(run, task: str) -> dict:
     """{"acc", "n"} of the teacher on `task`'s evaluation split, in its zero_shot_file."""
 
     def compute():
-        test = task_train.load_split(task, "eval", run.cfg.data, run.cfg.limit)
-        encoded = encode(run.tokenizer, test)
+        encoded = encoded_split(run, task, "eval", run.cfg.limit)
         with torch.no_grad():
             return dict(acc=accuracy(run.teacher, encoded), n=len(encoded))
 
@@ -82,16 +87,15 @@ def zero_shot(run, task: str) -> dict:
 
 def stage(run, model, name: str, model_key, task: str, lr: float, seed: int) -> dict:
     """One model's fine-tuning on one task, in its stage_file."""
-    s, cfg = settings_for(run, task, lr, seed), run.cfg
+    s = settings_for(run, task, lr, seed)
     path, key = stage_file(run, name, model_key, task, lr, seed)
 
     def compute():
-        train = task_train.load_split(task, "train", cfg.data, s.train_limit)
-        test = task_train.load_split(task, "eval", cfg.data, s.eval_limit)
+        train = encoded_split(run, task, "train", s.train_limit)
+        test = encoded_split(run, task, "eval", s.eval_limit)
         runs.log(f"fine-tuning {name} on {task}: {len(train)} examples, lr {lr:g}, seed {seed}")
-        encoded = [encode(run.tokenizer, examples) for examples in (train, test)]
         what = f"fine-tuning {name} on {task}"
-        return fine_tune(model, *encoded, s, Path(f"{path}.progress"), runs.log, what=what)
+        return fine_tune(model, train, test, s, Path(f"{path}.progress"), runs.log, what=what)
 
     return runs.stage(path, key, compute)
 

@@ -159,7 +159,7 @@ def finetune_table(found: dict) -> str:
     teacher = sum(means["teacher"]) / len(means["teacher"])
     before = found["zero_shot"]
     zero = [f"{before[t]['acc']:.4f}" if t in tuned else "—" for t in TASKS]
-    zero_mean = sum(before[t]["acc"] for t in tuned) / len(tuned)
+    zero_mean = _mean(before, tuned)
     rows = [["teacher, not fine-tuned", *zero, f"{zero_mean:.4f}", "", ""]]
     for label, by_seed in models.items():
         accs = {t: [r[t]["acc"] for r in by_seed.values()] for t in tuned}
