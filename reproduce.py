@@ -138,7 +138,8 @@ def _main(cfg: RunConfig):
     teacher = stages.evaluate_teacher(run)
     allocation = stages.estimate_allocation(run)
     report.write_allocation(cfg.out, allocation, log)
-    curves = stages.error_curves(run) if set(stages.ORACLES) & set(cfg.variants) else None
+    oracles = set(stages.ORACLES) & set(cfg.variants)
+    curves = stages.error_curves(run, allocation) if oracles else None
     students, curves = endtoend.evaluate_students(run, allocation, curves)
     results = collect(run, teacher, allocation, curves, students)
     if cfg.finetune:

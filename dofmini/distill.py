@@ -1,6 +1,6 @@
 """Layerwise distillation of PRF features (paper §4), the direct baseline, and their training loop.
 Each layer's features learn from the frozen teacher's q, k of that layer alone: distill trains a
-whole student in one pass, distill_layers any of its layers (the same tensors, bit for bit)."""
+whole student in one pass, distill_layers any (layer, M) pairs (the same tensors, bit for bit)."""
 
 import dataclasses
 import math
@@ -150,10 +150,10 @@ def adam(params: dict, s: TrainSettings) -> torch.optim.Adam:
 
 def fit(model, params, backward, tokens, what, s, share=None, log=print, resume=None, on_step=None):
     """The loop: draw a batch of windows of `model`'s token ids (s.data_seed), back-propagate it
-    (backward(ids) on the whole batch, or by parts the step share(backward, params, s.part) makes,
-    e.g. study.devices.shared's; a non-finite loss stops training), Adam steps `params`, logs the
-    mean loss. resume(state) may restore a saved TrainState first; on_step(state) sees it after each
-    step, before the log. Returns {"train_seconds" (all runs), "loss_curve", "layer_curves"}."""
+    (backward(ids) on the whole batch, or by parts share(backward, params, s.part) makes, e.g.
+    devices.shared's; an inf or NaN loss stops it), Adam steps `params`, logs each loss (past 8:
+    mean, range). resume(state) may restore a saved TrainState first; on_step(state) sees it after
+    each step, before the log. Returns {"train_seconds" (all runs), "loss_curve", "layer_curves"}"""
     n_ctx = model.config.n_ctx
     if s.ctx > n_ctx:
         raise ValueError(f"{what}: need ctx <= {n_ctx}; got ctx={s.ctx}")
@@ -187,14 +187,16 @@ def fit(model, params, backward, tokens, what, s, share=None, log=print, resume=
         report = done % every == 0 or done == s.steps
         if report:
             mean = [sum(col) / len(col) for col in zip(*window)]  # per layer
-            state.curve.append([done, sum(mean) / len(mean), mean])
+            overall = sum(mean) / len(mean)
+            state.curve.append([done, overall, mean])
             window = []
         if on_step:
             on_step(state)
         if report:
             elapsed = state.seconds - before
             left = elapsed / (done - start) * (s.steps - done)
-            text = " ".join(f"{x:.4g}" for x in mean)
+            many = f"{overall:.4g} (mean of {len(mean)}: {min(mean):.4g}-{max(mean):.4g})"
+            text = " ".join(f"{x:.4g}" for x in mean) if len(mean) <= 8 else many
             log(f"{what} {done}/{s.steps}: loss {text} ({elapsed:.0f}s, ~{left:.0f}s left)")
     curve = [[step, mean] for step, mean, _ in state.curve]
     layers = [[step, means] for step, _, means in state.curve]
@@ -207,43 +209,41 @@ def distill(teacher, dims, token_ids, settings=TrainSettings(), *, loss="softmax
     teacher pass; the rest of `loop`: fit's keywords (share, log, resume, on_step)."""
     seed = loop.get("feature_seed", 0)
     student = make_student(teacher, "prf", dims, seed)  # bad dims refused before training
-    layers = dict(enumerate(dims))
-    trained, record = distill_layers(teacher, layers, token_ids, settings, loss=loss, **loop)
-    for i, features in trained.items():
+    pairs = list(enumerate(dims))
+    trained, record = distill_layers(teacher, pairs, token_ids, settings, loss=loss, **loop)
+    for (i, _), features in trained.items():
         student.blocks[i].attn.features.load_state_dict(features.state_dict())
     record.pop("layer_curves")
     return student, record
 
 
-def distill_layers(teacher, dims: dict, token_ids, settings, *, loss, **loop):
-    """({layer: its PRF features}, their record) for dims {layer: M}: the tensors distill gives
-    each of these layers in any student (seed feature_seed + layer, the same windows, Adam per
-    tensor, each layer's `loss` on its own q, k alone), all from one teacher pass run up to the
-    last of them; params named as in a student, blocks.{layer}.attn.features.{z, a}."""
+def distill_layers(teacher, pairs: list, token_ids, settings, *, loss, **loop):
+    """({(layer, M): its PRF features}, their record) for (layer, M) `pairs`: the tensors distill
+    gives layer `layer` with M features in any student (seed feature_seed + layer, the same
+    windows, Adam per tensor, each pair's `loss` on its layer's q, k alone), all from one teacher
+    pass run up to the deepest."""
     n_layer = teacher.config.n_layer
-    for layer in dims:
+    for layer, _ in pairs:
         if not 0 <= layer < n_layer:
             raise ValueError(f"distill_layers: layer {layer}; the teacher has 0..{n_layer - 1}")
     need_one_of("layerwise distillation", TERMS, loss=loss)
     seed = loop.pop("feature_seed", 0)
-    attention = {i: teacher.blocks[i].attn for i in dims}
-    layers = {i: LinearAttention(attention[i], m, seed + i).features for i, m in dims.items()}
-    params = {}
-    for i, features in layers.items():
-        named = features.named_parameters()
-        params |= {f"blocks.{i}.attn.features.{n}": p for n, p in named}
+    make = lambda i, m: LinearAttention(teacher.blocks[i].attn, m, seed + i).features
+    layers = {(i, m): make(i, m) for i, m in pairs}
+    named = torch.nn.ModuleDict({f"layer{i}_m{m}": f for (i, m), f in layers.items()})
+    params = dict(named.named_parameters())  # layer{i}_m{M}.{z, a}
     dtype = DTYPES[settings.dtype]
 
     def backward(ids):
-        captured = teacher.capture(ids, upto=max(layers) + 1)
+        captured = teacher.capture(ids, upto=max(i for i, _ in layers) + 1)
         losses = []
-        for index, features in layers.items():
+        for (index, _), features in layers.items():
             q, k = (t.to(dtype) for t in captured[index][:2])  # [B, H, T, d] each
             means = layer_backward(features, q, k, TERMS[loss], settings.chunk)  # [H]
             losses.append(means.mean())
         return torch.stack(losses).tolist()  # one read from the device per step
 
-    what = f"{loss}, layers {list(dims)}"
+    what = f"{loss}, {len(layers)} (layer, M)"
     return layers, fit(teacher, params, backward, token_ids, what, settings, **loop)
 
 

@@ -22,7 +22,7 @@ from dofmini.distill import (
 )
 from dofmini.files import changed_settings
 from dofmini.linear_attention import PRFFeatures, causal_linear_attention
-from dofmini.students import make_student
+from dofmini.students import make_student, read_tensors
 from dofmini.study import bank, devices, stages
 from dofmini.study.evaluate import layer_errors, layer_pass, perplexity
 from dofmini.study.keys import Clock, Student
@@ -247,15 +247,22 @@ def test_layers_trained_alone_assemble_the_jointly_trained_student_bit_for_bit(t
     settings = S(steps=2, batch=2, ctx=16, data_seed=3, log_every=1)
     joint, record = distill(tiny, [3, 5], tiny_ids, settings, feature_seed=3, log=quiet)
     curves = []
+    options = dict(loss="softmax", feature_seed=3, log=quiet)
     for layer, m in enumerate([3, 5]):
-        options = dict(loss="softmax", feature_seed=3, log=quiet)
-        trained, info = distill_layers(tiny, {layer: m}, tiny_ids, settings, **options)
-        alone = trained[layer]
+        trained, info = distill_layers(tiny, [(layer, m)], tiny_ids, settings, **options)
+        alone = trained[layer, m]
         mine = joint.blocks[layer].attn.features
         assert torch.equal(alone.z, mine.z) and torch.equal(alone.a, mine.a)
         curves.append(info["loss_curve"])
     mean = [[a[0], (a[1] + b[1]) / 2] for a, b in zip(*curves)]
     assert mean == record["loss_curve"]  # the logged mean too, to the bit
+    # a bank's pass: one layer at two feature counts beside another, each the tensor it is alone
+    pairs = [(0, 7), (1, 5), (0, 3)]
+    banked, info = distill_layers(tiny, pairs, tiny_ids, settings, **options)
+    for layer, m in [(0, 3), (1, 5)]:
+        mine = joint.blocks[layer].attn.features
+        assert torch.equal(banked[layer, m].z, mine.z) and torch.equal(banked[layer, m].a, mine.a)
+    assert [len(means) for _, means in info["layer_curves"]] == [3, 3]
 
 
 @pytest.mark.parametrize("loss", ["softmax", "l2"])
@@ -276,12 +283,17 @@ def test_losses_stay_finite_for_queries_and_keys_scaled_100_times(tiny, tiny_ids
     assert all(math.isfinite(x) for name in ("kl", "kernel_l2") for x in errors[name])
 
 
-def test_a_second_rule_trains_only_the_units_no_earlier_student_had(tiny, tiny_ids, tmp_path):
+def bank_run(tiny, tiny_ids, out):
+    """A run of the tiny model whose students train 2 steps of 2 windows of 16 tokens into out."""
     cfg = SimpleNamespace(
-        out=tmp_path, steps=2, batch=2, lr=0.02, lr_a=0.2, train_chars=None, per_device=1
+        out=out, steps=2, batch=2, lr=0.02, lr_a=0.2, train_chars=None, per_device=1
     )
     inputs = {"teacher": tiny.identity, "tokenizer": "t", "device": "cpu/float32"}
-    run = stages.Run(cfg, tiny, None, 16, 0.0625, (4,), inputs, texts={"train": tiny_ids})
+    return stages.Run(cfg, tiny, None, 16, 0.0625, (4,), inputs, texts={"train": tiny_ids})
+
+
+def test_a_second_rule_trains_only_the_units_no_earlier_student_had(tiny, tiny_ids, tmp_path):
+    run = bank_run(tiny, tiny_ids, tmp_path)
     first = Student("fix", "softmax", 4, 0, (3, 5))
     second = Student("dof", "softmax", 4, 0, (3, 7))  # layer 0 as the first's
     units = ["softmax/l0/m3/s0", "softmax/l1/m5/s0", "softmax/l1/m7/s0"]
@@ -301,3 +313,29 @@ def test_a_second_rule_trains_only_the_units_no_earlier_student_had(tiny, tiny_i
     assert tensors_hash(assembled) == tensors_hash(joint) and info == {**record, **info}
     assert info["loss_curve"] == record["loss_curve"]
     assert [u["done"] for u in bank.plan(run, [first, second])] == [True, False, True]
+
+
+def test_the_first_student_to_train_trains_its_seeds_known_units_in_one_pass(
+    tiny, tiny_ids, tmp_path
+):
+    """Its batch: the units of every student of its loss and seed whose dims are known; the
+    next student's units are then all trained, and it is the student trained alone."""
+    run = bank_run(tiny, tiny_ids, tmp_path)
+    first = Student("fix", "softmax", 4, 0, (3, 5))
+    second = Student("dof", "softmax", 4, 0, (3, 7))
+    other_seed = Student("fix", "softmax", 4, 1, (3, 5))
+    unknown = Student("oracle", "softmax", 4, 0, None)  # dims from curves not yet made
+    together = [first, second, other_seed, unknown]
+    batch = [u.name for u in bank.batch(first, together)]
+    assert batch == ["softmax/l0/m3/s0", "softmax/l1/m5/s0", "softmax/l1/m7/s0"]
+    run.clock = Clock([first.name, second.name])
+    stages.train_student(run, first, together)
+    assert all(u["done"] for u in bank.plan(run, [first, second]))
+    records = [read_tensors(u.path(tmp_path))[1] for u in bank.batch(first, together)]
+    assert len({r["info"]["train_seconds"] for r in records}) == 1  # equal shares of one pass
+    assert not any(u["done"] for u in bank.plan(run, [other_seed]))
+    assembled, info = stages.train_student(run, second, together)  # nothing left to train
+    settings = stages.settings(run, 0)
+    joint, record = distill(tiny, (3, 7), tiny_ids, settings, share=devices.shared, log=quiet)
+    assert tensors_hash(assembled) == tensors_hash(joint)
+    assert info["loss_curve"] == record["loss_curve"]

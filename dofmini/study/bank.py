@@ -74,10 +74,10 @@ def train_units(run: Run, units: list, log=log) -> list:
     if not todo:
         return todo
     loss, seed = todo[0].loss, todo[0].seed
-    dims = {unit.layer: unit.n_features for unit in todo}
+    pairs = [(unit.layer, unit.n_features) for unit in todo]
     train, tokens = settings(run, seed), run.texts["train"]
     common = dict(loss=loss, feature_seed=seed, share=devices.shared)
-    fitting = functools.partial(distill_layers, run.teacher, dims, tokens, train, **common)
+    fitting = functools.partial(distill_layers, run.teacher, pairs, tokens, train, **common)
     keys = {unit.name: unit_key(run, unit) for unit in todo}
     group = run.cfg.out / "units" / f"training-{loss}-s{seed}-{digest(keys)}.safetensors"
     record = {"loss": loss, "units": list(keys), "key": keys}
@@ -95,23 +95,34 @@ def save_units(run: Run, units: list, layers: dict, _, record: dict):
     info = record["info"]
     share = info["train_seconds"] / len(units)
     for unit in units:
-        column = list(layers).index(unit.layer)
+        pair = (unit.layer, unit.n_features)
+        column = list(layers).index(pair)
         curve = [[step, means[column]] for step, means in info["layer_curves"]]
         tensors = {
-            f"blocks.{unit.layer}.attn.features.{n}": p
-            for n, p in layers[unit.layer].named_parameters()
+            f"blocks.{unit.layer}.attn.features.{n}": p for n, p in layers[pair].named_parameters()
         }
         meta = {"loss": unit.loss, "layer": unit.layer, "key": unit_key(run, unit)}
         unit_info = {"train_seconds": share, "loss_curve": curve}
         save_tensors(tensors, unit.path(run.cfg.out), {**meta, "info": unit_info})
 
 
-def assemble(run: Run, spec: Student, path: Path, record: dict) -> dict:
-    """A layerwise student saved at `path` with `record`, from its units (those no earlier
-    student had trained first, together). Its info: the units' summed seconds and their mean
-    loss curve, step by step (the number a joint training logs, to the bit)."""
+def batch(spec: Student, together: list) -> list:
+    """The units that train in one pass when `spec` is assembled first: its own, then those of
+    the students `together` (the run's others, dims known) of its loss and seed, each once."""
+    mates = [s for s in together if s.dims and (s.loss, s.seed) == (spec.loss, spec.seed)]
+    return list(dict.fromkeys(u for s in [spec, *mates] for u in units_of(s)))
+
+
+def assemble(run: Run, spec: Student, path: Path, record: dict, together=()) -> dict:
+    """A layerwise student saved at `path` with `record`, from its units. If some are not trained
+    yet, they train in one pass with every untrained unit of batch(spec, together): the teacher's
+    pass, a step's fixed cost, then serves them all. Its info: the units' summed seconds and
+    their mean loss curve, step by step (the number a joint training logs, to the bit)."""
     units = units_of(spec)
-    train_units(run, units)
+    done = lambda u: trained(u.path(run.cfg.out), unit_key(run, u), own=False)
+    first = not all(map(done, units))  # the first of its batch to train
+    mates = [u for u in batch(spec, together) if first and u not in units and not done(u)]
+    train_units(run, units + mates)
     devices.barrier()  # the writer has saved them
     student = make_student(run.teacher, "prf", spec.dims, spec.seed)
     seconds, curves = 0.0, []

@@ -108,9 +108,9 @@ def student_kl(run, spec, swap: bool = False):
     return runs.stage(path, key, compute, valid=valid)
 
 
-def evaluate(run, spec) -> dict:
-    """stages.train_and_evaluate, with the student's end-to-end KL."""
-    result = stages.train_and_evaluate(run, spec)
+def evaluate(run, spec, together=()) -> dict:
+    """stages.train_and_evaluate (`together` its), with the student's end-to-end KL."""
+    result = stages.train_and_evaluate(run, spec, together)
     found = student_kl(run, spec)
     result.update(e2e_kl=found["e2e_kl"], e2e_kl_windows=found["windows"])
     runs.log(f"{spec.name}: end-to-end KL {found['e2e_kl']:.4g}")
@@ -148,5 +148,5 @@ def evaluate_students(run, allocation: dict, curves) -> tuple:
     # one variant's seeds and budgets together, so a run cut short leaves whole variants
     order = {v: i for i, v in enumerate(dict.fromkeys(spec.variant for spec in rest))}
     rest.sort(key=lambda spec: (spec.variant != "oracle_e2e", order[spec.variant]))
-    results.update({spec.name: evaluate(run, spec) for spec in rest})
+    results.update({spec.name: evaluate(run, spec, rest) for spec in rest})
     return results, curves

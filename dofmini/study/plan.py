@@ -82,7 +82,8 @@ def saved_curves(run, curve_specs: list, curve_rows: list):
 def new_units(run) -> dict:
     """{layerwise student's name: (the units it trains first, the layers the teacher runs for
     them), or None while its dims are unknown}: a unit an earlier student trains, or one already
-    saved, costs nothing (bank.plan), and a student with none to train maps to (0, 0)."""
+    saved, costs nothing (bank.plan), and a student with none to train maps to (0, 0); the first
+    of a loss and seed with one to train trains every known one of that loss and seed."""
     curve_specs, _, later, _ = _students(run)
     specs = [s for s in curve_specs + later if s.loss in stages.LAYERWISE]
     saved = {row["unit"] for row in bank.plan(run, [s for s in specs if s.dims]) if row["done"]}
@@ -92,6 +93,8 @@ def new_units(run) -> dict:
             found[spec.name] = None
             continue
         units = [unit for unit in bank.units_of(spec) if unit.name not in seen]
+        if units:  # the first of its batch to train trains the batch (bank.assemble)
+            units = [unit for unit in bank.batch(spec, specs) if unit.name not in seen]
         seen.update(unit.name for unit in units)
         deepest = max((unit.layer + 1 for unit in units), default=0)
         found[spec.name] = (len(units), deepest)

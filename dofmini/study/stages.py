@@ -159,11 +159,12 @@ def saturation_warning(per_head, J):
     )
 
 
-def train_student(run: Run, spec: Student):
+def train_student(run: Run, spec: Student, together=()):
     """Train one student (draw it, for the Performer) into its file, or load it if finished with
     this key, or copy a finished twin: another PRF variant trained with exactly this key (the
     oracle often allocates Fix's dims). A layerwise one is assembled from the bank's units
-    (bank.assemble); an interrupted training resumes from its progress file."""
+    (bank.assemble; `together`: the run's students whose units may train in the same pass); an
+    interrupted training resumes from its progress file."""
     run.clock.begin(spec.name)
     key, path, out = train_key(run, spec), spec.path(run.cfg.out), run.cfg.out
     others = TRAINED_PRF if spec.variant in TRAINED_PRF else ()
@@ -179,7 +180,7 @@ def train_student(run: Run, spec: Student):
         log(f"{spec.name}: the same training as {twins[0].name} (same dims, loss and seed): copied")
     elif spec.loss in LAYERWISE:
         log(f"{spec.name}: dims {list(spec.dims)}, from units")
-        bank.assemble(run, spec, path, record)
+        bank.assemble(run, spec, path, record, together)
     else:
         log(f"{spec.name}: dims {list(spec.dims)}")
         train, tokens = settings(run, spec.seed), run.texts["train"]
@@ -208,13 +209,15 @@ def curve_specs(run: Run) -> list:
     return [Student("fix", "softmax", m, s, (m,) * n_layer) for s, m in grid]
 
 
-def error_curves(run: Run) -> dict:
-    """Every layer's held-out KL at each of curve_dims features (Fix students: one distillation
-    per M trains all layers at once), on the held-out windows after the reported errors' ones."""
+def error_curves(run: Run, allocation: dict) -> dict:
+    """Every layer's held-out KL at each of curve_dims features (Fix students, assembled from
+    units that train together with those of every student of known dims), on the held-out
+    windows after the reported errors' ones."""
     cfg = run.cfg
     errors, curve_only_seconds, windows = {}, 0.0, (cfg.curve_windows, cfg.error_windows)
+    together = curve_specs(run) + specs(run, allocation, None)
     for spec in curve_specs(run):
-        student, info = train_student(run, spec)
+        student, info = train_student(run, spec, together)
         compute = functools.partial(layer_errors, run, student, *windows)
         found = run.stage(spec.name, *student_file(run, spec, curve=True), compute)
         errors.setdefault(str(spec.seed), []).append(found)
@@ -232,9 +235,10 @@ def specs(run: Run, allocation: dict, curves) -> list:
     ]
 
 
-def train_and_evaluate(run: Run, spec: Student) -> dict:
-    """One student's training record, layer errors before and after training, perplexity, tasks."""
-    student, info = train_student(run, spec)
+def train_and_evaluate(run: Run, spec: Student, together=()) -> dict:
+    """One student's training record, layer errors before and after training, perplexity, tasks
+    (`together`: train_student's)."""
+    student, info = train_student(run, spec, together)
     evaluated = evaluation(run, spec.name, *student_file(run, spec), student, student=True)
     result = {**evaluated, **info}
     result.update(dataclasses.asdict(spec), dims=list(spec.dims))
