@@ -33,6 +33,7 @@ from dofmini.study import (
     estimate,
     evaluate,
     flags,
+    guard,
     keys,
     plan,
     report,
@@ -100,11 +101,11 @@ def parse_args(argv) -> RunConfig:
 def main(argv=None):
     devices.start()
     # also a path the system refuses (too long) in parse_args
-    with runs.one_line_errors(flags.fail):
+    with guard.one_line_errors(flags.fail):
         cfg = parse_args(argv)
         if cfg.plan_only or not devices.is_writer():  # they write nothing into --out
             return _main(cfg)
-        with runs.locked(cfg.out, flags.fail):
+        with guard.locked(cfg.out, flags.fail):
             return _main(cfg)
 
 

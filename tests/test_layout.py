@@ -35,6 +35,7 @@ STUDY = tuple(
         "devices",
         "evaluate",
         "runs",
+        "guard",
         "oracle",
         "keys",
         "bank",

@@ -64,7 +64,7 @@ def test_stage_lines_give_the_runs_elapsed_time_and_with_estimates_the_time_left
 
 
 class Stop:
-    """A forward hook that raises KeyboardInterrupt (as Ctrl-C or runs._stop's SIGTERM does) at
+    """A forward hook that raises KeyboardInterrupt (as Ctrl-C or guard._stop's SIGTERM does) at
     the model's `at`-th forward pass, and counts them."""
 
     def __init__(self, at=None):

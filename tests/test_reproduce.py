@@ -408,7 +408,7 @@ def test_sigterm_inside_a_write_removes_its_temporary(tmp_path):
     and the run ends in one line, as a Ctrl-C does."""
     code = (
         "import os, signal, sys; from pathlib import Path; from dofmini.files import atomic_write; "
-        "from dofmini.study.runs import one_line_errors\n"
+        "from dofmini.study.guard import one_line_errors\n"
         "def write(tmp):\n tmp.write_text('half'); os.kill(os.getpid(), signal.SIGTERM)\n"
         f" sys.exit('not stopped')\nwith one_line_errors(sys.exit):\n"
         f" atomic_write(Path({str(tmp_path / 'x.json')!r}), write)"

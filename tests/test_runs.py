@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from dofmini.distill import TrainSettings, distill, train_direct
 from dofmini.students import load_student, make_student, read_tensors
-from dofmini.study import bank, runs, stages
+from dofmini.study import bank, guard, runs, stages
 from dofmini.study.keys import Clock, valid_allocation
 from dofmini.study.runs import peak_memory, stage, token_ids, train_into
 
@@ -220,7 +220,7 @@ def test_a_lock_that_is_a_link_is_refused_and_its_target_kept(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / ".lock").symlink_to(tmp_path / "target")
     with pytest.raises(SystemExit, match=r"out/.lock is a symbolic link; expected the run's own"):
-        with runs.locked(tmp_path / "out", refuse):
+        with guard.locked(tmp_path / "out", refuse):
             pass
     assert (tmp_path / "target").read_text() == "precious"
 
@@ -265,7 +265,7 @@ def test_after_a_failure_further_signals_are_ignored():
     before = signal.getsignal(signal.SIGTERM)
     try:
         with pytest.raises(SystemExit, match="boom"):
-            with runs.one_line_errors(refuse):
+            with guard.one_line_errors(refuse):
                 raise runs.RunError("boom")
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # torchrun's to the others
     finally:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .. import hub
-from . import data, devices, keys, runs, stages
+from . import data, devices, guard, keys, stages
 from .finetune import parse_lr
 
 VARIANTS = ("performer", "dijiang", "fix", *keys.ALLOCATIONS, *stages.ORACLES)
@@ -177,7 +177,7 @@ def check(cfg):
     device = pick_device(cfg.device)
     hub.locate(cfg.model)  # its CheckpointError (an unknown name, no config.json): main's one line
     out = cfg.out or Path("runs") / f"{Path(cfg.model).name}-{cfg.profile}"
-    runs.check_writable(out, "--out", fail)
+    guard.check_writable(out, "--out", fail)
     store = data.store_dir(cfg.data)
     if store.exists() and not store.is_dir():
         fail(f"--data {store} is a file; expected the data store's folder")
