@@ -174,7 +174,7 @@ def test_the_plan_lists_and_costs_each_fine_tuning_then_marks_it_done(tmp_path):
     assert "## Fine-tuned tasks (Table 3's shape)" in report
     assert "| teacher, not fine-tuned |" in report
     # one seed gives no interval, so no task counts as lifted
-    assert "(95% t over seeds) on 0 of 6 tasks." in report
+    assert "zero-shot acc on 0 of 6 tasks by the 95% t-interval over seeds, on" in report
     again = run_script(*args, "--plan-only", env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "\n  7 of 7 stages done\n" in again.stdout

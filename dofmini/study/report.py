@@ -170,9 +170,14 @@ def finetune_table(found: dict) -> str:
     lrs = ", ".join(f"{t} {r['lr']:g} ({r['source']})" for t, r in found["lr"].items())
     caption = f"Fine-tuned accuracy (acc; —: no pinned training split). Rates: {lrs}."
     lifted = lifted_tasks(models["teacher"], before, tuned)
-    which = f": {', '.join(lifted)}" if lifted else ""
-    count = f"on {len(lifted)} of {len(tuned)} tasks{which}"
-    said = f"Fine-tuning lifted the teacher beyond its zero-shot acc (95% t over seeds) {count}."
+    counts = {way: f"{len(found)} of {len(tuned)}" for way, found in lifted.items()}
+    which = {way: f" ({', '.join(found)})" if found else "" for way, found in lifted.items()}
+    said = (
+        f"Fine-tuning lifted the teacher beyond its zero-shot acc on {counts['seeds']} tasks by "
+        f"the 95% t-interval over seeds{which['seeds']}, on {counts['examples']} by the 95% "
+        f"Wilson interval over the task's evaluation examples{which['examples']} (the seeds "
+        "share the examples: their interval leaves the examples' noise out)."
+    )
     return f"{caption}\n\n{md_table(header, rows)}\n\n{said}"
 
 
@@ -180,14 +185,18 @@ def _mean(by_task: dict, tasks: list) -> float:
     return sum(by_task[t]["acc"] for t in tasks) / len(tasks)
 
 
-def lifted_tasks(by_seed: dict, before: dict, tasks: list) -> list:
-    """The tasks whose fine-tuned accuracy's 95% t-interval over seeds lies wholly above the
-    accuracy before fine-tuning (none with one seed: no interval)."""
-    lifted = []
+def lifted_tasks(by_seed: dict, before: dict, tasks: list) -> dict:
+    """{way: the tasks whose fine-tuned acc lies wholly above the acc before fine-tuning}:
+    "seeds", its 95% t-interval over seeds (none with one seed: no interval); "examples", the
+    95% Wilson interval of the seeds' mean over the task's n evaluation examples."""
+    lifted = {"seeds": [], "examples": []}
     for task in tasks:
         mean, half = stats.mean_ci([r[task]["acc"] for r in by_seed.values()])
-        if mean - half > before[task]["acc"]:  # NaN (one seed) compares False
-            lifted.append(task)
+        zero = before[task]["acc"]
+        if mean - half > zero:  # NaN (one seed) compares False
+            lifted["seeds"].append(task)
+        if stats.wilson(mean, before[task]["n"])[0] > zero:
+            lifted["examples"].append(task)
     return lifted
 
 

@@ -1,5 +1,6 @@
 """Statistics over seeds, standard library only: two-sided Student t-intervals (s with n − 1 in
-the denominator), paired differences, a bootstrap over the text's windows, the share of Fix's
+the denominator), paired differences, a bootstrap over the text's windows, Wilson's interval
+of an accuracy on n examples, the share of Fix's
 degradation that DoF removes, Spearman's ρ with a permutation p-value, the features a layer needs
 to reach a target error, and a curve's error between its measured points."""
 
@@ -7,6 +8,7 @@ import itertools
 import math
 import random
 from bisect import bisect_left, bisect_right
+from statistics import NormalDist
 
 
 def t_critical(level, df):
@@ -70,6 +72,18 @@ def window_bootstrap(rows, seed=0, draws=2000, level=0.95):
     means = sorted(math.fsum(rng.choices(per_window, k=count)) / count for _ in range(draws))
     tail = round((1 - level) / 2 * draws)  # draws below the interval, and as many above it
     return [means[tail], means[draws - 1 - tail]]
+
+
+def wilson(acc, n, level=0.95):
+    """(low, high): Wilson's score interval of an accuracy `acc` over n examples (a mean over
+    seeds that share the examples is one too): the binomial noise of drawing the examples."""
+    if not 0 <= acc <= 1 or int(n) != n or n < 1:
+        raise ValueError(f"wilson: need acc in [0, 1] and an integer n >= 1: {acc}, {n}")
+    z = NormalDist().inv_cdf((1 + level) / 2)
+    shrink = 1 + z * z / n
+    centre = (acc + z * z / (2 * n)) / shrink
+    half = z / shrink * math.sqrt(acc * (1 - acc) / n + z * z / (4 * n * n))
+    return centre - half, centre + half
 
 
 def share_removed(teacher, fix, dof, level=0.95):
