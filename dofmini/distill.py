@@ -233,9 +233,10 @@ def distill_layers(teacher, pairs: list, token_ids, settings, *, loss, **loop):
     named = torch.nn.ModuleDict({f"layer{i}_m{m}": f for (i, m), f in layers.items()})
     params = dict(named.named_parameters())  # layer{i}_m{M}.{z, a}
     dtype = DTYPES[settings.dtype]
+    upto = max(i for i, _ in pairs) + 1  # the teacher runs up to the deepest layer
 
     def backward(ids):
-        captured = teacher.capture(ids, upto=max(i for i, _ in layers) + 1)
+        captured = teacher.capture(ids, upto=upto)
         losses = []
         for (index, _), features in layers.items():
             q, k = (t.to(dtype) for t in captured[index][:2])  # [B, H, T, d] each

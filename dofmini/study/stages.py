@@ -215,8 +215,9 @@ def error_curves(run: Run, allocation: dict) -> dict:
     windows after the reported errors' ones."""
     cfg = run.cfg
     errors, curve_only_seconds, windows = {}, 0.0, (cfg.curve_windows, cfg.error_windows)
-    together = curve_specs(run) + specs(run, allocation, None)
-    for spec in curve_specs(run):
+    curve_students = curve_specs(run)
+    together = curve_students + specs(run, allocation, None)
+    for spec in curve_students:
         student, info = train_student(run, spec, together)
         compute = functools.partial(layer_errors, run, student, *windows)
         found = run.stage(spec.name, *student_file(run, spec, curve=True), compute)
