@@ -121,7 +121,8 @@ def _main(cfg: RunConfig):
         flags.fail(f"the data registry has no row for {rows}; the run reads it")
     log(data.describe(groups, cfg.data))
     log(flags.device_line(cfg.device))
-    weights, absent = hub.missing_files(cfg.model), data.missing(groups, cfg.data)
+    weights = hub.missing_files(cfg.model)
+    absent = data.missing(groups, cfg.data)
     if cfg.plan_only and (weights or absent):
         header = "not here yet (the stages follow once these are in place):"
         log(runs.missing_listing(weights, absent, cfg.data, header))
@@ -183,7 +184,8 @@ def encode_texts(run: keys.Run):
         max_chars = cfg.train_chars if name == "train" else None
         files = {r: run.inputs[r] for r in relative}
         key = dict(tokenizer=run.inputs["tokenizer"], max_chars=max_chars, files=files)
-        path, paths = cfg.out / f"tokens-{name}.npy", [cfg.data / r for r in relative]
+        path = cfg.out / f"tokens-{name}.npy"
+        paths = [cfg.data / r for r in relative]
         run.texts[name] = runs.token_ids(path, key, paths, run.tokenizer, max_chars, keep)
     run.texts["calib"] = run.texts["calib"][: cfg.calib_windows * run.ctx]
 

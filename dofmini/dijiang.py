@@ -19,7 +19,8 @@ def decayed_chunks(q, k, v, S, log_g):
     code is quadratic). Keys weigh γ^(L−1−j) (their age at the chunk's end), states shrink by γ^L
     per chunk (a scan), token i reads the state before its chunk with γ^(i+1), the L×L product
     takes γ^(i−j): each a power of γ ≤ 1 computed directly, never a ratio."""
-    (_, H, N, L, _), log_g = q.shape, log_g.to(q.dtype)
+    _, H, N, L, _ = q.shape
+    log_g = log_g.to(q.dtype)
     if log_g.shape != (H, 1, 1):
         raise ValueError(f"decay must be [H={H}]; got shape {tuple(log_g.shape[:1])}")
     i = torch.arange(L, device=q.device, dtype=q.dtype)[:, None]  # [L, 1]
@@ -42,7 +43,8 @@ def decay_form(decay: torch.Tensor):
 
 def dct_matrix(d: int) -> torch.Tensor:
     """Orthonormal DCT-II [d, d] (fp64): C[k, n] = sqrt((2 − [k=0]) / d) · cos(π (2n+1) k / 2d)."""
-    k, n = torch.arange(d, dtype=torch.float64)[:, None], torch.arange(d, dtype=torch.float64)[None]
+    k = torch.arange(d, dtype=torch.float64)[:, None]
+    n = torch.arange(d, dtype=torch.float64)[None]
     scale = torch.where(k == 0, 1.0, 2.0).div(d).sqrt()  # [d, 1]
     return torch.cos(math.pi * (2 * n + 1) * k / (2 * d)) * scale  # [d, d]
 
@@ -86,8 +88,10 @@ class DiJiangAttention(CausalMixer):
 
     def finish(self, x, o):
         """Each head's mixed values o [B, H, T, d] GroupNorm-ed and gated by SiLU(x W_G)."""
-        (B, H, T, d), f = o.shape, torch.promote_types(x.dtype, torch.float32)
-        flat, norm = o.to(f).transpose(1, 2).reshape(B * T, H * d), self.norm  # [B*T, D]
+        B, H, T, d = o.shape
+        f = torch.promote_types(x.dtype, torch.float32)
+        flat = o.to(f).transpose(1, 2).reshape(B * T, H * d)  # [B*T, D]
+        norm = self.norm
         o = F.group_norm(flat, H, norm.weight.to(f), norm.bias.to(f), norm.eps)  # each head alone
         o = F.silu(x.to(f) @ self.gate.to(f) / math.sqrt(H * d)) * o.view(B, T, H * d)  # [B, T, D]
         return o.view(B, T, H, d).transpose(1, 2).to(x.dtype)  # [B, H, T, d]

@@ -30,7 +30,8 @@ def atomic_write(path, write) -> Path:
         write(tmp)
         os.replace(tmp, path)
     except (OSError, SafetensorError) as err:  # safetensors wraps a full disk's error in its own
-        why, number = getattr(err, "strerror", None) or err, getattr(err, "errno", None)
+        why = getattr(err, "strerror", None) or err
+        number = getattr(err, "errno", None)
         raise OSError(number, f"cannot write {path}: {why}", str(path)) from None
     finally:
         with contextlib.suppress(OSError):  # in a read-only folder even this fails

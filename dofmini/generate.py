@@ -19,11 +19,14 @@ def generate(model, prompt_ids, n: int, temperature=0.0, top_k=None, seed=None):
         got = f"temperature={temperature}, seed={seed}, top_k={top_k}"
         raise ValueError(f"generate: need an explicit seed when sampling, top_k >= 1; got {got}")
     ids = torch.as_tensor(prompt_ids)
-    home, flat, as_list = ids.device, ids.dim() == 1, isinstance(prompt_ids, (list, tuple))
+    home = ids.device
+    flat = ids.dim() == 1
+    as_list = isinstance(prompt_ids, (list, tuple))
     ids = ids[None] if flat else ids  # [B, T]
     if ids.dim() != 2 or ids.shape[1] < 1:
         raise ValueError(f"generate: prompt shape {tuple(ids.shape)}; need [B, T] or [T], T >= 1")
-    (B, T), cfg = ids.shape, model.config
+    B, T = ids.shape
+    cfg = model.config
     ids = model.token_ids(ids.flatten(), 1, "generate").view(B, T)  # [B, T]
     if T + n > cfg.n_ctx:
         got = f"prompt of {T} tokens + {n} new = {T + n} positions"

@@ -68,7 +68,9 @@ def unreachable(url: str) -> str:
 
 def resolve(path_or_name) -> Path:
     """locate's folder, after downloading what a named model lacks; a failure says what to fetch."""
-    folder, needed, name = locate(path_or_name), missing_files(path_or_name), str(path_or_name)
+    folder = locate(path_or_name)
+    needed = missing_files(path_or_name)
+    name = str(path_or_name)
     if not needed:
         return folder
     from huggingface_hub import hf_hub_download
@@ -129,7 +131,9 @@ def load_tokenizer(path_or_name):
     from tokenizers import Tokenizer
 
     folder = resolve(path_or_name)
-    cfg, config, file = read_config(folder), folder / "config.json", folder / "tokenizer.json"
+    cfg = read_config(folder)
+    config = folder / "config.json"
+    file = folder / "tokenizer.json"
     if not file.is_file():
         raise CheckpointError(f"missing {file}: the tokenizer of this checkpoint")
     try:

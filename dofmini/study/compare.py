@@ -62,7 +62,8 @@ def students(grouped: dict, teacher: dict) -> str:
     rows = [["teacher", "—", "—", "—", teacher_cells[0], "—", "—", "—", *teacher_cells[1:], "—"]]
     e2e = e2e_summary(grouped)
     for variant, loss, budget in by_e2e(grouped, e2e):
-        by_seed, found = grouped[variant, loss, budget], e2e[f"{variant}/{loss}/b{budget}"]
+        by_seed = grouped[variant, loss, budget]
+        found = e2e[f"{variant}/{loss}/b{budget}"]
         values = [[metric(s, key, view) for s in by_seed.values()] for _, key, view in METRICS]
         cis = [None if None in v else stats.mean_ci(v) for v in values]
         cells = [_pm(*ci) if ci else "—" for ci in cis]
@@ -196,7 +197,9 @@ def _curves_block(curves: dict, per_head) -> str:
     """A curves record's table: per layer its DoF, seed-mean KL at each M, the M it needs to reach
     the common KL and its β (and its heads' where the record has them); and how well DoF orders
     the M needed."""
-    ms, mean, found = curves["dims"], curves["mean_kl"], needs(curves)
+    ms = curves["dims"]
+    mean = curves["mean_kl"]
+    found = needs(curves)
     header = ["layer", "DoF (max)", *(f"M={m}" for m in ms)]
     header += [f"M to KL {found['layer_target']:.3g}", "β"]
     rows = [

@@ -68,7 +68,9 @@ def read_registry(file: Path) -> tuple:
     a path listed twice (its text would count twice) is a bad row. A path is relative and plain
     ("/"-separated names, none empty, "." or ".."), so every file stays inside the store and has
     one spelling; a task's row pins a file its loader reads (tasks.task_reads)."""
-    rows, lines, header = {}, _lines(file), "group\tpath\tbytes\tsha256\turl"
+    rows = {}
+    lines = _lines(file)
+    header = "group\tpath\tbytes\tsha256\turl"
     if lines[:1] != [header]:  # without it, the first row would be taken for the header
         raise DataError(f"{file} line 1: {lines[:1]}; expected the header {header!r}")
     for number, line in enumerate(lines[1:], start=2):
@@ -172,7 +174,8 @@ def describe(groups, root) -> str:
     """For a run plan: per group its dataset, files, size, licence, source and what is missing."""
     lines = [f"data store {Path(root).resolve()}:"]
     for group in dict.fromkeys(f.group for f in files(groups)):
-        (dataset, licence), rows = GROUPS[group], files(group)
+        dataset, licence = GROUPS[group]
+        rows = files(group)
         hosts = sorted({urllib.parse.urlsplit(source(f)).netloc or "a local folder" for f in rows})
         lines.append(
             f"  {group}: {dataset}; {len(rows)} file(s), {size_mb(rows)}, licence {licence}, from "

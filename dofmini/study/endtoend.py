@@ -66,7 +66,8 @@ def swapped(teacher, student, layer: int):
 
 def offsets(run) -> tuple:
     """(first window, windows) of the students' end-to-end KL and of the swap curves."""
-    start, count = run.cfg.error_windows + run.cfg.curve_windows, run.cfg.e2e_windows
+    start = run.cfg.error_windows + run.cfg.curve_windows
+    count = run.cfg.e2e_windows
     return (start, count), (start + count, count)
 
 

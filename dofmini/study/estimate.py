@@ -98,7 +98,9 @@ def two_steps(train) -> list:
 
 def probe(run, students: list) -> dict:
     """{what: (faster, slower) seconds} of each unit of work the students and stages need."""
-    cfg, teacher, ctx = run.cfg, run.teacher, run.ctx
+    cfg = run.cfg
+    teacher = run.teacher
+    ctx = run.ctx
     n_layer, head_dim = teacher.config.n_layer, teacher.config.head_dim
     widest = (max(run.budgets),) * n_layer  # the probe student: the largest budget
     found = {}
@@ -150,7 +152,8 @@ def tuning_probe(run, found: dict) -> dict:
         train = task_train.load_split(task, "train", cfg.data, s.train_limit)
         test = task_train.load_split(task, "eval", cfg.data, s.eval_limit)
         each = found.get(("example", task)) or scoring(run, model, test[:TASK_PROBE])
-        count, scored = -(-len(train) // s.batch) * s.epochs, s.epochs * len(test)
+        count = -(-len(train) // s.batch) * s.epochs
+        scored = s.epochs * len(test)
         tuning[("fine-tune", task)] = tuple(count * t + scored * e for t, e in zip(steps, each))
         tuning[("zero-shot", task)] = tuple(len(test) * e for e in each)
     return tuning

@@ -90,7 +90,11 @@ def _gather(batch: list, rows: dict, requests, device) -> tuple:
     then `served`, the requests served in order."""
     ids = torch.zeros(len(batch), len(batch[0]), dtype=torch.long)  # [b, T]
     keep = torch.zeros(len(batch), len(batch[0]), dtype=torch.bool)  # [b, T]
-    where, targets, owner, served, end = [], [], [], [], 0
+    where = []
+    targets = []
+    owner = []
+    served = []
+    end = 0
     for b, row in enumerate(batch):
         n = max(len(requests[i][1]) for i in rows[row])
         ids[b, : len(row)] = torch.tensor(row)
@@ -115,7 +119,8 @@ def score_examples(model, tokenizer, examples, what: str = "scoring") -> dict:
     pairs = [(c, x) for e in examples for c, x in zip(e.contexts, e.continuations)]
     texts = sorted({s for pair in pairs for s in pair})
     ids = dict(zip(texts, (e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False))))
-    longest, n_ctx = max((len(ids[x]) for _, x in pairs), default=0), model.config.n_ctx
+    longest = max((len(ids[x]) for _, x in pairs), default=0)
+    n_ctx = model.config.n_ctx
     if longest > n_ctx:  # a choice is scored whole or not at all
         need = f"a choice of {longest} tokens does not fit the model's context of {n_ctx}"
         raise data.DataError(f"{what}: {need}; run with --limit 0 (no tasks) or a longer context")
@@ -123,7 +128,9 @@ def score_examples(model, tokenizer, examples, what: str = "scoring") -> dict:
     if all(len(e.continuations) == 1 for e in examples):
         ll, greedy = np.array(scores, dtype=float).T  # [2, examples]
         return {"acc": float(greedy.mean()), "ppl": float(np.exp(-ll.mean())), "n": len(examples)}
-    hits, hits_norm, start = [], [], 0
+    hits = []
+    hits_norm = []
+    start = 0
     for e in examples:
         ll = np.array([s[0] for s in scores[start : start + len(e.continuations)]])
         chars = np.array([max(1, len(c.lstrip(" "))) for c in e.continuations])
@@ -210,7 +217,9 @@ def evaluate_model(
     each task is a part, {"result", "seconds"} from part(name, compute): compute() by default;
     stages.saved_parts saves each as it finishes and gives back those saved before."""
     part = part or (lambda name, compute: compute())
-    result, ppl_seconds, seconds = {"tasks": {}}, 0.0, 0.0
+    result = {"tasks": {}}
+    ppl_seconds = 0.0
+    seconds = 0.0
     for name, ids in texts.items():
         scored = ids if windows is None else ids[: windows * ctx]
         compute = functools.partial(perplexity, model, scored, ctx, what=f"perplexity {name}")

@@ -112,7 +112,9 @@ def loss(model, batch) -> torch.Tensor:
 def accuracy(model, encoded) -> float:
     """Share of examples whose gold choice has the highest summed log-likelihood (acc)."""
     pairs = [pair for choices, _ in encoded for pair in choices]
-    scores, start, hits = evaluate.score_requests(model, pairs, what="fine-tuned"), 0, 0
+    scores = evaluate.score_requests(model, pairs, what="fine-tuned")
+    start = 0
+    hits = 0
     for choices, label in encoded:
         ll = [s for s, _ in scores[start : start + len(choices)]]
         hits += max(range(len(ll)), key=ll.__getitem__) == label
@@ -152,13 +154,15 @@ def fine_tune(
     model, opt = trainable(model, s.lr)
     params = dict(model.named_parameters())
     per_epoch = -(-n // s.batch)
-    total, keep = per_epoch * s.epochs, {**s.record(), "train_examples": n, "test": len(test)}
+    total = per_epoch * s.epochs
+    keep = {**s.record(), "train_examples": n, "test": len(test)}
     state = dict(step=0, seconds=0.0, loss_curve=[], epoch_acc=[])
     _restore(progress, keep, params, opt, state, log)
     resumed = f" (resumed at step {state['step']} of {total})" if state["step"] else ""
     with Progress(f"{what}{resumed}", total - state["step"], "steps") as shown:
         while state["step"] < total:
-            started, (epoch, index) = time.time(), divmod(state["step"], per_epoch)
+            started = time.time()
+            epoch, index = divmod(state["step"], per_epoch)
             shuffle = torch.Generator().manual_seed(s.seed * 1000 + epoch)
             order = torch.randperm(n, generator=shuffle)
             for group in opt.param_groups:

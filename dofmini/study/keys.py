@@ -58,7 +58,9 @@ class Clock:
     of its stage."""
 
     def __init__(self, plan: list, estimates: dict | None = None):
-        self.plan, self.t0, self.begun = plan, time.time(), set()
+        self.plan = plan
+        self.t0 = time.time()
+        self.begun = set()
         self.estimates = dict(estimates or {})
 
     def begin(self, name: str):
@@ -155,14 +157,16 @@ def check_texts(run: Run) -> None:
     cfg, ctx = run.cfg, run.ctx
     held_out = cfg.error_windows + cfg.curve_windows + cfg.e2e_windows
     held_out += cfg.e2e_windows if "oracle_e2e" in cfg.variants else 0
-    window, calib = (ctx, f"a window of ctx {ctx}"), -(-cfg.J // (2 * ctx)) * ctx
+    window = (ctx, f"a window of ctx {ctx}")
+    calib = -(-cfg.J // (2 * ctx)) * ctx
     students = (held_out * ctx, f"the students' {held_out} held-out windows of ctx {ctx}")
     needs = dict(calib=(calib, f"DoF's {cfg.J} queries and keys"), wikitext2=window)
     needs.update(
         heldout=students if cfg.variants else window, train=window if cfg.variants else (0, "")
     )
     for name, files in run.texts_read().items():
-        tokens, (need, why) = len(run.texts[name]), needs[name]
+        tokens = len(run.texts[name])
+        need, why = needs[name]
         if tokens < need:
             named = ", ".join(str(cfg.data / f) for f in files)
             raise runs.RunError(f"{named}: {tokens} tokens; {need} needed ({why})")

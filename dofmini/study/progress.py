@@ -28,7 +28,10 @@ class Progress:
     (left: at the mean pace so far)."""
 
     def __init__(self, what: str, total: int, unit: str, every: float | None = None):
-        self.what, self.total, self.unit, self.done = what, total, unit, 0
+        self.what = what
+        self.total = total
+        self.unit = unit
+        self.done = 0
         self.every = EVERY if every is None else every
         self.start = self.last = time.time()
         # sys.stdout as it is now: torchrun's other ranks write to os.devnull (devices.start)

@@ -86,7 +86,8 @@ def token_ids(path: Path, key: dict, texts, tokenizer, max_chars, keep=True) -> 
     elif key_path.exists() or path.exists():
         log(_why_redo(path, stored.get("key"), key))
     text = "".join(Path(f).read_text(encoding="utf-8") for f in texts)[:max_chars]
-    ids, npy = np.array(tokenizer.encode(text).ids, dtype=np.int64), io.BytesIO()
+    ids = np.array(tokenizer.encode(text).ids, dtype=np.int64)
+    npy = io.BytesIO()
     np.save(npy, ids)  # to bytes: given a file name, np.save would append ".npy"
     if keep:
         atomic_write(path, lambda tmp: tmp.write_bytes(npy.getvalue()))

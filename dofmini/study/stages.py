@@ -127,17 +127,23 @@ def evaluate_teacher(run: Run) -> dict:
 
 def estimate_allocation(run: Run) -> dict:
     """Per-head DoF on calibration text, and each variant's dims at each budget (Algorithm 1)."""
-    cfg, n_layer, cap = run.cfg, run.teacher.config.n_layer, run.teacher.config.head_dim
+    cfg = run.cfg
+    n_layer = run.teacher.config.n_layer
+    cap = run.teacher.config.head_dim
 
     def compute():
-        t0, calib, normalize, seed = time.time(), run.texts["calib"], not cfg.raw_gram, cfg.seeds[0]
+        t0 = time.time()
+        calib = run.texts["calib"]
+        normalize = not cfg.raw_gram
+        seed = cfg.seeds[0]
         per_head = dof.estimate_dof(run.teacher, calib, run.lam, cfg.J, seed, normalize, run.ctx)
         if not (per_head.amax(-1) > 0).all():
             raise runs.RunError(f"--lam {run.lam}: a layer's DoF is 0 at this λ; use a smaller λ")
         dims = {str(b): {"fix": [b] * n_layer} for b in run.budgets}
         for b, variant in itertools.product(dims, ALLOCATIONS):
             rule, aggregate, clip, share = ALLOCATIONS[variant]
-            floor, most = max(1, int(int(b) * (share or 0))), clip and cap or None
+            floor = max(1, int(int(b) * (share or 0)))
+            most = clip and cap or None
             dims[b][variant] = dof.allocate(per_head, int(b), rule, most, aggregate, floor)
         found = dict(lam=run.lam, J=cfg.J, seed=seed, normalize=normalize, dims=dims)
         found["calibration"] = f"{CALIBRATION}: first {len(calib)} tokens, ctx {run.ctx}"
@@ -166,7 +172,9 @@ def train_student(run: Run, spec: Student, together=()):
     (bank.assemble; `together`: the run's students whose units may train in the same pass); an
     interrupted training resumes from its progress file."""
     run.clock.begin(spec.name)
-    key, path, out = train_key(run, spec), spec.path(run.cfg.out), run.cfg.out
+    key = train_key(run, spec)
+    path = spec.path(run.cfg.out)
+    out = run.cfg.out
     others = TRAINED_PRF if spec.variant in TRAINED_PRF else ()
     twins = [dataclasses.replace(spec, variant=v) for v in others if v != spec.variant]
     twins = [t for t in twins if trained(t.path(out), {**key, "variant": t.variant}, own=False)]
@@ -214,7 +222,9 @@ def error_curves(run: Run, allocation: dict) -> dict:
     units that train together with those of every student of known dims), on the held-out
     windows after the reported errors' ones."""
     cfg = run.cfg
-    errors, curve_only_seconds, windows = {}, 0.0, (cfg.curve_windows, cfg.error_windows)
+    errors = {}
+    curve_only_seconds = 0.0
+    windows = (cfg.curve_windows, cfg.error_windows)
     curve_students = curve_specs(run)
     together = curve_students + specs(run, allocation, None)
     for spec in curve_students:

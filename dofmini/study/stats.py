@@ -197,7 +197,8 @@ def _finite(name, values):
 
 def _paired(caller, a, b, names="ab", least=1, unit="seeds"):
     """a and b as lists of finite floats of one length >= least, or a ValueError naming them."""
-    a, b = _finite(f"{caller}: {names[0]}", a), _finite(f"{caller}: {names[1]}", b)
+    a = _finite(f"{caller}: {names[0]}", a)
+    b = _finite(f"{caller}: {names[1]}", b)
     if len(a) != len(b) or len(a) < least:
         sizes = f"{names[0]} has {len(a)} {unit}, {names[1]} has {len(b)}"
         raise ValueError(f"{caller}: {sizes}; they must pair up (equal nonzero lengths >= {least})")

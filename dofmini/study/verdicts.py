@@ -19,7 +19,9 @@ def headroom(results: dict) -> dict:
     swap = (results.get("curves") or {}).get("e2e")
     if not swap:
         return {}
-    ms, curves, found = swap["dims"], swap["mean_kl"], {}
+    ms = swap["dims"]
+    curves = swap["mean_kl"]
+    found = {}
     for budget, dims in swap["oracle"].items():
         fix = math.fsum(stats.loglog_at(ms, curve, int(budget)) for curve in curves)
         best = math.fsum(stats.loglog_at(ms, curve, m) for curve, m in zip(curves, dims))
@@ -55,7 +57,9 @@ def verdict_lines(results: dict) -> list:
     """One line per rule, loss and budget against Fix on end-to-end KL: the verdict, the paired
     difference (mean ± 95% t half width over seeds), the relative change, and the text interval
     where the run has per-window KL."""
-    e2e, gains, lines = results["e2e"], headroom(results), []
+    e2e = results["e2e"]
+    gains = headroom(results)
+    lines = []
     for name, row in sorted(e2e.items(), key=lambda item: _order(item[0])):
         variant, loss, budget = name.split("/")
         if variant == "fix" or "minus_fix" not in row:
@@ -108,7 +112,9 @@ def _pm(mean, half) -> str:
 def power_section(results: dict) -> str:
     """report.md's section: the headroom per budget beside what the seeds (and the text, where
     measured) resolve, and the regime line."""
-    gains, e2e, rows = headroom(results), results["e2e"], []
+    gains = headroom(results)
+    e2e = results["e2e"]
+    rows = []
     for budget, found in gains.items():
         for name in (name for name in e2e if name.startswith("fix/")):
             if name.endswith(f"/b{budget}"):
