@@ -26,6 +26,7 @@ from dofmini import hub
 from dofmini.distill import TrainSettings
 from dofmini.files import sha256_file, write_text
 from dofmini.study import (
+    bank,
     compare,
     data,
     devices,
@@ -285,6 +286,8 @@ def collect(run: keys.Run, teacher_result, allocation, curves, students) -> dict
     found = dict(teacher=teacher, dof=allocation, curves=curves)
     found.update(students=students, config=config, inputs=inputs)
     found["e2e"] = compare.e2e_summary(compare.groups(students))  # the metric to choose by
+    curve_students = stages.curve_specs(run) if curves else []
+    found["bank"] = bank.cost(run, curve_students + stages.specs(run, allocation, curves))
     # a resumed run skips finished stages, so its own wall time says little
     timings = {"stages_seconds": seconds, "this_invocation_seconds": time.time() - run.clock.t0}
     return dict(found, provenance=runs.provenance(run.teacher), timings=timings)

@@ -99,6 +99,13 @@ def test_grid_has_every_variant_budget_and_seed(grid_run):
     assert "| heads |" in text and "| layers, DoF mean over heads |" in text  # the evidence
     assert "| fix/softmax/b16 (steps 1/2/4) |" in text  # the flattening table
     assert curves["curve_only_train_seconds"] > 0
+    # every (layer, M, seed) the softmax students and the curves hold is one unit, trained once
+    layerwise = [s for s in results["students"].values() if s["loss"] == "softmax"]
+    units = {(i, m, s["seed"]) for s in layerwise for i, m in enumerate(s["dims"])}
+    units |= {(i, m, seed) for seed in (0, 1) for m in curves["dims"] for i in range(6)}
+    cost = results["bank"]
+    assert cost["units"] == len(units) < cost["layer_trainings_alone"]
+    assert cost["unit_train_seconds"] > 0 and f"from {len(units)} layer units" in text
     # at budget 8, the least of curve_dims, the oracle can only give every layer 8 (Fix's dims):
     # its student is Fix's training, copied, not trained again
     for seed in (0, 1):

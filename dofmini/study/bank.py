@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint import CheckpointError
-from ..distill import distill_layers
+from ..distill import TERMS, distill_layers
 from ..files import as_json
 from ..students import make_student, read_tensors, save_student, save_tensors
 from . import devices, runs
@@ -137,12 +137,25 @@ def assemble(run: Run, spec: Student, path: Path, record: dict, together=()) -> 
     return info
 
 
+def cost(run: Run, specs: list) -> dict:
+    """What the layerwise students among `specs` (dims known, all trained) cost: the units they
+    are assembled from and those units' training seconds, beside the layer trainings the same
+    students would take one at a time (each distinct (loss, seed, dims) trained whole once)."""
+    layerwise = [s for s in specs if s.loss in TERMS]
+    units = dict.fromkeys(u for spec in layerwise for u in units_of(spec))
+    seconds = 0.0
+    for unit in units:
+        seconds += read_tensors(unit.path(run.cfg.out))[1]["info"]["train_seconds"]
+    distinct = {(s.loss, s.seed, tuple(s.dims)) for s in layerwise}
+    alone = sum(len(dims) for _, _, dims in distinct)
+    found = dict(students=len({s.name for s in layerwise}), distinct_students=len(distinct))
+    return dict(found, units=len(units), unit_train_seconds=seconds, layer_trainings_alone=alone)
+
+
 def plan(run: Run, specs: list) -> list:
     """The units of the layerwise students `specs` (dims known), each once, in training order:
     [{"unit", "file", "key", "done"}]."""
-    units = dict.fromkeys(
-        u for spec in specs if spec.loss in ("l2", "softmax") for u in units_of(spec)
-    )
+    units = dict.fromkeys(u for spec in specs if spec.loss in TERMS for u in units_of(spec))
     found = []
     for unit in units:
         key, path = unit_key(run, unit), unit.path(run.cfg.out)

@@ -52,17 +52,34 @@ def tasks_table(students: dict, teacher: dict) -> str:
     return "acc_norm where a task has it, else acc:\n\n" + md_table(header, rows)
 
 
+def bank_words(cost: dict | None, curves: bool) -> str:
+    """What the layerwise students cost in layer units (bank.cost), as a sentence; "" if none.
+    `curves`: whether the run's error curves' students are among them."""
+    if not cost or not cost["students"]:
+        return ""
+    students, distinct = cost["students"], cost["distinct_students"]
+    seconds = f"{cost['unit_train_seconds']:.3g} s of training"
+    among = " (the error curves among them)" if curves else ""
+    return (
+        f" The {students} layerwise students{among} came from"
+        f" {cost['units']} layer units, each (loss, layer, M, seed) trained once ({seconds});"
+        f" one student at a time, their {distinct} distinct dims would take"
+        f" {cost['layer_trainings_alone']} layer trainings."
+    )
+
+
 def write(out, results: dict) -> str:
     """report.md and its figures; returns the summary table for the terminal."""
     teacher, students, dof, cfg = (results[k] for k in ("teacher", "students", "dof", "config"))
     grouped = compare.groups(students)
     summary = compare.students(grouped, teacher)
     verdict_list = "\n".join(f"- {line}" for line in verdicts.verdict_lines(results))
+    cost = bank_words(results.get("bank"), bool(results.get("curves")))
     text = f"""# dofmini report: {teacher["name"]} ({cfg["profile"]} profile)
 
 ctx {cfg["ctx"]}, seeds {cfg["seeds"]}, budgets {cfg["budgets"]}, {cfg["steps"]} steps of
 {cfg["batch"]} windows, DoF λ={dof["lam"]:g}, J={dof["J"]}, {("raw G", "G/J")[dof["normalize"]]};
-the stages took {results["timings"]["stages_seconds"]:.0f} s in all.
+the stages took {results["timings"]["stages_seconds"]:.0f} s in all.{cost}
 
 Means over seeds with 95% Student-t intervals (± half width). An error is measured per layer; each
 seed's mean over layers and its worst layer are its two views.
