@@ -59,12 +59,14 @@ def save_tensors(tensors: dict, path, metadata: dict):
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), meta))
 
 
-def read_tensors(path):
-    """(tensors, metadata) of a file save_tensors wrote."""
+def read_tensors(path, tensors=True):
+    """(tensors, metadata) of a file save_tensors wrote; with tensors=False, ({}, metadata) from
+    its header alone (opening still checks that the header covers the whole file)."""
     try:
         with safe_open(str(path), "pt") as f:
-            tensors = {n: f.get_tensor(n) for n in f.keys()}
-            return tensors, json.loads(f.metadata()["dofmini"])
+            names = f.keys() if tensors else []
+            stored = {n: f.get_tensor(n) for n in names}
+            return stored, json.loads(f.metadata()["dofmini"])
     except (SafetensorError, OSError, KeyError, TypeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"cannot read {path}: {type(err).__name__}: {err}") from None
 

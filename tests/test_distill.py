@@ -315,6 +315,27 @@ def test_a_second_rule_trains_only_the_units_no_earlier_student_had(tiny, tiny_i
     assert [u["done"] for u in bank.plan(run, [first, second])] == [True, False, True]
 
 
+def test_a_unit_file_cut_short_is_named_and_trained_again(tiny, tiny_ids, tmp_path, capsys):
+    """Whether a unit is trained is read from its file's header alone; opening it still checks
+    that the header covers the whole file, so one cut short is not taken for trained."""
+    run = bank_run(tiny, tiny_ids, tmp_path)
+    unit = bank.Unit("softmax", 0, 3, 0)
+    bank.train_units(run, [unit], log=quiet)
+    path = unit.path(tmp_path)
+    stored, record = read_tensors(path)
+    assert read_tensors(path, tensors=False) == ({}, record)  # the header's record, no tensors
+    assert [u["done"] for u in bank.plan(run, [Student("fix", "softmax", 4, 0, (3,))])] == [True]
+    cut = path.read_bytes()[:-8]
+    path.unlink()  # a new file: `stored` may still be mapped from the old one
+    path.write_bytes(cut)
+    capsys.readouterr()
+    assert bank.train_units(run, [unit], log=quiet) == [unit]
+    assert f"redo: cannot read {path}" in capsys.readouterr().out
+    again = read_tensors(path)
+    assert again[0].keys() == stored.keys()
+    assert all(torch.equal(again[0][name], stored[name]) for name in stored)
+
+
 def test_the_first_student_to_train_trains_its_seeds_known_units_in_one_pass(
     tiny, tiny_ids, tmp_path
 ):

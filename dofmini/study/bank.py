@@ -39,6 +39,12 @@ def units_of(spec: Student) -> list:
     return [Unit(spec.loss, i, m, spec.seed) for i, m in enumerate(spec.dims)]
 
 
+def distinct_units(specs: list) -> list:
+    """The units of the layerwise students among `specs`, each once, in order of first use."""
+    layerwise = [spec for spec in specs if spec.loss in TERMS]
+    return list(dict.fromkeys(u for spec in layerwise for u in units_of(spec)))
+
+
 def unit_key(run: Run, unit: Unit) -> dict:
     """What a unit's tensors depend on."""
     key = dict(loss=unit.loss, layer=unit.layer, n_features=unit.n_features, seed=unit.seed)
@@ -50,7 +56,7 @@ def trained(path: Path, key: dict, own: bool = True) -> bool:
     that cannot be read (cut short, damaged) is not, and is named when it is the caller's `own`
     file (it is then trained again), not when it is only a candidate twin."""
     try:
-        meta = read_tensors(path)[1] if path.is_file() else {}
+        meta = read_tensors(path, tensors=False)[1] if path.is_file() else {}
     except CheckpointError as err:
         if own:
             log(f"redo: {err}")
@@ -110,7 +116,7 @@ def batch(spec: Student, together: list) -> list:
     """The units that train in one pass when `spec` is assembled first: its own, then those of
     the students `together` (the run's others, dims known) of its loss and seed, each once."""
     mates = [s for s in together if s.dims and (s.loss, s.seed) == (spec.loss, spec.seed)]
-    return list(dict.fromkeys(u for s in [spec, *mates] for u in units_of(s)))
+    return distinct_units([spec, *mates])
 
 
 def assemble(run: Run, spec: Student, path: Path, record: dict, together=()) -> dict:
@@ -142,10 +148,11 @@ def cost(run: Run, specs: list) -> dict:
     are assembled from and those units' training seconds, beside the layer trainings the same
     students would take one at a time (each distinct (loss, seed, dims) trained whole once)."""
     layerwise = [s for s in specs if s.loss in TERMS]
-    units = dict.fromkeys(u for spec in layerwise for u in units_of(spec))
+    units = distinct_units(layerwise)
     seconds = 0.0
     for unit in units:
-        seconds += read_tensors(unit.path(run.cfg.out))[1]["info"]["train_seconds"]
+        record = read_tensors(unit.path(run.cfg.out), tensors=False)[1]
+        seconds += record["info"]["train_seconds"]
     distinct = {(s.loss, s.seed, tuple(s.dims)) for s in layerwise}
     alone = sum(len(dims) for _, _, dims in distinct)
     found = dict(students=len({s.name for s in layerwise}), distinct_students=len(distinct))
@@ -155,7 +162,7 @@ def cost(run: Run, specs: list) -> dict:
 def plan(run: Run, specs: list) -> list:
     """The units of the layerwise students `specs` (dims known), each once, in training order:
     [{"unit", "file", "key", "done"}]."""
-    units = dict.fromkeys(u for spec in specs if spec.loss in TERMS for u in units_of(spec))
+    units = distinct_units(specs)
     found = []
     for unit in units:
         key, path = unit_key(run, unit), unit.path(run.cfg.out)
