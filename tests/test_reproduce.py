@@ -158,6 +158,31 @@ def test_a_damaged_student_file_is_trained_again(grid_run, tmp_path):
     assert after["layer_error"] == before["layer_error"]
 
 
+def test_a_resumed_run_reports_in_the_order_of_an_uninterrupted_one(grid_run, tmp_path):
+    """Students whose files are missing are evaluated after the others; the report still lists
+    every rule in plan order, as the uninterrupted run did."""
+    args, out, _ = grid_run
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(out), str(copy)], check=True)
+    args = [str(copy) if a == out else a for a in args]
+    for seed in (0, 1):  # the whole dof/b8 group: it is assembled again from its layer units
+        (copy / "students" / f"dof-softmax-b8-s{seed}.safetensors").unlink()
+    again = reproduce(*args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count(": dims [") == 2, again.stdout
+
+    def order(folder):
+        text = (folder / "report.md").read_text()
+        verdicts = re.findall(r"^- (\S+): (?:better|worse|inconclusive|cannot)", text, re.M)
+        sections = re.findall(r"^\*\*(\S+ − fix, .+)\*\*$", text, re.M)
+        return verdicts, sections
+
+    verdicts, sections = order(out)
+    assert "dof/softmax/b8" in verdicts
+    assert "dof − fix, softmax loss, budget 8 (2 seeds)" in sections
+    assert order(copy) == (verdicts, sections)
+
+
 @pytest.mark.parametrize("args, message", [
     (["gpt5"], "unknown model 'gpt5'"),
     (["{empty}"], "has no config.json"),

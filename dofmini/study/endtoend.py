@@ -137,9 +137,10 @@ def swap_curves(run, saved_only: bool = False):
 
 
 def evaluate_students(run, allocation: dict, curves) -> tuple:
-    """(every student's result, the curves with the swap curves under "e2e"), cheapest and most
-    telling first: the students already trained, then the swap curves, then the end-to-end
-    oracle's students, then the rest variant by variant."""
+    """(every student's result in plan order, the curves with the swap curves under "e2e").
+    Evaluated cheapest and most telling first: the students already trained, then the swap
+    curves, then the end-to-end oracle's students, then the rest variant by variant; returned in
+    plan order, so a resumed run's report reads as an uninterrupted one's."""
     done = lambda spec: stages.trained(spec.path(run.cfg.out), stages.train_key(run, spec), False)
     ready = [spec for spec in stages.specs(run, allocation, curves) if spec.dims and done(spec)]
     results = {spec.name: evaluate(run, spec) for spec in ready}
@@ -150,4 +151,5 @@ def evaluate_students(run, allocation: dict, curves) -> tuple:
     order = {v: i for i, v in enumerate(dict.fromkeys(spec.variant for spec in rest))}
     rest.sort(key=lambda spec: (spec.variant != "oracle_e2e", order[spec.variant]))
     results.update({spec.name: evaluate(run, spec, rest) for spec in rest})
-    return results, curves
+    planned = [spec.name for spec in stages.specs(run, allocation, curves)]
+    return {name: results[name] for name in planned}, curves
