@@ -41,6 +41,17 @@ def test_the_figures_are_made_for_three_seeds_with_curves(study, tmp_path):
         assert f"]({name})" in text
 
 
+def test_each_rule_keeps_its_own_look_in_every_figure_whatever_the_run_order():
+    """The bank study's 11 rules pass matplotlib's ten colours: none may share a colour and
+    marker, and a rule looks the same however its students ran."""
+    bank = json.loads((REPO / "runs" / "standin-gpt2-bank" / "results.json").read_text())
+    styles = figures._styles(bank)
+    assert len(styles) == 11
+    assert len({(style["color"], style["marker"]) for style in styles.values()}) == 11
+    reversed_run = dict(bank, students=dict(reversed(bank["students"].items())))
+    assert figures._styles(reversed_run) == styles
+
+
 def test_one_seed_without_curves_has_no_curves_figure_and_no_bars(one_seed, tmp_path):
     pytest.importorskip("matplotlib", reason="the figures are an optional extra")
     assert figures.error_curves(one_seed, tmp_path / "curves.png") is False

@@ -57,10 +57,24 @@ def _label(variant: str, loss: str, losses: set) -> str:
     return variant if len(losses) == 1 else f"{variant} ({loss})"
 
 
+def _styles(results: dict) -> dict:
+    """{(variant, loss): its colour, marker and dash}, the same in every figure and whatever order
+    the students ran in: matplotlib's ten colours, then the ten again with another marker and
+    dash, so no two rules of a run look alike."""
+    rules = sorted({(variant, loss) for variant, loss, _ in _groups(results)})
+    markers, dashes = "os^D", ("-", "--", ":", "-.")
+    styles = {}
+    for i, rule in enumerate(rules):
+        turn = i // 10 % len(markers)
+        styles[rule] = dict(color=f"C{i % 10}", marker=markers[turn], linestyle=dashes[turn])
+    return styles
+
+
 def allocation(results: dict, path):
     """(a) DoF per layer, each head's and the layer's (the heads' max), beside each rule's features
     per layer at every budget."""
     per_head, dims = results["dof"]["per_head"], _first_seed(results)
+    styles = _styles(results)
     budgets = sorted({budget for _, _, budget in dims})
     losses = {loss for _, loss, _ in dims}
     figure, axes = _panels(1 + len(budgets), columns=4)
@@ -73,7 +87,8 @@ def allocation(results: dict, path):
     for ax, budget in zip(axes[1:], budgets):
         for (variant, loss, b), layer_dims in dims.items():
             if b == budget:
-                ax.plot(layers, layer_dims, "o-", ms=3, label=_label(variant, loss, losses))
+                label = _label(variant, loss, losses)
+                ax.plot(layers, layer_dims, ms=3, label=label, **styles[variant, loss])
         ax.set(title=f"features per layer, budget {budget}", xlabel="layer", ylabel="features")
         ax.legend(fontsize=6)
     _save(figure, path)
@@ -89,16 +104,20 @@ def error_curves(results: dict, path) -> bool:
     measured = curves.get("e2e") or curves
     what = "end-to-end KL, one layer swapped" if curves.get("e2e") else "layer KL"
     ms, mean = measured["dims"], measured["mean_kl"]
-    by_variant = {}  # variant: its dims per layer at every budget and loss
-    for (variant, _, _), layer_dims in _first_seed(results).items():
-        by_variant.setdefault(variant, []).append(layer_dims)
+    by_rule = {}  # (variant, loss): its dims per layer at every budget
+    for (variant, loss, _), layer_dims in _first_seed(results).items():
+        by_rule.setdefault((variant, loss), []).append(layer_dims)
+    styles = _styles(results)
+    losses = {loss for _, loss in by_rule}
     figure, axes = _panels(len(mean))
     for layer, (ax, curve) in enumerate(zip(axes, mean)):
         ax.loglog(ms, curve, "k.-", lw=1, label="Fix students")
-        for i, (variant, all_dims) in enumerate(by_variant.items()):
+        for (variant, loss), all_dims in by_rule.items():
             marked = [dims[layer] for dims in all_dims if ms[0] <= dims[layer] <= ms[-1]]
             errors = [stats.loglog_at(ms, curve, m) for m in marked]
-            ax.plot(marked, errors, "o", color=f"C{i % 10}", ms=4, alpha=0.8, label=variant)
+            points = dict(styles[variant, loss], linestyle="none")
+            label = _label(variant, loss, losses)
+            ax.plot(marked, errors, ms=4, alpha=0.8, label=label, **points)
         ax.set(title=f"layer {layer}", xlabel="features M", ylabel=what)
     axes[0].legend(fontsize=6)
     _save(figure, path)
@@ -113,6 +132,7 @@ def training_loss(results: dict, path):
     if not budgets:  # no students
         return False
     losses = {loss for _, loss, _ in grouped}
+    styles = _styles(results)
     figure, axes = _panels(len(budgets))
     for ax, budget in zip(axes, budgets):
         for (variant, loss, b), by_seed in grouped.items():
@@ -121,7 +141,8 @@ def training_loss(results: dict, path):
                 continue
             steps = [step for step, _ in curves[0]]
             values = np.mean([[value for _, value in c] for c in curves], axis=0)
-            ax.semilogy(steps, values, lw=1, label=_label(variant, loss, losses))
+            line = dict(styles[variant, loss], marker=None)
+            ax.semilogy(steps, values, lw=1, label=_label(variant, loss, losses), **line)
         ax.set(title=f"budget {budget}", xlabel="step", ylabel="training loss")
         if ax.lines:
             ax.legend(fontsize=6)
@@ -140,6 +161,7 @@ def e2e_kl(results: dict, path):
     rules = sorted({(variant, loss) for variant, loss, _ in keys})
     budgets = sorted({int(budget.removeprefix("b")) for _, _, budget in keys})
     losses = {loss for _, loss in rules}
+    styles = _styles(results)
     figure, (absolute, relative) = _panels(2, columns=2)
     from matplotlib.ticker import NullLocator  # after _panels chose the backend
 
@@ -148,7 +170,7 @@ def e2e_kl(results: dict, path):
             (b, e2e[f"{variant}/{loss}/b{b}"]) for b in budgets if f"{variant}/{loss}/b{b}" in e2e
         ]
         shift = 1.03 ** (i - len(rules) / 2)  # the rules side by side on the log axis
-        style = dict(fmt="o-", ms=3, lw=1, capsize=2, color=f"C{i % 10}")
+        style = dict(styles[variant, loss], ms=3, lw=1, capsize=2)
         means = [row["e2e_kl"][0] for _, row in found]
         halves = [row["e2e_kl"][1] or 0.0 for _, row in found]
         label = _label(variant, loss, losses)
@@ -157,7 +179,8 @@ def e2e_kl(results: dict, path):
         scales = [100 / e2e[f"fix/{loss}/b{b}"]["e2e_kl"][0] for b, _ in paired]  # % of Fix
         diffs = [row["minus_fix"][0] * scale for (_, row), scale in zip(paired, scales)]
         spans = [(row["minus_fix"][1] or 0.0) * scale for (_, row), scale in zip(paired, scales)]
-        relative.errorbar([b * shift for b, _ in paired], diffs, spans, **dict(style, fmt="o"))
+        points = dict(style, linestyle="none")
+        relative.errorbar([b * shift for b, _ in paired], diffs, spans, **points)
     absolute.set(xscale="log", yscale="log", xlabel="budget (features per layer)")
     absolute.set(ylabel="end-to-end KL (nats/token)", xticks=budgets, xticklabels=budgets)
     absolute.legend(fontsize=6)
