@@ -1,18 +1,15 @@
 """Students: a teacher with linear attention swapped in, and their files. A student shares
-its teacher's frozen tensors; its file holds its trainable ones and record (kind, dims,
-seed, training, teacher) as sorted JSON."""
+its teacher's frozen tensors; its file (tensor_files) holds its trainable ones and record (kind,
+dims, seed, training, teacher)."""
 
 import copy
-import json
-
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from .checkpoint import CheckpointError
 from .checks import need_integers, need_one_of
 from .dijiang import DiJiangAttention
-from .files import as_json, atomic_write
+from .files import as_json
 from .linear_attention import LinearAttention
+from .tensor_files import read_tensors, save_tensors
 
 KINDS = ("prf", "dijiang")
 
@@ -50,25 +47,6 @@ def make_student(teacher, kind: str, dims, feature_seed: int, orthogonal: bool =
 def trainable(model) -> dict:
     """{name: tensor} of the tensors that train (requires_grad)."""
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
-
-
-def save_tensors(tensors: dict, path, metadata: dict):
-    """A safetensors file written atomically, `metadata` sorted JSON under "dofmini"."""
-    tensors = {n: t.detach().cpu().contiguous() for n, t in sorted(tensors.items())}
-    meta = {"dofmini": json.dumps(metadata, sort_keys=True)}
-    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), meta))
-
-
-def read_tensors(path, tensors=True):
-    """(tensors, metadata) of a file save_tensors wrote; with tensors=False, ({}, metadata) from
-    its header alone (opening still checks that the header covers the whole file)."""
-    try:
-        with safe_open(str(path), "pt") as f:
-            names = f.keys() if tensors else []
-            stored = {n: f.get_tensor(n) for n in names}
-            return stored, json.loads(f.metadata()["dofmini"])
-    except (SafetensorError, OSError, KeyError, TypeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"cannot read {path}: {type(err).__name__}: {err}") from None
 
 
 def save_student(student, path, record=None):

@@ -16,17 +16,11 @@ from safetensors.torch import save
 from dofmini import CheckpointError, load
 from dofmini.distill import TrainSettings, distill
 from dofmini.dof import allocate, estimate_dof
-from dofmini.students import (
-    load_student,
-    make_student,
-    read_tensors,
-    save_student,
-    save_tensors,
-    trainable,
-)
+from dofmini.students import load_student, make_student, save_student, trainable
 from dofmini.study.evaluate import layer_errors
 from dofmini.study.runs import train_into
 from dofmini.study.tasks import TASKS, load_task
+from dofmini.tensor_files import read_tensors, save_tensors
 
 TASK_FILES = FIXTURES / "tasks"  # two or three hand-written examples in each task's own format
 S, quiet = TrainSettings, lambda line: None

@@ -22,10 +22,11 @@ from dofmini.distill import (
 )
 from dofmini.files import changed_settings
 from dofmini.linear_attention import PRFFeatures, causal_linear_attention
-from dofmini.students import make_student, read_tensors
+from dofmini.students import make_student
 from dofmini.study import bank, devices, stages
 from dofmini.study.evaluate import layer_errors, layer_pass, perplexity
 from dofmini.study.keys import Clock, Student
+from dofmini.tensor_files import read_tensors
 
 S = TrainSettings
 

@@ -65,7 +65,7 @@ def test_a_student_that_cannot_be_saved_is_named_and_leaves_nothing(tmp_path):
 
     import torch
 
-    from dofmini.students import save_tensors
+    from dofmini.tensor_files import save_tensors
 
     target = tmp_path / "students" / "fix-softmax-b8-s0.safetensors"
     blocker = target.with_name(f".{target.name}.{os.getpid()}.tmp")

@@ -15,6 +15,7 @@ CORE = (
     "model",
     "checkpoint",
     "hub",
+    "tensor_files",
     "dof",
     "plain_forms",
     "log_space",

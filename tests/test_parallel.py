@@ -15,8 +15,8 @@ import torch
 from conftest import FIXTURES, REPO, tiny_store
 
 from dofmini.distill import TrainSettings, distill
-from dofmini.students import read_tensors
 from dofmini.study import devices
+from dofmini.tensor_files import read_tensors
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
 # one student trained through runs.train_into; the last rank kills itself after step argv[2]

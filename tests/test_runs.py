@@ -15,10 +15,11 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from dofmini.distill import TrainSettings, distill, train_direct
-from dofmini.students import load_student, make_student, read_tensors
+from dofmini.students import load_student, make_student
 from dofmini.study import bank, guard, runs, stages
 from dofmini.study.keys import Clock, valid_allocation
 from dofmini.study.runs import peak_memory, stage, token_ids, train_into
+from dofmini.tensor_files import read_tensors
 
 
 def test_stage_reuses_only_an_identical_key(tmp_path, capsys):

@@ -13,7 +13,8 @@ from pathlib import Path
 from ..checkpoint import CheckpointError
 from ..distill import TERMS, distill_layers
 from ..files import as_json
-from ..students import make_student, read_tensors, save_student, save_tensors
+from ..students import make_student, save_student
+from ..tensor_files import read_tensors, save_tensors
 from . import devices, runs
 from .keys import Run, Student, settings, training_inputs
 from .runs import log

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ..checkpoint import CheckpointError
 from ..files import changed_settings
-from ..students import read_tensors, save_tensors
+from ..tensor_files import read_tensors, save_tensors
 from . import evaluate, task_train
 from .progress import Progress
 

@@ -19,7 +19,8 @@ import torch
 from .. import __version__
 from ..checkpoint import CheckpointError
 from ..files import as_json, atomic_write, by_hand, changed_settings, sha256_file, write_text
-from ..students import read_tensors, save_student, save_tensors
+from ..students import save_student
+from ..tensor_files import read_tensors, save_tensors
 from . import data, devices
 
 

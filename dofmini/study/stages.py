@@ -13,7 +13,8 @@ import numpy as np
 
 from .. import dof
 from ..distill import TERMS, train_direct
-from ..students import load_student, make_student, read_tensors, save_tensors
+from ..students import load_student, make_student
+from ..tensor_files import read_tensors, save_tensors
 from . import bank, devices, evaluate, runs
 from .bank import trained
 from .keys import (
