@@ -68,16 +68,14 @@ def trained(path: Path, key: dict, own: bool = True) -> bool:
 def train_units(run: Run, units: list, log=log) -> list:
     """Train the `units` (one loss and seed) that no file holds with their key yet, together: one
     teacher pass a step serves every layer (the tensors are each unit's alone, bit for bit:
-    distill_layers), resumable from one progress file; one line names each unit trained already.
+    distill_layers), resumable from one progress file; one line names the units trained already.
     Each unit's record: its own loss curve and an equal share of the joint training's seconds.
     The units trained."""
-    todo = []
-    for unit in units:
-        path = unit.path(run.cfg.out)
-        if trained(path, unit_key(run, unit)):
-            log(f"unit {unit.name}: trained already ({path}), not again")
-        else:
-            todo.append(unit)
+    ready = [unit for unit in units if trained(unit.path(run.cfg.out), unit_key(run, unit))]
+    todo = [unit for unit in units if unit not in ready]
+    if ready:
+        names = ", ".join(unit.name for unit in ready)
+        log(f"units trained already, not again (in {run.cfg.out / 'units'}): {names}")
     if not todo:
         return todo
     loss, seed = todo[0].loss, todo[0].seed
