@@ -36,6 +36,18 @@ def _panels(count: int, columns: int = 3):
     return figure, list(axes.flat[:count])
 
 
+def _legend_beside(figure, axes):
+    """One legend for the rules in `axes`, right of the panels, where it hides no point; each
+    label once, in the order first drawn."""
+    found = {}
+    for ax in axes:
+        handles, labels = ax.get_legend_handles_labels()
+        for handle, label in zip(handles, labels):
+            found.setdefault(label, handle)
+    if found:
+        figure.legend(found.values(), found.keys(), loc="outside right upper", fontsize=6)
+
+
 def _save(figure, path):
     from matplotlib import pyplot
 
@@ -82,7 +94,8 @@ def allocation(results: dict, path):
     axes[0].bar(layers, [max(h) for h in per_head], color="0.85", label="layer (max of heads)")
     for head, values in enumerate(np.transpose(per_head)):
         axes[0].plot(layers, values, "o", ms=4, label=f"head {head}")
-    axes[0].set(title="DoF", xlabel="layer", ylabel="DoF")
+    top = 1.4 * max(map(max, per_head))  # headroom above the bars for the heads' legend
+    axes[0].set(title="DoF", xlabel="layer", ylabel="DoF", ylim=(0, top))
     axes[0].legend(fontsize=6)
     for ax, budget in zip(axes[1:], budgets):
         for (variant, loss, b), layer_dims in dims.items():
@@ -90,7 +103,7 @@ def allocation(results: dict, path):
                 label = _label(variant, loss, losses)
                 ax.plot(layers, layer_dims, ms=3, label=label, **styles[variant, loss])
         ax.set(title=f"features per layer, budget {budget}", xlabel="layer", ylabel="features")
-        ax.legend(fontsize=6)
+    _legend_beside(figure, axes[1:])
     _save(figure, path)
 
 
@@ -119,7 +132,7 @@ def error_curves(results: dict, path) -> bool:
             label = _label(variant, loss, losses)
             ax.plot(marked, errors, ms=4, alpha=0.8, label=label, **points)
         ax.set(title=f"layer {layer}", xlabel="features M", ylabel=what)
-    axes[0].legend(fontsize=6)
+    _legend_beside(figure, axes[:1])
     _save(figure, path)
     return True
 
@@ -144,10 +157,9 @@ def training_loss(results: dict, path):
             line = dict(styles[variant, loss], marker=None)
             ax.semilogy(steps, values, lw=1, label=_label(variant, loss, losses), **line)
         ax.set(title=f"budget {budget}", xlabel="step", ylabel="training loss")
-        if ax.lines:
-            ax.legend(fontsize=6)
-        else:  # only untrained students at this budget
+        if not ax.lines:  # only untrained students at this budget
             ax.text(0.5, 0.5, "nothing trained", ha="center", transform=ax.transAxes)
+    _legend_beside(figure, axes)
     _save(figure, path)
 
 
@@ -183,7 +195,7 @@ def e2e_kl(results: dict, path):
         relative.errorbar([b * shift for b, _ in paired], diffs, spans, **points)
     absolute.set(xscale="log", yscale="log", xlabel="budget (features per layer)")
     absolute.set(ylabel="end-to-end KL (nats/token)", xticks=budgets, xticklabels=budgets)
-    absolute.legend(fontsize=6)
+    _legend_beside(figure, [absolute])
     relative.axhline(0, color="k", lw=0.8)
     relative.set(xscale="log", xticks=budgets, xticklabels=budgets)
     relative.set(xlabel="budget (features per layer)", ylabel="− Fix, paired, % of Fix")
