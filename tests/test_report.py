@@ -60,6 +60,15 @@ def test_one_seed_without_curves_has_no_curves_figure_and_no_bars(one_seed, tmp_
     assert not (tmp_path / "curves.png").exists()
 
 
+def test_a_j_limited_dof_estimate_is_said_at_the_top_of_the_report(one_seed, tmp_path):
+    saturated = copy.deepcopy(one_seed)
+    saturated["dof"]["warning"] = "warning: 24 of 24 heads have DoF above J/2 = 512 (...)"
+    for results, said in ((one_seed, False), (saturated, True)):
+        report.write(tmp_path, results)
+        head = (tmp_path / "report.md").read_text().split("## ")[0]
+        assert ("**DoF warning: 24 of 24 heads have DoF above J/2" in head) is said
+
+
 def test_without_matplotlib_the_report_says_how_to_get_the_figures(one_seed, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails, as if absent
     (tmp_path / "e2e_kl.png").write_bytes(b"an earlier run's figure")

@@ -75,11 +75,13 @@ def write(out, results: dict) -> str:
     summary = compare.students(grouped, teacher)
     verdict_list = "\n".join(f"- {line}" for line in verdicts.verdict_lines(results))
     cost = bank_words(results.get("bank"), bool(results.get("curves")))
+    # the DoF rules allocate by these estimates: a J-limited one belongs at the top, not in a log
+    saturated = f"\n\n**DoF {dof['warning']}**" if dof.get("warning") else ""
     text = f"""# dofmini report: {teacher["name"]} ({cfg["profile"]} profile)
 
 ctx {cfg["ctx"]}, seeds {cfg["seeds"]}, budgets {cfg["budgets"]}, {cfg["steps"]} steps of
 {cfg["batch"]} windows, DoF λ={dof["lam"]:g}, J={dof["J"]}, {("raw G", "G/J")[dof["normalize"]]};
-the stages took {results["timings"]["stages_seconds"]:.0f} s in all.{cost}
+the stages took {results["timings"]["stages_seconds"]:.0f} s in all.{cost}{saturated}
 
 Means over seeds with 95% Student-t intervals (± half width). An error is measured per layer; each
 seed's mean over layers and its worst layer are its two views.
