@@ -4,6 +4,7 @@ how to get them and the run goes on. The Agg backend (no display), a fixed size 
 
 import numpy as np
 
+from ..distill import TERMS
 from . import stats
 from .compare import groups
 
@@ -109,8 +110,8 @@ def allocation(results: dict, path):
 
 def error_curves(results: dict, path) -> bool:
     """(b) each layer's error against its features, the swap curves' end-to-end KL where the run
-    has them (else the layer KL curves), with each rule's features at each budget marked on the
-    curve; False (no file) where the run has no curves."""
+    has them (else the layer KL curves), with each layerwise rule's features at each budget marked
+    on the curve; False (no file) where the run has no curves."""
     curves = results.get("curves")
     if not curves:
         return False
@@ -119,7 +120,8 @@ def error_curves(results: dict, path) -> bool:
     ms, mean = measured["dims"], measured["mean_kl"]
     by_rule = {}  # (variant, loss): its dims per layer at every budget
     for (variant, loss, _), layer_dims in _first_seed(results).items():
-        by_rule.setdefault((variant, loss), []).append(layer_dims)
+        if loss in TERMS:  # layerwise-trained PRF, as the curves' students; not untrained draws
+            by_rule.setdefault((variant, loss), []).append(layer_dims)
     styles = _styles(results)
     losses = {loss for _, loss in by_rule}
     figure, axes = _panels(len(mean))
