@@ -146,10 +146,10 @@ def evaluate_students(run, allocation: dict, curves) -> tuple:
     results = {spec.name: evaluate(run, spec) for spec in ready}
     if "oracle_e2e" in run.cfg.variants:
         curves = {**curves, "e2e": swap_curves(run)}
-    rest = [spec for spec in stages.specs(run, allocation, curves) if spec.name not in results]
+    planned = stages.specs(run, allocation, curves)  # every student, the oracles' dims known
+    rest = [spec for spec in planned if spec.name not in results]
     # one variant's seeds and budgets together, so a run cut short leaves whole variants
     order = {v: i for i, v in enumerate(dict.fromkeys(spec.variant for spec in rest))}
     rest.sort(key=lambda spec: (spec.variant != "oracle_e2e", order[spec.variant]))
     results.update({spec.name: evaluate(run, spec, rest) for spec in rest})
-    planned = [spec.name for spec in stages.specs(run, allocation, curves)]
-    return {name: results[name] for name in planned}, curves
+    return {spec.name: results[spec.name] for spec in planned}, curves
