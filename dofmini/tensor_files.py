@@ -13,9 +13,10 @@ from .files import atomic_write
 
 def save_tensors(tensors: dict, path, metadata: dict):
     """A safetensors file written atomically, `metadata` sorted JSON under "dofmini"."""
-    tensors = {n: t.detach().cpu().contiguous() for n, t in sorted(tensors.items())}
-    meta = {"dofmini": json.dumps(metadata, sort_keys=True)}
-    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), meta))
+    ordered = sorted(tensors.items())
+    on_cpu = {name: t.detach().cpu().contiguous() for name, t in ordered}
+    header = {"dofmini": json.dumps(metadata, sort_keys=True)}
+    atomic_write(path, lambda tmp: save_file(on_cpu, str(tmp), header))
 
 
 def read_tensors(path, tensors=True):
