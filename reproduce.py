@@ -9,12 +9,10 @@ Every setting of a run is one field of RunConfig below. Each stage saves its res
 the settings and inputs that made it; running again reuses a stage only when they match.
 """
 
-import dataclasses
 import json
 import os
 import sys
 import tempfile
-import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,58 +22,89 @@ import torch
 
 from dofmini import hub
 from dofmini.distill import TrainSettings
-from dofmini.files import sha256_file, write_text
-from dofmini.study import (
-    bank,
-    compare,
-    data,
-    devices,
-    endtoend,
-    estimate,
-    evaluate,
-    flags,
-    guard,
-    keys,
-    plan,
-    report,
-    runs,
-    stages,
-)
-from dofmini.study.finetune_stages import data_groups, run_all
-from dofmini.study.runs import log
+from dofmini.files import by_hand, sha256_file, write_text
+from dofmini.study import data, devices, estimate, evaluate, flags, guard, pipeline, report, store
+from dofmini.study.finetune_stages import data_groups
+from dofmini.study.flags import ints, names, option, rates, variants
+from dofmini.study.run import CALIBRATION, Run
+from dofmini.study.runner import Runner
+from dofmini.study.store import log
 
-# What each profile changes in RunConfig's defaults (which are the "default" profile).
+# What each profile changes in RunConfig's defaults (which are the "default" profile); the
+# fine-tuning sizes (finetune_*) the default's take the GPT-2 stand-in about an hour on 2 cores.
 PROFILES = {
     "quick": dict(ctx=64, J=128, calib_windows=8, steps=4, batch=2, eval_windows=4, limit=4,
-                  error_windows=4, curve_windows=4, train_chars=200_000, e2e_windows=4),
+                  error_windows=4, curve_windows=4, train_chars=200_000, e2e_windows=4,
+                  finetune_train_limit=8, finetune_epochs=1, finetune_batch=4),
     "default": {},
     "study": dict(eval_windows=64, limit=0, seeds=(0, 1, 2), budgets=(16, 32, 64),
                   variants=("fix", "dof", "dof_sqrt", "dof_sqrt_mean", "oracle", "oracle_e2e",
-                            "dof_inv_sqrt", "dof_floor", "dof_inv")),
-    "paper": dict(ctx=None, steps=None, eval_windows=None, limit=None),
+                            "dof_inv_sqrt", "dof_floor", "dof_inv"),
+                  finetune_train_limit=256),
+    "paper": dict(ctx=None, steps=None, eval_windows=None, limit=None,
+                  finetune_train_limit=None, finetune_batch=None),
 }  # fmt: skip
+KNOWN = ", ".join(hub.HUB_REPOS)
+VARIANTS = ", ".join(flags.VARIANTS)
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Every setting a run depends on. Profiles fill the sizes; flags override single fields."""
+    """Every setting a run depends on. Profiles fill the sizes; flags (`option`) override single
+    fields, each flag's help beside its field."""
 
-    model: str
-    profile: str = "default"
-    out: Path | None = None  # default runs/<model>-<profile>
-    data: Path | None = None  # the data store; default DOFMINI_DATA or the user cache
-    device: str = "auto"  # the GPU where torch sees one (each rank's under torchrun), else cpu
-    precision: str = "fp32"  # the teacher's forward passes: fp32, or bf16 autocast (devices)
-    per_device: int | None = None  # windows back-propagated at once; None: a quarter of the batch
-    variants: tuple = ("performer", "dijiang", "fix", "dof", "dof_clip")
-    losses: tuple = ("softmax",)  # the PRF students' losses, each at every budget
-    seeds: tuple = (0,)  # each sets the feature draw and the data order; Fix and DoF share it
-    budgets: tuple | None = None  # mean features per layer; None: the head size
-    curve_dims: tuple = (8, 16, 32, 64, 128)  # per-layer error curves, for the oracle
-    lam: float | None = None  # DoF λ; None: 2^-4 for GPT-2, 2^-8 for Pythia (the paper's)
-    J: int = 1024  # queries and keys sampled per head for DoF
-    raw_gram: bool = False  # DoF from the raw Gram G instead of G/J
-    plan_only: bool = False  # print the plan and stop
+    model: str = option(
+        None,
+        f"a known name ({KNOWN}) or a folder holding config.json, "
+        "model.safetensors, tokenizer.json",
+    )
+    profile: str = option(
+        "default",
+        "quick: a smoke run; default: one seed, one budget; study: "
+        "seeds 0-2, budgets 16/32/64, Fix, 6 DoF rules, 2 oracles; paper: the "
+        "paper's sizes, meant for a GPU",
+    )
+    out: Path | None = option(None, "the run's folder", type=Path, none="runs/MODEL-PROFILE")
+    data: Path | None = option(
+        None, "the data store", type=Path, none="$DOFMINI_DATA, else the user cache"
+    )
+    device: str = option(
+        "auto",
+        "auto (a GPU where torch sees one), cpu, cuda, cuda:N; under "
+        "torchrun cuda is each rank's own",
+    )
+    precision: str = option(
+        "fp32", "the teacher's forward passes; bf16: in autocast", choices=("fp32", "bf16")
+    )
+    per_device: int | None = option(
+        None,
+        "windows back-propagated at once",
+        type=int,
+        flag="--batch-per-device",
+        none="a quarter of the batch",
+    )
+    variants: tuple = option(
+        ("performer", "dijiang", "fix", "dof", "dof_clip"),
+        f"from {VARIANTS}; none: only the teacher and DoF",
+        type=variants,
+    )
+    losses: tuple = option(
+        ("softmax",),
+        "the PRF students' losses, each at every budget: from softmax, l2, direct, e.g. softmax,l2",
+        type=names,
+        flag="--loss",
+    )
+    seeds: tuple = option(
+        (0,), "e.g. 0,1,2; each sets a student's feature draw and data order", type=ints
+    )
+    budgets: tuple | None = option(None, "mean features a layer", type=ints, none="the head size")
+    curve_dims: tuple = option(
+        (8, 16, 32, 64, 128), "the oracles' error curves' feature counts", type=ints
+    )
+    lam: float | None = option(None, "DoF λ", type=float, none="2^-4 for GPT-2, 2^-8 for Pythia")
+    J: int = option(1024, "queries and keys sampled a head for DoF", type=int)
+    raw_gram: bool = option(False, "DoF from the raw Gram G, not G/J")
+    plan_only: bool = option(False, "print the plan, with its estimate, and stop")
     ctx: int | None = 256  # None: the model's own context, at most max_ctx
     calib_windows: int = 64  # windows of WikiText-2 valid for DoF
     steps: int | None = 400  # optimiser steps per student; None: one pass over the corpus
@@ -84,13 +113,18 @@ class RunConfig:
     lr_a: float = TrainSettings.lr_a  # a = log α
     train_chars: int | None = None  # read only this many characters of the corpus
     eval_windows: int | None = 128  # perplexity windows per text; None: all
-    limit: int | None = 100  # examples per task; None: all; 0: no tasks
+    limit: int | None = option(100, "first N examples a task (0: none)", type=int, none="all")
     error_windows: int = 32  # held-out windows for the per-layer errors
     curve_windows: int = 16  # the next held-out windows, for the error curves
     e2e_windows: int = 32  # the next ones, for end-to-end KL; the next ones, for the swap curves
     max_ctx: int = 2048
-    finetune: bool = False  # fine-tune every model on the seven tasks (finetune.py)
-    finetune_lr: tuple = ()  # ((task, rate), ...): these tasks skip the teacher's grid search
+    finetune: bool = option(False, "fine-tune every model on the tasks (finetune.py)")
+    finetune_lr: tuple = option(
+        (), "TASK=LR,... or paper (Table 8)", type=rates, none="none: the teacher's grid search"
+    )
+    finetune_train_limit: int | None = 64  # training examples a task; None: all
+    finetune_epochs: int = 3  # MMLU's is always 1, its accuracy the last epoch's
+    finetune_batch: int | None = 16  # examples a step; None: the paper's (finetune_stages)
 
 
 def parse_args(argv) -> RunConfig:
@@ -116,7 +150,7 @@ def _main(cfg: RunConfig):
     groups = ["wikitext2", "corpus", "heldout", *tasks]
     if cfg.finetune:  # only then: the default run's downloads stay as they are
         groups = list(dict.fromkeys(groups + data_groups()))
-    needed = {keys.CALIBRATION, *evaluate.PPL_TEXTS.values()}
+    needed = {CALIBRATION, *evaluate.PPL_TEXTS.values()}
     if unlisted := needed - {f.path for f in data.files(groups)}:
         rows = ", ".join(sorted(unlisted))
         flags.fail(f"the data registry has no row for {rows}; the run reads it")
@@ -126,7 +160,7 @@ def _main(cfg: RunConfig):
     absent = data.missing(groups, cfg.data)
     if cfg.plan_only and (weights or absent):
         header = "not here yet (the stages follow once these are in place):"
-        log(runs.missing_listing(weights, absent, cfg.data, header))
+        log(missing_listing(weights, absent, cfg.data, header))
         return log("estimate: it times the run's work on the weights and data, once in place")
 
     def fetch_and_load():
@@ -135,25 +169,20 @@ def _main(cfg: RunConfig):
 
     run = devices.writer_first(fetch_and_load)
     devices.writer_first(lambda: encode_texts(run))  # the others read its token caches
-    plan_run(run)
+    check_teacher(run)
+    plan, seconds = plan_run(run)
     if cfg.plan_only:
         return
-    teacher = stages.evaluate_teacher(run)
-    allocation = stages.estimate_allocation(run)
-    report.write_allocation(cfg.out, allocation, log)
-    oracles = set(stages.ORACLES) & set(cfg.variants)
-    curves = stages.error_curves(run, allocation) if oracles else None
-    students, curves = endtoend.evaluate_students(run, allocation, curves)
-    results = collect(run, teacher, allocation, curves, students)
+    middles = {name: estimate.middle(ends) for name, ends in seconds.items()}
+    results = pipeline.run_all(run, Runner(plan, middles))
     if cfg.finetune:
-        results["finetune"] = run_all(run, stages.specs(run, allocation, curves))
         log(report.finetune_table(results["finetune"]))
     write_text(cfg.out / "results.json", json.dumps(results, indent=1, sort_keys=True))
     log("\n" + report.write(cfg.out, results))
     log("\n" + report.closing(cfg.out, results))
 
 
-def load_teacher(cfg: RunConfig, hashes: dict) -> keys.Run:
+def load_teacher(cfg: RunConfig, hashes: dict) -> Run:
     teacher = hub.load(cfg.model).to(cfg.device)
     tokenizer = hub.load_tokenizer(cfg.model)
     model_cfg = teacher.config
@@ -170,15 +199,15 @@ def load_teacher(cfg: RunConfig, hashes: dict) -> keys.Run:
         flags.fail(f"--J {cfg.J} is more than the {pool} queries and keys per head that "
               f"{cfg.calib_windows} calibration windows of {ctx} tokens give")  # fmt: skip
     tokenizer_hash = sha256_file(hub.locate(cfg.model) / "tokenizer.json")[:16]
-    device = runs.device_name(teacher) + devices.teacher_precision(teacher, cfg.precision)
+    device = devices.device_name(teacher) + devices.teacher_precision(teacher, cfg.precision)
     inputs = dict(teacher=teacher.identity, tokenizer=tokenizer_hash, device=device, **hashes)
     log(f"dofmini: {model_cfg.name} ({model_cfg.family}, {model_cfg.n_layer} layers x "
         f"{model_cfg.n_head} heads of {model_cfg.head_dim}), profile {cfg.profile}, ctx {ctx}, "
         f"seeds {list(cfg.seeds)}, budgets {list(budgets)}, out {cfg.out}")  # fmt: skip
-    return keys.Run(cfg, teacher, tokenizer, ctx, lam, tuple(budgets), inputs)
+    return Run(cfg, teacher, tokenizer, ctx, lam, tuple(budgets), inputs)
 
 
-def encode_texts(run: keys.Run):
+def encode_texts(run: Run):
     """calib (WikiText-2 valid, for DoF), wikitext2 (test), heldout and train token ids."""
     cfg, keep = run.cfg, not run.cfg.plan_only  # a plan leaves no cache
     for name, relative in run.texts_read().items():
@@ -187,53 +216,66 @@ def encode_texts(run: keys.Run):
         key = dict(tokenizer=run.inputs["tokenizer"], max_chars=max_chars, files=files)
         path = cfg.out / f"tokens-{name}.npy"
         paths = [cfg.data / r for r in relative]
-        run.texts[name] = runs.token_ids(path, key, paths, run.tokenizer, max_chars, keep)
+        run.texts[name] = store.token_ids(path, key, paths, run.tokenizer, max_chars, keep)
     run.texts["calib"] = run.texts["calib"][: cfg.calib_windows * run.ctx]
 
 
-def plan_run(run: keys.Run):
-    """Print the run's stages in order, "done" for those saved with this run's keys (a rerun
-    reloads them), and the time each other one should take here; keep the order and those times
-    for the progress lines. First, a teacher whose forward pass overflows its dtype stops the
-    run."""
-    cfg, teacher = run.cfg, run.teacher
-    weight = next(teacher.parameters())
-    vocab = teacher.config.vocab_size
+def check_teacher(run: Run):
+    """A teacher whose forward pass overflows its dtype stops the run before any stage."""
+    weight = next(run.teacher.parameters())
+    vocab = run.teacher.config.vocab_size
     ids = torch.randint(0, vocab, (1, run.ctx), generator=torch.Generator())
-    if not torch.isfinite(teacher(ids.to(weight.device))).all():  # logits [1, ctx, V]
+    if not torch.isfinite(run.teacher(ids.to(weight.device))).all():  # logits [1, ctx, V]
         why = f"its weights overflow {weight.dtype} in the forward pass"
         flags.fail(f"the teacher's logits on random tokens are not finite: {why}")
-    rows = plan.stages_of(run)
-    names, done = plan.names(rows), plan.done(rows)
-    todo = [name for name in names if name not in done]
-    if todo:
+
+
+def plan_run(run: Run) -> tuple:
+    """The pipeline in plan mode: print its stages in order, "done" for those saved with this
+    run's keys (a rerun reloads them) and the time each other one should take here. (The rows,
+    {stage: (low, high) seconds}) for the progress lines."""
+    cfg = run.cfg
+    planner = Runner()
+    pipeline.run_all(run, planner)
+    rows = list(planner.rows.values())
+    if not all(row.done for row in rows):
         log(f"timing the run's work here ({estimate.HOW})")
-    seconds = estimate.estimate(run, todo)
-    run.clock.plan = names
-    run.clock.estimates = {name: estimate.middle(ends) for name, ends in seconds.items()}
-    steps, world = keys.settings(run, cfg.seeds[0]).steps, devices.world()
+    seconds = estimate.estimate(run, rows)
+    steps, world = run.settings(run.dof_seed).steps, devices.world()
     parts = -(-cfg.batch // cfg.per_device)
     share = f"; {world} ranks, each at most {-(-parts // world)} of a step's {parts} parts"
     windows = f"{steps} steps of {cfg.batch} windows of {run.ctx} tokens, {cfg.per_device} at once"
     log(f"plan (each student: {windows}{share if world > 1 else ''}):")
-    for name in names:
-        log(f"  {name}: {estimate.span(seconds[name]) if name in seconds else 'done'}")
-    rest = estimate.total(seconds, cfg.device)
-    log(f"  {len(done)} of {len(names)} stages done{rest}")
-    log(f"  {units_line(plan.new_units(run), teacher.config.n_layer)}")
+    for row in rows:
+        log(f"  {row.name}: {estimate.span(seconds[row.name]) if not row.done else 'done'}")
+    done = sum(row.done for row in rows)
+    log(f"  {done} of {len(rows)} stages done{estimate.total(seconds, cfg.device)}")
+    log(f"  {units_line(rows, run.teacher.config.n_layer)}")
+    return rows, seconds
 
 
-def units_line(fresh: dict, n_layer: int) -> str:
+def units_line(rows: list, n_layer: int) -> str:
     """How many layer units (bank.py) the layerwise students still train: each (loss, layer,
     M, seed) once, whichever students share it."""
-    known = sum(units[0] for units in fresh.values() if units is not None)
-    unknown = [name for name, units in fresh.items() if units is None]
-    sized = len(fresh) - len(unknown)
-    said = f"layer units to train: {known} (layerwise students of known dims: {sized})"
+    known = sum(row.units for row in rows if row.units is not None)
+    unknown = sum(row.units is None for row in rows)
+    said = f"layer units to train: {known}"
     if unknown:
-        later = f"{len(unknown)} whose dims DoF or the curves give"
-        said += f"; up to {n_layer} more for each of {later}"
+        said += f"; up to {n_layer} more for each of {unknown} whose dims DoF or the curves give"
     return said
+
+
+def missing_listing(weights: list, absent: list, root, header: str) -> str:
+    """One message for everything a run still lacks: each missing file's URL and destination,
+    the weights [(url, path)] and the data store's rows `absent`."""
+    lines = [header]
+    if weights:
+        lines.append(f"  weights, {len(weights)} file(s):")
+        lines.append(by_hand(((url, path.resolve()) for url, path in weights), 4).lstrip("\n"))
+    if absent:
+        lines.append(f"  data, {len(absent)} file(s), {data.size_mb(absent)}:")
+        lines.append(data.offline_listing(absent, root, 4).lstrip("\n"))
+    return "\n".join(lines)
 
 
 def stop_if_unreachable(cfg: RunConfig, weights: list, absent: list):
@@ -261,7 +303,7 @@ def stop_if_unreachable(cfg: RunConfig, weights: list, absent: list):
     header = "Each file this run lacks: its URL, then where it goes."
     handle, listing = tempfile.mkstemp(prefix="dofmini-missing-", suffix=".txt", text=True)
     with os.fdopen(handle, "w") as file:
-        file.write(runs.missing_listing(weights, absent, cfg.data, header) + "\n")
+        file.write(missing_listing(weights, absent, cfg.data, header) + "\n")
     lines.append(f"Each file's URL and destination are in {listing}.")
     lines.append(
         "Fix: download each file to its destination (a Wikipedia file as served: it is converted "
@@ -269,28 +311,6 @@ def stop_if_unreachable(cfg: RunConfig, weights: list, absent: list):
         "that hold them; or run again once those hosts answer."
     )
     flags.fail("\n".join(lines))
-
-
-def collect(run: keys.Run, teacher_result, allocation, curves, students) -> dict:
-    """results.json: every number, the settings, the inputs' hashes and what made them."""
-    config = {k: v for k, v in dataclasses.asdict(run.cfg).items() if k not in ("out", "data")}
-    inputs = dict(run.inputs, read=run.files_read())  # the data files in the order read
-    config.update(ctx=run.ctx, lam=run.lam, budgets=list(run.budgets))
-    trainings = [s["train_seconds"] for s in students.values() if "same_training_as" not in s]
-    seconds = teacher_result["eval_seconds"] + allocation["seconds"] + sum(trainings)
-    seconds += sum(s["eval_seconds"] for s in students.values())
-    seconds += curves["curve_only_train_seconds"] if curves else 0.0
-    model_cfg = run.teacher.config
-    teacher = dict(teacher_result, name=model_cfg.name, identity=run.teacher.identity)
-    teacher.update(head_dim=model_cfg.head_dim, n_layer=model_cfg.n_layer, e2e_kl=0.0)
-    found = dict(teacher=teacher, dof=allocation, curves=curves)
-    found.update(students=students, config=config, inputs=inputs)
-    found["e2e"] = compare.e2e_summary(compare.groups(students))  # the metric to choose by
-    curve_students = stages.curve_specs(run) if curves else []
-    found["bank"] = bank.cost(run, curve_students + stages.specs(run, allocation, curves))
-    # a resumed run skips finished stages, so its own wall time says little
-    timings = {"stages_seconds": seconds, "this_invocation_seconds": time.time() - run.clock.t0}
-    return dict(found, provenance=runs.provenance(run.teacher), timings=timings)
 
 
 if __name__ == "__main__":

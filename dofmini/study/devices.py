@@ -9,14 +9,17 @@ import datetime
 import hashlib
 import json
 import os
+import platform
 import secrets
+import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import files, hub
+from .. import __version__, files, hub
 from . import data
 
 TIMEOUT = datetime.timedelta(hours=1)
@@ -211,3 +214,33 @@ def shared(backward, params: list, part: int):
         return losses.tolist()
 
     return step
+
+
+def device_name(model) -> str:
+    """Where and in what dtype a model runs, for the stage keys: "cpu/float32", "cuda/float32"."""
+    p = next(model.parameters())
+    return f"{p.device.type}/{str(p.dtype).removeprefix('torch.')}"
+
+
+def provenance(model) -> dict:
+    """What made the results: versions, the git commit of a checkout, threads, the device."""
+
+    def git(*args) -> str:  # "" outside a checkout or without git
+        try:
+            command, repo = ["git", *args], Path(__file__).resolve().parents[2]
+            done = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    device, gpu = next(model.parameters()).device, None
+    if device.type == "cuda":
+        try:
+            gpu = torch.cuda.get_device_name(device)
+        except (RuntimeError, AssertionError) as err:  # a simulated device has no name
+            gpu = f"unknown ({err})"
+    found = dict(dofmini=__version__, git_commit=git("rev-parse", "HEAD") or None)
+    found["git_dirty"] = bool(git("status", "--porcelain", "dofmini", "reproduce.py"))
+    found.update(python=platform.python_version(), torch=torch.__version__, numpy=np.__version__)
+    found.update(threads=torch.get_num_threads(), device=device_name(model), gpu=gpu)
+    return dict(found, cuda=torch.version.cuda if gpu else None)

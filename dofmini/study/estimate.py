@@ -1,12 +1,23 @@
-"""What a run will cost here, before it starts: each kind of work timed twice at the run's own
-shapes (an optimiser step of each kind the run trains, one batch of each evaluation, the first
-few examples of each task together, DoF's algebra on one head, a fine-tuning step), then
-multiplied by the counts each stage needs. The range runs from the faster probe divided by
-SPREAD to the slower times SPREAD: a machine shared with other jobs, warm-up, and examples longer
-than the first all move the real time."""
+"""What a run will cost here, before it starts. The plan (runner.py) gives each pending stage its
+work as counts of a few kinds (below); each kind a pending stage needs is timed twice at the
+run's own shapes, and a stage's seconds are its counts times those times. The range runs from
+the faster probe divided by SPREAD to the slower times SPREAD: a machine shared with other jobs,
+warm-up, and examples longer than the first all move the real time.
+
+The kinds of work, each timed as one:
+- "teacher ppl window", "student ppl window": a window of perplexity (the student: the run's
+  widest PRF student); "teacher tasks", "student tasks": every task of the run, once;
+- "layer window", "e2e window": a held-out window of layer errors, of a student's end-to-end KL;
+- "dof window", "dof head": DoF's capture of a calibration window, its algebra on one head;
+- ("step", loss, kind): an optimiser step of a whole student (a PRF or DiJiang one, trained
+  directly); ("teacher pass", loss) and ("unit step", loss): a layerwise step's teacher pass
+  through every layer and what its losses add for every layer's unit;
+- ("zero-shot", task), ("fine-tune", task, "teacher" or "student"): one evaluation of a task's
+  split; one fine-tuning of a model on it, a student's on its own forward pass."""
 
 import dataclasses
 import functools
+import math
 import time
 from pathlib import Path
 
@@ -15,11 +26,11 @@ import torch
 from ..distill import distill, train_direct
 from ..dof import degrees_of_freedom
 from ..students import make_student
-from . import data, devices, endtoend, evaluate, finetune, finetune_stages, plan, stages, task_train
-from .keys import settings
+from . import data, devices, endtoend, evaluate, finetune, finetune_stages, task_train
 from .tasks import load_task
 
 SPREAD = 1.5
+PROBE_SEED = 0  # the probes' feature draws and data order
 TASK_PROBE = 8  # examples of each task timed together
 # fine-tuning's optimiser step is timed on this task's examples only (all six tasks' steps took
 # ~20 s on the stand-in): its training examples are near the tasks' mean length weighted by
@@ -43,197 +54,179 @@ def timed(compute) -> tuple:
     return min(seconds), max(seconds)
 
 
-def per_window(compute, model, run, text: str, windows: int) -> tuple:
-    """(faster, slower) seconds a window of one batch of `windows` (the stage's own batch):
-    compute(model, the text's first windows, ctx) for perplexity, else compute(windows)."""
-    windows = min(windows, len(run.texts[text]) // run.ctx)
-    ids = run.texts[text][: windows * run.ctx]
-    call = (lambda: compute(model, ids, run.ctx)) if model else (lambda: compute(windows))
-    return tuple(seconds / windows for seconds in timed(call))
+def scaled(times: tuple, by) -> tuple:
+    return tuple(t * b for t, b in zip(times, by if isinstance(by, tuple) else (by, by)))
 
 
-def step_kind(spec) -> tuple | None:
-    """(loss, student kind) of a student's training steps; None for the untrained Performer."""
-    if spec.variant == "performer":
-        return None
-    return spec.loss, "dijiang" if spec.variant == "dijiang" else "prf"
+class Probes:
+    """The seconds of each kind of work (the module's list), timed when first asked for."""
+
+    def __init__(self, run):
+        self.run = run
+        n_layer = run.teacher.config.n_layer
+        self.widest = (max(run.budgets),) * n_layer  # the probe student: the largest budget
+        self.student = make_student(run.teacher, "prf", self.widest, PROBE_SEED)
+
+    @functools.cache  # noqa: B019 (one Probes a plan)
+    def __getitem__(self, kind) -> tuple:
+        head, *args = (kind,) if isinstance(kind, str) else kind
+        return getattr(self, head.replace(" ", "_").replace("-", "_"))(*args)
+
+    def per_window(self, compute, text: str, windows: int) -> tuple:
+        """(faster, slower) seconds a window of one batch of `windows` (the stage's own batch)."""
+        run = self.run
+        windows = min(windows, len(run.texts[text]) // run.ctx)
+        return scaled(timed(lambda: compute(windows)), 1 / windows)
+
+    def teacher_ppl_window(self, model=None) -> tuple:
+        run = self.run
+        ids = run.texts["wikitext2"][: 8 * run.ctx]
+        perplexity = lambda w: evaluate.perplexity(
+            model or run.teacher, ids[: w * run.ctx], run.ctx
+        )  # noqa: E731
+        return self.per_window(perplexity, "wikitext2", 8)
+
+    def student_ppl_window(self) -> tuple:
+        return self.teacher_ppl_window(self.student)
+
+    def on_student(self, times: tuple) -> tuple:
+        """`times` of the teacher's forward passes, on the probe student's instead."""
+        ratio = [s / t for s, t in zip(self["student ppl window"], self["teacher ppl window"])]
+        return scaled(times, tuple(ratio))
+
+    def example(self, task: str) -> tuple:
+        """A zero-shot example of `task` scored with a few others, as the evaluation batches."""
+        run = self.run
+        pinned = {Path(f.path).name for f in data.files(task)}
+        first = load_task(task, run.cfg.data, run.cfg.limit, pinned)[:TASK_PROBE]
+        scored = functools.partial(evaluate.score_examples, run.teacher, run.tokenizer, first)
+        return scaled(timed(scored), 1 / len(first))
+
+    def teacher_tasks(self) -> tuple:
+        run, total = self.run, (0.0, 0.0)
+        for task in run.tasks():
+            pinned = {Path(f.path).name for f in data.files(task)}
+            count = len(load_task(task, run.cfg.data, run.cfg.limit, pinned))
+            total = tuple(a + b for a, b in zip(total, scaled(self[("example", task)], count)))
+        return total
+
+    def student_tasks(self) -> tuple:
+        return self.on_student(self["teacher tasks"])
+
+    def layer_window(self) -> tuple:
+        run = self.run
+        errors = functools.partial(evaluate.layer_errors, run.teacher, self.student,
+                                   run.texts["heldout"], run.ctx)  # fmt: skip
+        return self.per_window(errors, "heldout", min(4, run.cfg.error_windows))
+
+    def e2e_window(self) -> tuple:
+        run = self.run
+        kl = functools.partial(endtoend.e2e_kl, run.teacher, [self.student], run.texts["heldout"],
+                               run.ctx)  # fmt: skip
+        return self.per_window(kl, "heldout", min(4, run.cfg.e2e_windows))
+
+    def forward(self) -> tuple:
+        """The teacher's pass through every layer on the batch a step takes."""
+        run = self.run
+        ids = run.texts["train"][: run.cfg.batch * run.ctx].view(run.cfg.batch, run.ctx)
+        device = next(run.teacher.parameters()).device
+        return timed(lambda: run.teacher.capture(ids.to(device)))
+
+    def dof_window(self) -> tuple:
+        return scaled(self["forward"], 1 / self.run.cfg.batch)
+
+    def dof_head(self) -> tuple:
+        run = self.run
+        shape = (1, 1, run.cfg.J, run.teacher.config.head_dim)
+        x = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator())
+        return timed(lambda: degrees_of_freedom(x, run.lam, not run.cfg.raw_gram))
+
+    def step(self, loss: str, kind: str) -> tuple:
+        """Two optimiser steps (after one to warm up) of one round of parts (a part on each rank),
+        times the rounds a step of the run's batch takes; a layerwise loss: a whole student's."""
+        run, world = self.run, devices.world()
+        cfg = run.cfg
+        parts = -(-cfg.batch // cfg.per_device)
+        rounds = -(-parts // world)  # of a part on each rank
+        probe = dataclasses.replace(run.settings(PROBE_SEED), steps=3, batch=cfg.per_device * world)
+        tokens, loop = run.texts["train"], dict(share=devices.shared)
+        n_layer = run.teacher.config.n_layer
+        if loss == "direct":
+            dims = (run.teacher.config.head_dim,) * n_layer if kind == "dijiang" else self.widest
+            start = make_student(run.teacher, kind, dims, PROBE_SEED)
+            train = functools.partial(train_direct, start, tokens, probe, **loop)
+        else:
+            train = functools.partial(distill, run.teacher, self.widest, tokens, probe, loss=loss,
+                                      **loop)  # fmt: skip
+        seen = []
+        train(log=lambda _: None, on_step=lambda state: seen.append(state.seconds))
+        steps = [seen[1] - seen[0], seen[2] - seen[1]]
+        return min(steps) * rounds, max(steps) * rounds
+
+    def teacher_pass(self, loss: str) -> tuple:
+        return tuple(map(min, self["forward"], self[("step", loss, "prf")]))
+
+    def unit_step(self, loss: str) -> tuple:
+        return tuple(
+            s - f for s, f in zip(self[("step", loss, "prf")], self[("teacher pass", loss)])
+        )
+
+    def zero_shot(self, task: str) -> tuple:
+        _, test = self.tuning_splits(task)
+        return scaled(self.scored(task), len(test))
+
+    def fine_tune(self, task: str, kind: str) -> tuple:
+        """Its steps x one optimiser step (timed on PROBE_TASK's first examples), plus each epoch's
+        evaluation x an example's scoring."""
+        if kind == "student":
+            return self.on_student(self[("fine-tune", task, "teacher")])
+        s = finetune_stages.settings_for(self.run, task, 0.0, PROBE_SEED)
+        train, test = self.tuning_splits(task)
+        steps = -(-len(train) // s.batch) * s.epochs
+        work = zip(
+            scaled(self["tuning step"], steps), scaled(self.scored(task), s.epochs * len(test))
+        )
+        return tuple(map(sum, work))
+
+    def tuning_splits(self, task: str) -> tuple:
+        s = finetune_stages.settings_for(self.run, task, 0.0, PROBE_SEED)
+        data_dir = self.run.cfg.data
+        train = task_train.load_split(task, "train", data_dir, s.train_limit)
+        return train, task_train.load_split(task, "eval", data_dir, s.eval_limit)
+
+    def scored(self, task: str) -> tuple:
+        """An evaluation example's scoring: the zero-shot probe's where the run scores the task
+        (the same scorer on the same split), else timed on the split's first TASK_PROBE (WSC's,
+        SuperGLUE's, is not the zero-shot WSC273)."""
+        if task in self.run.tasks():
+            return self[("example", task)]
+        encoded = finetune.encode(self.run.tokenizer, self.tuning_splits(task)[1][:TASK_PROBE])
+        with torch.no_grad():
+            times = timed(lambda: finetune.accuracy(self.run.teacher, encoded))
+        return scaled(times, 1 / len(encoded))
+
+    def tuning_step(self) -> tuple:
+        run = self.run
+        model, opt = finetune.trainable(run.teacher, 0.0)  # the rate does not change a step's time
+        s = finetune_stages.settings_for(run, PROBE_TASK, 0.0, PROBE_SEED)
+        batch = task_train.load_split(PROBE_TASK, "train", run.cfg.data, s.batch)
+        encoded = finetune.encode(run.tokenizer, batch)
+        step = functools.partial(finetune.train_step, model, opt, encoded, s.part)
+        step()  # the warm-up
+        return timed(step)
 
 
-def step_seconds(run, loss: str, kind: str, dims: tuple) -> tuple:
-    """(faster, slower) seconds of one optimiser step: two steps (after one to warm up) of one
-    round of parts (a part on each rank), times the rounds a step of the run's batch takes. A
-    layerwise loss: the step of a whole student, every layer's unit from one teacher pass
-    (bank.train_units)."""
-    cfg, world = run.cfg, devices.world()
-    parts = -(-cfg.batch // cfg.per_device)
-    rounds = -(-parts // world)
-    probe = dataclasses.replace(settings(run, 0), steps=3, batch=cfg.per_device * world)
-    tokens = run.texts["train"]
-    loop = dict(share=devices.shared)
-    if loss == "direct":
-        student = make_student(run.teacher, kind, dims, 0)
-        steps = two_steps(functools.partial(train_direct, student, tokens, probe, **loop))
-    else:
-        student = functools.partial(distill, run.teacher, dims, tokens, probe, loss=loss, **loop)
-        steps = two_steps(student)
-    return min(steps) * rounds, max(steps) * rounds
-
-
-def forward_seconds(run) -> tuple:
-    """(faster, slower) seconds of the teacher's pass through every layer on the batch a step
-    takes: the share of a layerwise step that does not shrink with fewer units."""
-    cfg = run.cfg
-    ids = run.texts["train"][: cfg.batch * run.ctx].view(cfg.batch, run.ctx)
-    device = next(run.teacher.parameters()).device
-    return timed(lambda: run.teacher.capture(ids.to(device)))
-
-
-def two_steps(train) -> list:
-    """The seconds of each of two optimiser steps of train(log=, on_step=), after a first one
-    that warms up (allocations, caches) and is not counted."""
-    seen = []
-    train(log=lambda _: None, on_step=lambda state: seen.append(state.seconds))
-    return [seen[1] - seen[0], seen[2] - seen[1]]
-
-
-def probe(run, students: list) -> dict:
-    """{what: (faster, slower) seconds} of each unit of work the students and stages need."""
-    cfg = run.cfg
-    teacher = run.teacher
-    ctx = run.ctx
-    n_layer, head_dim = teacher.config.n_layer, teacher.config.head_dim
-    widest = (max(run.budgets),) * n_layer  # the probe student: the largest budget
-    found = {}
-    for kind in dict.fromkeys(filter(None, map(step_kind, students))):
-        dims = (head_dim,) * n_layer if kind[1] == "dijiang" else widest
-        found[kind] = step_seconds(run, *kind, dims)
-    found["forward"] = forward_seconds(run)
-    student = make_student(teacher, "prf", widest, 0)
-    heldout = run.texts["heldout"]
-    found["ppl"] = per_window(evaluate.perplexity, teacher, run, "wikitext2", 8)
-    found["student ppl"] = per_window(evaluate.perplexity, student, run, "wikitext2", 8)
-    errors = functools.partial(evaluate.layer_errors, teacher, student, heldout, ctx)
-    found["layer"] = per_window(errors, None, run, "heldout", min(4, cfg.error_windows))
-    kl = functools.partial(endtoend.e2e_kl, teacher, [student], heldout, ctx)
-    found["e2e"] = per_window(kl, None, run, "heldout", min(4, cfg.e2e_windows))
-    x = torch.randn(1, 1, cfg.J, head_dim, dtype=torch.float64, generator=torch.Generator())
-    found["dof head"] = timed(lambda: degrees_of_freedom(x, run.lam, not cfg.raw_gram))
-    tasks = [0.0, 0.0]
-    for name in run.tasks():
-        pinned = {Path(f.path).name for f in data.files(name)}
-        examples = load_task(name, cfg.data, cfg.limit, pinned)
-        # a few examples at once, as the evaluation batches them: one alone costs more
-        first = examples[:TASK_PROBE]
-        scored = functools.partial(evaluate.score_examples, teacher, run.tokenizer, first)
-        each = [seconds / len(first) for seconds in timed(scored)]
-        found[("example", name)] = tuple(each)
-        tasks = [total + len(examples) * t for total, t in zip(tasks, each)]
-    found["tasks"] = tuple(tasks)
-    return found
-
-
-def tuning_probe(run, found: dict) -> dict:
-    """{("fine-tune", task): (faster, slower) seconds of the teacher's fine-tuning on `task` at
-    the run's sizes (finetune_stages.settings_for)}: its steps x one optimiser step (two timed
-    after one to warm up) on PROBE_TASK's first training examples, plus each epoch's evaluation
-    x an example's scoring: the task probe's per example in `found` (the same scorer,
-    evaluate.score_requests, on the same split), else timed on the split's first TASK_PROBE
-    (WSC's, SuperGLUE's, is not the zero-shot WSC273); ("zero-shot", task): one evaluation."""
-    cfg = run.cfg
-    model, opt = finetune.trainable(run.teacher, 0.0)  # the rate does not change a step's time
-    s = finetune_stages.settings_for(run, PROBE_TASK, 0.0, cfg.seeds[0])
-    batch = task_train.load_split(PROBE_TASK, "train", cfg.data, s.batch)
-    encoded = finetune.encode(run.tokenizer, batch)
-    step = functools.partial(finetune.train_step, model, opt, encoded, s.part)
-    step()  # the warm-up
-    steps, tuning = timed(step), {}
-    for task in task_train.trainable_tasks():
-        s = finetune_stages.settings_for(run, task, 0.0, cfg.seeds[0])
-        train = task_train.load_split(task, "train", cfg.data, s.train_limit)
-        test = task_train.load_split(task, "eval", cfg.data, s.eval_limit)
-        each = found.get(("example", task)) or scoring(run, model, test[:TASK_PROBE])
-        count = -(-len(train) // s.batch) * s.epochs
-        scored = s.epochs * len(test)
-        tuning[("fine-tune", task)] = tuple(count * t + scored * e for t, e in zip(steps, each))
-        tuning[("zero-shot", task)] = tuple(len(test) * e for e in each)
-    return tuning
-
-
-def scoring(run, model, examples: list) -> list:
-    """[faster, slower] seconds an example of `examples` takes to score together (the
-    fine-tuning's accuracy after an epoch)."""
-    encoded = finetune.encode(run.tokenizer, examples)
-    with torch.no_grad():
-        return [t / len(examples) for t in timed(lambda: finetune.accuracy(model, encoded))]
-
-
-def tuning_seconds(run, name: str, unit: dict) -> float:
-    """A fine-tuning stage's seconds (finetune_stages.models_of's names, the grid's, or the
-    zero-shot scoring's): each task's fine-tuning once a model, or once a grid point; a
-    student's on its own forward pass."""
-    tasks = task_train.trainable_tasks()
-    if name == finetune_stages.ZERO_STAGE:
-        return sum(unit[("zero-shot", t)] for t in tasks)
-    grid = name == finetune_stages.GRID_STAGE
-    counts = {t: len(finetune_stages.grid(run, t)) if grid else 1 for t in tasks}
-    seconds = sum(n * unit[("fine-tune", t)] for t, n in counts.items())
-    teacher = name.startswith(f"{finetune_stages.PREFIX}teacher")
-    return seconds if teacher else seconds * unit["student ppl"] / unit["ppl"]
-
-
-def stage_seconds(run, name: str, spec, unit: dict, fresh: dict) -> float:
-    """One stage's seconds with `unit` the seconds of each unit of work (perplexity and tasks:
-    under torchrun the ranks share them, and so did the probe's); a layerwise student trains
-    only the layer units `fresh` gives it (plan.new_units: their count and the layers the
-    teacher runs for them; all of them where it has None): the teacher's pass scales with the
-    deepest, the losses with the count."""
-    cfg, n_layer = run.cfg, run.teacher.config.n_layer
-    texts = [len(run.texts[text]) // run.ctx for text in evaluate.PPL_TEXTS]
-    ppl_windows = sum(min(n, cfg.eval_windows or n) for n in texts)
-    if name.startswith(finetune_stages.PREFIX):
-        return tuning_seconds(run, name, unit)
-    if name == "teacher evaluation":
-        return ppl_windows * unit["ppl"] + unit["tasks"]
-    if name == "DoF estimate":  # the teacher's layers without its head, then each head's algebra
-        heads = n_layer * run.teacher.config.n_head
-        capture = cfg.calib_windows * unit["forward"] / cfg.batch
-        return capture + heads * unit["dof head"]
-    if name == endtoend.SWAP_STAGE:  # the teacher and each layer's swap, per curve student
-        return len(stages.curve_specs(run)) * cfg.e2e_windows * (n_layer + 1) * unit["ppl"]
-    kind = step_kind(spec)
-    step = unit[kind] if kind else 0.0
-    if spec.loss in stages.LAYERWISE:  # the units it trains first; None: all, unknown yet
-        count, deepest = fresh.get(spec.name) or (n_layer, n_layer)
-        forward = min(unit["forward"], step)
-        step = forward * deepest / n_layer + (step - forward) * count / n_layer
-    seconds = settings(run, spec.seed).steps * step
-    oracles = set(stages.ORACLES) & set(cfg.variants)
-    if (
-        oracles
-        and (spec.variant, spec.loss) == ("fix", "softmax")
-        and spec.budget in cfg.curve_dims
-    ):
-        seconds += cfg.curve_windows * unit["layer"]  # its error curves
-    if spec.variant == "fix" and spec.budget not in run.budgets:  # a curve student only
-        return seconds
-    before = 2 if spec.variant in stages.TRAINED_PRF else 1  # and the untrained draw's errors
-    seconds += before * cfg.error_windows * unit["layer"] + cfg.e2e_windows * unit["e2e"]
-    scale = unit["student ppl"] / unit["ppl"]  # the tasks on the student's forward pass
-    return seconds + ppl_windows * unit["student ppl"] + scale * unit["tasks"]
-
-
-def estimate(run, todo: list) -> dict:
-    """{stage name: (low, high) seconds} of the stages in `todo` (plan names), probed here."""
+def estimate(run, rows: list) -> dict:
+    """{stage name: (low, high) seconds} of the plan's stages not done (runner.Row), probed here."""
+    todo = [row for row in rows if not row.done]
     if not todo:
         return {}
-    specs = plan.students(run)
-    found = probe(run, [specs[name] for name in todo if name in specs])
-    if any(name.startswith(finetune_stages.PREFIX) for name in todo):
-        found |= tuning_probe(run, found)
-    ends = [{what: times[end] for what, times in found.items()} for end in (0, 1)]
-    fresh = plan.new_units(run)
-    seconds = {n: [stage_seconds(run, n, specs.get(n), unit, fresh) for unit in ends] for n in todo}
-    return {name: (low / SPREAD, high * SPREAD) for name, (low, high) in seconds.items()}
+    probes = Probes(run)
+    seconds = {}
+    for row in todo:
+        ends = [math.fsum(n * probes[kind][end] for kind, n in row.work.items()) for end in (0, 1)]
+        seconds[row.name] = (ends[0] / SPREAD, ends[1] * SPREAD)
+    return seconds
 
 
 def middle(seconds: tuple) -> float:

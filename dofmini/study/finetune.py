@@ -17,10 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import CheckpointError
-from ..files import changed_settings
-from ..tensor_files import read_tensors, save_tensors
-from . import evaluate, task_train
+from . import evaluate, store, task_train
 from .progress import Progress
 
 TASKS = task_train.TASKS  # Table 3's columns
@@ -157,7 +154,9 @@ def fine_tune(
     total = per_epoch * s.epochs
     keep = {**s.record(), "train_examples": n, "test": len(test)}
     state = dict(step=0, seconds=0.0, loss_curve=[], epoch_acc=[])
-    _restore(progress, keep, params, opt, state, log)
+    if meta := store.load_progress(progress, keep, params, opt, log):
+        state.update({k: meta[k] for k in state})
+        log(f"resuming from {progress} at step {state['step']}")
     resumed = f" (resumed at step {state['step']} of {total})" if state["step"] else ""
     with Progress(f"{what}{resumed}", total - state["step"], "steps") as shown:
         while state["step"] < total:
@@ -177,7 +176,7 @@ def fine_tune(
                 log(f"  epoch {epoch + 1}/{s.epochs}: acc {state['epoch_acc'][-1]:.4f}")
             state["seconds"] += time.time() - started
             if state["step"] < total and (state["step"] % min(s.save_every, per_epoch) == 0):
-                _save(progress, keep, params, opt, state)
+                store.save_progress(progress, {"settings": keep, **state}, params, opt)
             shown.update(1)
             if on_step:
                 on_step(state["step"])
@@ -186,37 +185,3 @@ def fine_tune(
     best = len(accs) - 1 if s.epochs == 1 else max(range(len(accs)), key=accs.__getitem__)
     found = dict(epoch_acc=accs, acc=accs[best], epoch=best + 1, steps=total)
     return dict(found, train_seconds=state["seconds"], loss_curve=state["loss_curve"])
-
-
-def _save(path: Path, keep: dict, params: dict, opt, state: dict):
-    tensors = {f"param.{n}": p for n, p in params.items()}
-    for index, adam in opt.state_dict()["state"].items():
-        tensors |= {f"adam.{index}.{key}": t for key, t in adam.items()}
-    save_tensors(tensors, path, {"settings": keep, **state})
-
-
-def _restore(path: Path, keep: dict, params: dict, opt, state: dict, log):
-    """`state` and the tensors from a progress file of the settings `keep`; one of other
-    settings, or that cannot be read, is named and set aside."""
-    if not path.exists():
-        return
-    try:
-        stored, meta = read_tensors(path)
-        changed = changed_settings(meta.get("settings", {}), keep)
-        why = changed and f"progress of other settings ({changed} changed)"
-    except CheckpointError as err:
-        why = f"unreadable ({err})"
-    if why:
-        log(f"{path}: {why}; starting over")
-        return path.unlink()
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(stored[f"param.{n}"])
-    adam = opt.state_dict()
-    for name, t in stored.items():
-        if name.startswith("adam."):  # adam.{index}.{exp_avg, exp_avg_sq, step}
-            _, index, key = name.split(".")
-            adam["state"].setdefault(int(index), {})[key] = t
-    opt.load_state_dict(adam)
-    state.update({k: meta[k] for k in state})
-    log(f"resuming from {path} at step {state['step']}")

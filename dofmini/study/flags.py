@@ -1,22 +1,25 @@
-"""reproduce.py's command line: its flags over a profile's settings (--help shows each default,
-and each profile's own), and every value checked before any model or data work, a bad one
-refused in one line (fail) that names the flag and the value."""
+"""reproduce.py's command line, made from RunConfig's fields: each field declared with `option`
+is a flag, its help and default written once beside the field (--help adds each profile's own),
+and every value is checked before any model or data work, a bad one refused in one line (fail)
+that names the flag and the value."""
 
 import argparse
 import dataclasses
 import math
 import os
-import textwrap
+from dataclasses import field
 from functools import partial
 from pathlib import Path
 
 import torch
 
 from .. import hub
-from . import data, devices, guard, keys, stages
+from . import data, devices, guard
+from .compute import ORACLES
 from .finetune import parse_lr
+from .run import ALLOCATIONS
 
-VARIANTS = ("performer", "dijiang", "fix", *keys.ALLOCATIONS, *stages.ORACLES)
+VARIANTS = ("performer", "dijiang", "fix", *ALLOCATIONS, *ORACLES)
 LOSSES = ("softmax", "l2", "direct")
 SEED_LIMIT = 2**31 - 1  # seeds are offset by the layer index and must stay within torch's range
 MAX_FEATURES = 4096  # per layer: far above any head size, below what memory can hold
@@ -26,69 +29,44 @@ ENVIRONMENT = """environment:
   DOFMINI_WEIGHTS=DIR      where named models are downloaded (else weights/ in the checkout)"""
 
 
+def option(default, help: str, **how):
+    """A RunConfig field that is a flag: its default, its help (the defaults are added: "default
+    X; quick Y"), and how: `flag` (default --field-name), `type` (a converter; list converters
+    refuse '' in one line), `none` (what a None default means), `choices`."""
+    return field(default=default, metadata=dict(how, help=help))
+
+
 def parse(argv, config, profiles: dict, description: str) -> dict:
-    """{RunConfig field: value} of the flags given: each flag's dest is its field, and a flag
-    left out is absent (argparse.SUPPRESS), so it never undoes what the profile sets. No flag
-    may be abbreviated (--s is not --seeds)."""
-    said = partial(default, {f.name: f.default for f in dataclasses.fields(config)}, profiles)
+    """{RunConfig field: value} of the flags given, one flag a field with `option` metadata: a
+    flag left out is absent (argparse.SUPPRESS), so it never undoes what the profile sets. No
+    flag may be abbreviated (--s is not --seeds)."""
+    fields = [f for f in dataclasses.fields(config) if "help" in f.metadata]
+    defaults = {f.name: f.default for f in fields}
     p = argparse.ArgumentParser(
         description=description,
         epilog=ENVIRONMENT,
-        formatter_class=argparse.RawTextHelpFormatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,
         allow_abbrev=False,
     )
-    known = ", ".join(hub.HUB_REPOS)
-    folder = "config.json, model.safetensors, tokenizer.json"
-    p.add_argument("model", help=f"a known name ({known})\nor a folder holding {folder}")
-    profile = (
-        "quick: a smoke run; default: one seed, one budget;\n"
-        "study: seeds 0-2, budgets 16/32/64, Fix, 6 DoF rules,\n"
-        "2 oracles; paper: the paper's sizes, meant for a GPU"
-    )
-    p.add_argument("--profile", choices=profiles, default="default", help=profile)
-    out = partial(_arg, "--out", Path)
-    p.add_argument("--out", type=out, help="default runs/MODEL-PROFILE")
-    store = "default $DOFMINI_DATA, else the user cache"
-    p.add_argument("--data", type=Path, help=f"the data store ({store})")
-    device = "auto (a GPU where torch sees one), cpu, cuda, cuda:N"
-    torchrun = "under torchrun cuda is each rank's own"
-    p.add_argument("--device", help=f"{device};\n{said('device')}; {torchrun}")
-    bf16 = "bf16: the teacher in autocast"
-    p.add_argument("--precision", choices=("fp32", "bf16"), help=f"{bf16}; {said('precision')}")
-    part = "windows back-propagated at once"
-    quarter = said("per_device", none="a quarter of the batch")
-    per_device = dict(type=int, dest="per_device", help=f"{part}; {quarter}")
-    p.add_argument("--batch-per-device", **per_device)
-    variants = partial(_arg, "--variants", _variants)
-    choose = f"from {', '.join(VARIANTS)}; none: only the teacher and DoF"
-    variants_help = textwrap.fill(f"{choose}; {said('variants')}", 60)
-    p.add_argument("--variants", type=variants, help=variants_help)
-    losses = partial(_arg, "--loss", _split)
-    choose = f"from {', '.join(LOSSES)}, e.g. softmax,l2"
-    p.add_argument("--loss", dest="losses", type=losses, help=f"{choose}; {said('losses')}")
-    seeds = partial(_arg, "--seeds", _ints)
-    p.add_argument("--seeds", type=seeds, help=f"e.g. 0,1,2; {said('seeds')}")
-    budgets = partial(_arg, "--budgets", _ints)
-    head = said("budgets", none="the head size")
-    p.add_argument("--budgets", type=budgets, help=f"mean features a layer; {head}")
-    curve_dims = partial(_arg, "--curve-dims", _ints)
-    curves = f"the oracles' error curves' feature counts; {said('curve_dims')}"
-    p.add_argument("--curve-dims", dest="curve_dims", type=curve_dims, help=curves)
-    limit = said("limit", none="all")
-    p.add_argument("--limit", type=int, help=f"first N examples a task (0: none);\n{limit}")
-    lam = said("lam", none="2^-4 for GPT-2, 2^-8 for Pythia")
-    p.add_argument("--lam", type=float, help=f"DoF λ; {lam}")
-    sampled = "queries and keys sampled a head for DoF"
-    p.add_argument("--J", type=int, help=f"{sampled}; {said('J')}")
-    raw = "DoF from the raw Gram G, not G/J; default off"
-    p.add_argument("--raw-gram", action="store_true", help=raw)
-    plan = "print the plan, with its estimate, and stop;\ndefault off"
-    p.add_argument("--plan-only", action="store_true", help=plan)
-    tune = "fine-tune every model on the tasks; default off"
-    p.add_argument("--finetune", action="store_true", help=tune)
-    rates = "TASK=LR,... or paper (Table 8); default none:\nthe teacher's grid search"
-    p.add_argument("--finetune-lr", type=_finetune_lr, help=rates)
+    for f in fields:
+        how = dict(f.metadata)
+        said = default(defaults, profiles, f.name, how.pop("none", ""))
+        help_text = how.pop("help")
+        if f.name == "model":
+            p.add_argument("model", help=help_text)
+            continue
+        flag = how.pop("flag", "--" + f.name.replace("_", "-"))
+        if f.default is False:
+            p.add_argument(flag, dest=f.name, action="store_true", help=f"{help_text}; default off")
+            continue
+        convert = how.pop("type", str)
+        if convert not in (int, float, str):
+            convert = partial(_arg, flag, convert)
+        if f.name == "profile":  # every other flag's default comes from it
+            how.update(choices=profiles, default=f.default)
+            said = ", ".join(profiles)
+        p.add_argument(flag, dest=f.name, type=convert, help=f"{help_text}; {said}", **how)
     return vars(p.parse_args(argv))
 
 
@@ -96,7 +74,7 @@ def default(fields: dict, profiles: dict, name: str, none: str = "") -> str:
     """ "default X" of RunConfig's field `name`, then each profile's own: "quick Y"."""
 
     def shown(value) -> str:
-        if value is None:
+        if value is None or value == ():
             return none
         return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
@@ -121,23 +99,23 @@ def _arg(flag: str, convert, text: str):
         fail(f"{flag} {text!r}: expected comma-separated integers")
 
 
-def _ints(text: str) -> tuple:
+def ints(text: str) -> tuple:
     return tuple(int(x) for x in text.split(","))
 
 
-def _split(text: str) -> tuple:
+def names(text: str) -> tuple:
     return tuple(text.split(","))
 
 
-def _finetune_lr(text: str) -> tuple:
+def rates(text: str) -> tuple:
     try:
         return parse_lr(text)
     except ValueError as err:
         fail(f"--finetune-lr {err}")
 
 
-def _variants(text: str) -> tuple:
-    return () if text == "none" else _split(text)
+def variants(text: str) -> tuple:
+    return () if text == "none" else names(text)
 
 
 def check(cfg):

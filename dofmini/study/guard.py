@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..checkpoint import CheckpointError
 from . import data, devices
-from .runs import RunError
+from .store import RunError
 
 
 def check_writable(out: Path, flag: str, fail) -> None:

@@ -1,0 +1,229 @@
+"""What a run is made of: its shared state (Run), a student (Student) and a layer unit (Unit), each
+made once by the Run with its training settings and its key (the settings and inputs its tensors
+depend on; store.py reuses a result only for the same key), and the shape each saved result must
+have. The pipeline and the modules that do the work import them from here.
+
+The seeds, by role: a student's seed sets both its feature draw (layer l's features drawn with
+seed + l) and its training data's order, so Fix and every DoF rule of one seed share both; the
+first seed (`Run.dof_seed`) draws DoF's J queries and keys and the teacher's learning-rate grid
+runs at it (`Run.grid_seed`); the cost estimate's probes draw with seed 0."""
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..distill import TrainSettings
+from . import data, evaluate, store
+
+# DoF's allocations (dof.allocate): (rule, how a layer's heads combine, capped at the head size,
+# each layer's floor as a share of the budget; None: 1 feature).
+ALLOCATIONS = {
+    "dof": ("proportional", "max", False, None),
+    "dof_clip": ("proportional", "max", True, None),
+    "dof_mean": ("proportional", "mean", False, None),
+    "dof_sqrt": ("power:0.5", "max", False, None),
+    "dof_sqrt_mean": ("power:0.5", "mean", False, None),
+    "dof_floor": ("proportional", "max", False, 0.5),
+    "dof_inv_sqrt": ("power:-0.5", "max", False, None),
+    "dof_inv": ("power:-1", "max", False, None),
+}
+CALIBRATION = "wikitext-2-raw/wiki.valid.raw"  # DoF calibration text, in the data store
+
+
+@dataclass(frozen=True)
+class Student:
+    """One student: its dims None while DoF or the curves that give them are pending; `settings`
+    and `key` (None with the dims) as Run.student made them."""
+
+    variant: str
+    loss: str
+    budget: int
+    seed: int
+    dims: tuple | None
+    settings: TrainSettings | None = field(default=None, compare=False)
+    key: dict | None = field(default=None, compare=False, hash=False)
+
+    @property
+    def name(self) -> str:
+        return f"{self.variant}/{self.loss}/b{self.budget}/s{self.seed}"
+
+    @property
+    def stem(self) -> str:
+        return self.name.replace("/", "-")
+
+    def path(self, out: Path) -> Path:  # its tensors, with its key and record as metadata
+        return out / "students" / f"{self.stem}.safetensors"
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Layer `layer` of a layerwise student trained with `n_features` (bank.py)."""
+
+    loss: str
+    layer: int
+    n_features: int
+    seed: int
+    key: dict | None = field(default=None, compare=False, hash=False)
+
+    @property
+    def name(self) -> str:
+        return f"{self.loss}/l{self.layer}/m{self.n_features}/s{self.seed}"
+
+    def path(self, out: Path) -> Path:  # its z and a, with its key and record as metadata
+        return out / "units" / f"{self.name.replace('/', '-')}.safetensors"
+
+
+@dataclass
+class Run:
+    """What the stages share: the settings (reproduce.RunConfig), the teacher, the texts and the
+    inputs every key holds (teacher, tokenizer, device, data file hashes)."""
+
+    cfg: object
+    teacher: object
+    tokenizer: object
+    ctx: int
+    lam: float
+    budgets: tuple
+    inputs: dict
+    texts: dict = field(default_factory=dict)  # name -> token ids
+
+    @property
+    def dof_seed(self) -> int:
+        return self.cfg.seeds[0]
+
+    @property
+    def grid_seed(self) -> int:
+        return self.cfg.seeds[0]
+
+    def settings(self, seed: int) -> TrainSettings:
+        """A training's settings at `seed` (its data order); a RunError for a context TrainSettings
+        refuses."""
+        if self.ctx < 2:  # a model of 1 position
+            n_pos = self.teacher.config.n_ctx
+            said = f"ctx {self.ctx} ({n_pos} positions in the model)"
+            raise store.RunError(f"{said}: expected 2 or more")
+        cfg = self.cfg
+        steps = cfg.steps or max(1, len(self.texts["train"]) // (cfg.batch * self.ctx))
+        return TrainSettings(
+            steps, cfg.batch, self.ctx, cfg.lr, cfg.lr_a, data_seed=seed, part=cfg.per_device
+        )
+
+    def training_inputs(self, seed: int) -> dict:
+        """What every training's tensors depend on besides what it trains: the teacher, tokenizer,
+        device, corpus and the settings of `seed`."""
+        inputs = self.inputs
+        corpus = {k: v for k, v in inputs.items() if k.startswith("corpus/")}
+        key = dict(
+            teacher=inputs["teacher"], tokenizer=inputs["tokenizer"], device=inputs["device"]
+        )
+        key.update(store.training_record(self.settings(seed)))
+        return dict(key, train=corpus, train_chars=self.cfg.train_chars)
+
+    def student(self, variant: str, loss: str, budget: int, seed: int, dims) -> Student:
+        """A Student with its settings and key (None while its dims are)."""
+        dims = None if dims is None else tuple(dims)
+        own = dict(variant=variant, loss=loss, dims=dims, seed=seed)
+        key = None if dims is None else {**self.training_inputs(seed), **own}
+        return Student(variant, loss, budget, seed, dims, self.settings(seed), key)
+
+    def unit(self, loss: str, layer: int, n_features: int, seed: int) -> Unit:
+        own = dict(loss=loss, layer=layer, n_features=n_features, seed=seed)
+        return Unit(loss, layer, n_features, seed, {**self.training_inputs(seed), **own})
+
+    def eval_key(self) -> dict:
+        """What an evaluation's numbers depend on besides the model. `data` pins every data file
+        the run verified (a superset of what an evaluation reads: a change to any of them redoes
+        it); results.json's inputs["read"] gives the order they are read in."""
+        cfg, inputs = self.cfg, self.inputs
+        key = dict(ctx=self.ctx, eval_windows=cfg.eval_windows, error_windows=cfg.error_windows)
+        key.update(limit=cfg.limit, data={k: v for k, v in inputs.items() if "/" in k})
+        return dict(key, tokenizer=inputs["tokenizer"], device=inputs["device"])
+
+    def texts_read(self) -> dict:
+        """{text: its data files, in the order read}: DoF's calibration text, the perplexity
+        texts and the training corpus, joined in path order, not the registry's row order."""
+        corpus = sorted(f.path for f in data.files("corpus"))
+        texts = {name: [path] for name, path in evaluate.PPL_TEXTS.items()}
+        return dict(calib=[CALIBRATION], **texts, train=corpus)
+
+    def tasks(self) -> tuple:
+        return () if self.cfg.limit == 0 else tuple(evaluate.TASKS)
+
+    def files_read(self) -> list:
+        """The data files the run reads, in the order read: the texts, then each task's files."""
+        texts = itertools.chain(*self.texts_read().values())
+        return [*texts, *(f.path for task in self.tasks() for f in data.files(task))]
+
+
+def check_texts(run: Run) -> None:
+    """A RunError naming the text, its files and tokens and what needs more, unless each text holds
+    enough tokens: DoF's J queries and keys, a window of ctx for each perplexity and training, and
+    the held-out windows of the students' errors, curves and end-to-end KL."""
+    cfg, ctx = run.cfg, run.ctx
+    held_out = cfg.error_windows + cfg.curve_windows + cfg.e2e_windows
+    held_out += cfg.e2e_windows if "oracle_e2e" in cfg.variants else 0
+    window = (ctx, f"a window of ctx {ctx}")
+    calib = -(-cfg.J // (2 * ctx)) * ctx
+    students = (held_out * ctx, f"the students' {held_out} held-out windows of ctx {ctx}")
+    needs = dict(calib=(calib, f"DoF's {cfg.J} queries and keys"), wikitext2=window)
+    needs.update(
+        heldout=students if cfg.variants else window, train=window if cfg.variants else (0, "")
+    )
+    for name, files in run.texts_read().items():
+        tokens = len(run.texts[name])
+        need, why = needs[name]
+        if tokens < need:
+            named = ", ".join(str(cfg.data / f) for f in files)
+            raise store.RunError(f"{named}: {tokens} tokens; {need} needed ({why})")
+
+
+# The shape of each stage's result, checked before a saved one is reused (store.saved): one of the
+# same key cut to {}, a string, a short list or a 0 dim would fail the run instead of redoing it.
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_list_of(value, count: int, valid) -> bool:
+    return isinstance(value, list) and len(value) == count and all(map(valid, value))
+
+
+def _fields(result, names, valid) -> bool:
+    return isinstance(result, dict) and all(valid(result.get(name)) for name in names)
+
+
+def valid_errors(run: Run, result) -> bool:
+    """evaluate.layer_errors': per layer, numbers (None for a layer without PRF features)."""
+    n_layer, n_head = run.teacher.config.n_layer, run.teacher.config.n_head
+    layers = lambda v: is_list_of(v, n_layer, lambda x: x is None or is_number(x))  # noqa: E731
+    heads = lambda v: v is None or is_list_of(v, n_head, is_number)  # noqa: E731
+    lists = _fields(result, ("kernel_l2", "kl", "output_rel"), layers)
+    return lists and is_list_of(result.get("kl_heads"), n_layer, heads)
+
+
+def valid_evaluation(run: Run, student: bool, result) -> bool:
+    """evaluate.evaluate_model's: each perplexity and task; a student's layer errors too."""
+    texts = [f"{name}_{what}" for name in evaluate.PPL_TEXTS for what in ("ppl", "tokens")]
+    scores = lambda v: _fields(v, run.tasks(), lambda task: isinstance(task, dict))  # noqa: E731
+    found = _fields(result, texts, is_number) and scores(result.get("tasks"))
+    return found and (not student or valid_errors(run, result.get("layer_error")))
+
+
+def valid_allocation(run: Run, result) -> bool:
+    """The DoF stage's: per head DoF, and each variant's dims (each >= 1) at each budget."""
+    n_layer, variants = run.teacher.config.n_layer, ("fix", *ALLOCATIONS)
+    dims = lambda v: is_list_of(v, n_layer, lambda m: type(m) is int and m >= 1)  # noqa: E731
+    budget = lambda v: _fields(v, variants, dims)  # noqa: E731
+    per_head = is_list_of(isinstance(result, dict) and result.get("per_head"), n_layer, bool)
+    return per_head and _fields(result.get("dims"), map(str, run.budgets), budget)
+
+
+def valid_windows(count: int, result) -> bool:
+    """A student's end-to-end KL: the mean and each of the `count` windows' KL."""
+    if not isinstance(result, dict):
+        return False
+    return is_number(result.get("e2e_kl")) and is_list_of(result.get("windows"), count, is_number)
+
+
+def valid_swaps(run: Run, result) -> bool:
+    """A curve student's one-layer swaps: one mean end-to-end KL a layer."""
+    return is_list_of(result, run.teacher.config.n_layer, is_number)
