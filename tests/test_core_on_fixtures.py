@@ -18,7 +18,7 @@ from dofmini.distill import TrainSettings, distill
 from dofmini.dof import allocate, estimate_dof
 from dofmini.students import load_student, make_student, save_student, trainable
 from dofmini.study.evaluate import layer_errors
-from dofmini.study.runs import train_into
+from dofmini.study.store import train_into
 from dofmini.study.tasks import TASKS, load_task
 from dofmini.tensor_files import read_tensors, save_tensors
 

@@ -23,9 +23,9 @@ from dofmini.distill import (
 from dofmini.files import changed_settings
 from dofmini.linear_attention import PRFFeatures, causal_linear_attention
 from dofmini.students import make_student
-from dofmini.study import bank, devices, stages
+from dofmini.study import bank, compute, devices, store
 from dofmini.study.evaluate import layer_errors, layer_pass, perplexity
-from dofmini.study.keys import Clock, Student
+from dofmini.study.run import Run
 from dofmini.tensor_files import read_tensors
 
 S = TrainSettings
@@ -290,48 +290,60 @@ def bank_run(tiny, tiny_ids, out):
         out=out, steps=2, batch=2, lr=0.02, lr_a=0.2, train_chars=None, per_device=1
     )
     inputs = {"teacher": tiny.identity, "tokenizer": "t", "device": "cpu/float32"}
-    return stages.Run(cfg, tiny, None, 16, 0.0625, (4,), inputs, texts={"train": tiny_ids})
+    return Run(cfg, tiny, None, 16, 0.0625, (4,), inputs, texts={"train": tiny_ids})
+
+
+def trained_units(run, specs) -> list:
+    """Whether each distinct unit of `specs` is trained, in order of first use."""
+    return [bank.is_trained(run, unit) for unit in bank.distinct_units(run, specs)]
+
+
+def train_student(run, spec, together=()) -> tuple:
+    """(The student trained as the pipeline trains it, its training record)."""
+    compute.train_student(run, spec, together)
+    return compute.load(run, spec), store.saved(spec.path(run.cfg.out), spec.key)["info"]
 
 
 def test_a_second_rule_trains_only_the_units_no_earlier_student_had(tiny, tiny_ids, tmp_path):
     run = bank_run(tiny, tiny_ids, tmp_path)
-    first = Student("fix", "softmax", 4, 0, (3, 5))
-    second = Student("dof", "softmax", 4, 0, (3, 7))  # layer 0 as the first's
+    first = run.student("fix", "softmax", 4, 0, (3, 5))
+    second = run.student("dof", "softmax", 4, 0, (3, 7))  # layer 0 as the first's
     units = ["softmax/l0/m3/s0", "softmax/l1/m5/s0", "softmax/l1/m7/s0"]
-    plan = bank.plan(run, [first, second])
-    assert [u["unit"] for u in plan] == units and not any(u["done"] for u in plan)
+    assert [u.name for u in bank.distinct_units(run, [first, second])] == units
+    assert not any(trained_units(run, [first, second]))
     lines = []
-    bank.train_units(run, [bank.Unit("softmax", 0, 3, 0)], log=lines.append)
-    second_units = bank.units_of(second)  # the second rule's: layer 0 trained already
+    bank.train_units(run, [run.unit("softmax", 0, 3, 0)], log=lines.append)
+    second_units = bank.units_of(run, second)  # the second rule's: layer 0 trained already
     assert bank.train_units(run, second_units, log=lines.append) == second_units[1:]
     said = [line for line in lines if line.startswith("units trained already, not again")]
     assert len(said) == 1 and said[0].endswith(": softmax/l0/m3/s0")
-    assert [u["done"] for u in bank.plan(run, [first, second])] == [True, False, True]
-    run.clock = Clock([first.name, second.name])
-    assembled, info = stages.train_student(run, second)
-    settings = stages.settings(run, 0)
+    assert trained_units(run, [first, second]) == [True, False, True]
+    assembled, info = train_student(run, second)
+    settings = run.settings(0)
     joint, record = distill(tiny, (3, 7), tiny_ids, settings, share=devices.shared, log=quiet)
     assert tensors_hash(assembled) == tensors_hash(joint) and info == {**record, **info}
     assert info["loss_curve"] == record["loss_curve"]
-    assert [u["done"] for u in bank.plan(run, [first, second])] == [True, False, True]
+    assert trained_units(run, [first, second]) == [True, False, True]
 
 
 def test_a_unit_file_cut_short_is_named_and_trained_again(tiny, tiny_ids, tmp_path, capsys):
     """Whether a unit is trained is read from its file's header alone; opening it still checks
     that the header covers the whole file, so one cut short is not taken for trained."""
     run = bank_run(tiny, tiny_ids, tmp_path)
-    unit = bank.Unit("softmax", 0, 3, 0)
+    unit = run.unit("softmax", 0, 3, 0)
     bank.train_units(run, [unit], log=quiet)
     path = unit.path(tmp_path)
     stored, record = read_tensors(path)
     assert read_tensors(path, tensors=False) == ({}, record)  # the header's record, no tensors
-    assert [u["done"] for u in bank.plan(run, [Student("fix", "softmax", 4, 0, (3,))])] == [True]
+    assert trained_units(run, [run.student("fix", "softmax", 4, 0, (3,))]) == [True]
     cut = path.read_bytes()[:-8]
     path.unlink()  # a new file: `stored` may still be mapped from the old one
     path.write_bytes(cut)
     capsys.readouterr()
-    assert bank.train_units(run, [unit], log=quiet) == [unit]
-    assert f"redo: cannot read {path}" in capsys.readouterr().out
+    assert not bank.is_trained(run, unit)
+    lines = []
+    assert bank.train_units(run, [unit], log=lines.append) == [unit]
+    assert any(line.startswith(f"redo: cannot read {path}") for line in lines), lines
     again = read_tensors(path)
     assert again[0].keys() == stored.keys()
     assert all(torch.equal(again[0][name], stored[name]) for name in stored)
@@ -343,21 +355,21 @@ def test_the_first_student_to_train_trains_its_seeds_known_units_in_one_pass(
     """Its batch: the units of every student of its loss and seed whose dims are known; the
     next student's units are then all trained, and it is the student trained alone."""
     run = bank_run(tiny, tiny_ids, tmp_path)
-    first = Student("fix", "softmax", 4, 0, (3, 5))
-    second = Student("dof", "softmax", 4, 0, (3, 7))
-    other_seed = Student("fix", "softmax", 4, 1, (3, 5))
-    unknown = Student("oracle", "softmax", 4, 0, None)  # dims from curves not yet made
+    first = run.student("fix", "softmax", 4, 0, (3, 5))
+    second = run.student("dof", "softmax", 4, 0, (3, 7))
+    other_seed = run.student("fix", "softmax", 4, 1, (3, 5))
+    unknown = run.student("oracle", "softmax", 4, 0, None)  # dims from curves not yet made
     together = [first, second, other_seed, unknown]
-    batch = [u.name for u in bank.batch(first, together)]
-    assert batch == ["softmax/l0/m3/s0", "softmax/l1/m5/s0", "softmax/l1/m7/s0"]
-    run.clock = Clock([first.name, second.name])
-    stages.train_student(run, first, together)
-    assert all(u["done"] for u in bank.plan(run, [first, second]))
-    records = [read_tensors(u.path(tmp_path))[1] for u in bank.batch(first, together)]
+    batch = bank.to_train(run, first, together)
+    assert [u.name for u in batch] == ["softmax/l0/m3/s0", "softmax/l1/m5/s0", "softmax/l1/m7/s0"]
+    train_student(run, first, together)
+    assert all(trained_units(run, [first, second]))
+    records = [read_tensors(u.path(tmp_path))[1] for u in batch]
     assert len({r["info"]["train_seconds"] for r in records}) == 1  # equal shares of one pass
-    assert not any(u["done"] for u in bank.plan(run, [other_seed]))
-    assembled, info = stages.train_student(run, second, together)  # nothing left to train
-    settings = stages.settings(run, 0)
+    assert not any(trained_units(run, [other_seed]))
+    assert bank.to_train(run, second, together) == []  # nothing left to train
+    assembled, info = train_student(run, second, together)
+    settings = run.settings(0)
     joint, record = distill(tiny, (3, 7), tiny_ids, settings, share=devices.shared, log=quiet)
     assert tensors_hash(assembled) == tensors_hash(joint)
     assert info["loss_curve"] == record["loss_curve"]

@@ -16,7 +16,7 @@ from dofmini.dof import (
     estimate_dof,
     sample_queries_keys,
 )
-from dofmini.study.stages import saturation_warning
+from dofmini.study.compute import saturation_warning
 
 FAST = settings(max_examples=60, deadline=None)
 

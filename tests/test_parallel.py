@@ -19,14 +19,14 @@ from dofmini.study import devices
 from dofmini.tensor_files import read_tensors
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-# one student trained through runs.train_into; the last rank kills itself after step argv[2]
+# one student trained through store.train_into; the last rank kills itself after step argv[2]
 TRAIN = f"""
 import os, signal, sys
 from pathlib import Path
 import torch
 from dofmini import load
 from dofmini.distill import TrainSettings, distill
-from dofmini.study import devices, runs
+from dofmini.study import devices, store
 devices.start()
 teacher = load({str(FIXTURES / "gpt2-tiny")!r})
 ids = torch.randint(0, 96, (2048,), generator=torch.Generator().manual_seed(0))
@@ -37,7 +37,7 @@ def train(on_step, **loop):
         if state.step == int(sys.argv[2]) and devices.rank() == devices.world() - 1:
             os.kill(os.getpid(), signal.SIGKILL)
     return distill(teacher, [8, 8], ids, settings, on_step=step, share=devices.shared, **loop)
-runs.train_into(Path(sys.argv[1]), {{"loss": "softmax"}}, settings, ids, train, print, 2)
+store.train_into(Path(sys.argv[1]), {{"loss": "softmax"}}, settings, ids, train, print, 2)
 """
 
 

@@ -34,9 +34,10 @@ def test_help_shows_every_default(script, capsys):
         parse(script, "--help")
     shown = " ".join(capsys.readouterr().out.split())  # argparse wraps some lines
     assert done.value.code == 0
-    for said in ("--loss LOSSES from softmax, l2, direct, e.g. softmax,l2; default softmax",
+    for said in ("--loss LOSSES the PRF students' losses, each at every budget: from softmax, "
+                 "l2, direct, e.g. softmax,l2; default softmax",
                  "default the head size; study 16,32,64", "default 1024; quick 128",
-                 "default performer,dijiang,fix,dof,dof_clip;", "default auto;",
+                 "default performer,dijiang,fix,dof,dof_clip;", "each rank's own; default auto",
                  "default 100; quick 4; study 0; paper all", "default 0; study 0,1,2",
                  "default fp32", "default a quarter of the batch", "default runs/MODEL-PROFILE",
                  "default 2^-4 for GPT-2, 2^-8 for Pythia"):  # fmt: skip

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 
 from dofmini.students import make_student
-from dofmini.study import progress
+from dofmini.study import compute, progress, store
 from dofmini.study.evaluate import perplexity
-from dofmini.study.keys import Clock, Run
 from dofmini.study.progress import Progress, duration
-from dofmini.study.stages import evaluation
+from dofmini.study.run import Run
+from dofmini.study.runner import Runner
 
 LINE = re.compile(r"^slow: (\d)/4 windows, \d+ s elapsed, ~\d+ s left$")
 
@@ -48,14 +48,16 @@ def test_durations_read_as_wall_times():
     assert [duration(s) for s in (0.4, 41, 185, 7620)] == want
 
 
-def test_stage_lines_give_the_runs_elapsed_time_and_with_estimates_the_time_left(capsys):
+def test_stage_lines_give_the_runs_elapsed_time_and_with_estimates_the_time_left(tmp_path, capsys):
     plan = ["teacher evaluation", "DoF estimate", "fix/softmax/b8/s0"]
-    clock = Clock(plan, {"teacher evaluation": 60, "DoF estimate": 120, "fix/softmax/b8/s0": 30})
-    for name in (*plan[:2], plan[1], plan[2]):  # a stage begun again adds no line
-        clock.begin(name)
-    bare = Clock(plan)
-    bare.begin(plan[0])
-    assert capsys.readouterr().out.splitlines() == [
+    rows = [SimpleNamespace(name=name) for name in plan]
+    seconds = {"teacher evaluation": 60, "DoF estimate": 120, "fix/softmax/b8/s0": 30}
+    runner = Runner(rows, seconds)
+    for i, name in enumerate((*plan[:2], plan[1], plan[2])):  # a stage's next file adds no line
+        runner.stage(name, tmp_path / f"{i}.json", {}, dict)
+    Runner(rows).stage(plan[0], tmp_path / "0.json", {}, dict)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if line.startswith("[")] == [
         "[1/3] teacher evaluation (run: 0 s elapsed, ~3 min 30 s left)",
         "[2/3] DoF estimate (run: 0 s elapsed, ~2 min 30 s left)",
         "[3/3] fix/softmax/b8/s0 (run: 0 s elapsed, ~30 s left)",
@@ -81,14 +83,22 @@ def student_run(tiny, tiny_ids, out):
     errors, then the perplexity of two texts (one batch each)."""
     cfg = SimpleNamespace(out=out, data=None, eval_windows=4, limit=0, error_windows=2)
     texts = {"wikitext2": tiny_ids[:1024], "heldout": tiny_ids[1024:]}
-    return Run(cfg, tiny, None, 32, 1.0, (8,), {}, texts, Clock(["prf"]))
+    return Run(cfg, tiny, None, 32, 1.0, (8,), {}, texts)
+
+
+def evaluation(run, path, key, student):
+    """A student's evaluation stage, as the pipeline runs it: saved whole, then its parts
+    removed."""
+    measure = compute.evaluation(run, "prf", path, key, lambda: student, student=True)
+    found = store.load_or_compute(path, key, measure, split=True)
+    compute.remove_parts(run, path)
+    return found
 
 
 def evaluate_with(run, hook):
     student = make_student(run.teacher, "prf", (8, 8), 0)
     student.register_forward_hook(hook)
-    path = run.cfg.out / "eval" / "prf.json"
-    return evaluation(run, "prf", path, {"student": "prf"}, None, student, student=True)
+    return evaluation(run, run.cfg.out / "eval" / "prf.json", {"student": "prf"}, student)
 
 
 def without_seconds(result: dict) -> dict:
@@ -125,6 +135,6 @@ def test_a_part_of_other_settings_is_not_reused(tiny, tiny_ids, tmp_path, capsys
     again = Stop()
     student.register_forward_hook(again)
     path = tmp_path / "eval" / "prf.json"
-    evaluation(run, "prf", path, {"student": "prf", "eval_windows": 2}, None, student, student=True)
+    evaluation(run, path, {"student": "prf", "eval_windows": 2}, student)
     out = capsys.readouterr().out
     assert "done; redoing" not in out and again.calls == 2 and "wikitext2.json: eval_windows" in out

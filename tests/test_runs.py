@@ -16,9 +16,11 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from dofmini.distill import TrainSettings, distill, train_direct
 from dofmini.students import load_student, make_student
-from dofmini.study import bank, guard, runs, stages
-from dofmini.study.keys import Clock, valid_allocation
-from dofmini.study.runs import peak_memory, stage, token_ids, train_into
+from dofmini.study import bank, compute, guard, store
+from dofmini.study.run import ALLOCATIONS, Run, check_texts, valid_allocation
+from dofmini.study.runner import Runner
+from dofmini.study.store import load_or_compute as stage
+from dofmini.study.store import peak_memory, read_progress, token_ids, train_into
 from dofmini.tensor_files import read_tensors
 
 
@@ -63,15 +65,16 @@ def test_token_cache_is_redone_for_another_tokenizer(tmp_path, capsys):
     )
     again = token_ids(cache, {"tokenizer": "b", "max_chars": None}, [text], tokenizer, None)
     assert again.tolist() == [4, 4]
-    assert f"redo: {cache}: tokenizer changed" in capsys.readouterr().out
+    assert f"redo: {cache.with_suffix('.json')}: tokenizer changed" in capsys.readouterr().out
 
 
-def test_a_stage_gets_one_progress_line(capsys):
-    """Which stage of how many; a curve student evaluated again later is part of its stage."""
-    clock = Clock(["teacher evaluation", "fix/softmax/b8/s0"])
-    for name in ("teacher evaluation", "fix/softmax/b8/s0", "fix/softmax/b8/s0"):
-        clock.begin(name)
-    lines = capsys.readouterr().out.splitlines()
+def test_a_stage_gets_one_progress_line(tmp_path, capsys):
+    """Which stage of how many; a stage's later files add no line."""
+    names = ["teacher evaluation", "fix/softmax/b8/s0"]
+    runner = Runner([SimpleNamespace(name=name) for name in names])
+    for name, file in zip((*names, names[1]), ("a", "b", "c")):
+        runner.stage(name, tmp_path / f"{file}.json", {}, lambda: {"x": 1})
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     elapsed = " (run: 0 s elapsed)"  # no estimates: the wall time since the run began alone
     assert lines == [f"[1/2] teacher evaluation{elapsed}", f"[2/2] fix/softmax/b8/s0{elapsed}"]
 
@@ -98,20 +101,20 @@ def test_a_resumed_training_counts_its_whole_training(tiny, tiny_ids, tmp_path, 
         out=tmp_path, steps=60, batch=2, lr=0.02, lr_a=0.2, train_chars=None, per_device=1
     )
     inputs = {"teacher": tiny.identity, "tokenizer": "t", "device": "cpu/float32"}
-    run = stages.Run(cfg, tiny, None, 16, 0.0625, (8,), inputs, texts={"train": tiny_ids})
-    spec = stages.Student("fix", "softmax", 8, 0, (8, 8))
+    run = Run(cfg, tiny, None, 16, 0.0625, (8,), inputs, texts={"train": tiny_ids})
+    spec = run.student("fix", "softmax", 8, 0, (8, 8))
 
     def interrupt_after_the_save_at_step_50(line):
         if "54/60" in line:
             raise KeyboardInterrupt
 
-    units = bank.units_of(spec)  # its layers' units, trained together
+    units = bank.units_of(run, spec)  # its layers' units, trained together
     with pytest.raises(KeyboardInterrupt):
         bank.train_units(run, units, log=interrupt_after_the_save_at_step_50)
     [progress] = (tmp_path / "units").glob("*.progress")
-    before = read_tensors(progress)[1]["seconds"]
-    run.clock = Clock([spec.name])
-    _, info = stages.train_student(run, spec)
+    before = read_progress(progress)["seconds"]
+    compute.train_student(run, spec)
+    info = store.saved(spec.path(tmp_path), spec.key)["info"]
     assert "at step 50/60" in capsys.readouterr().out
     assert info["train_seconds"] > before
 
@@ -126,7 +129,7 @@ def trainable(student) -> dict:
 
 
 def kept(tiny, tiny_ids, path, settings, log, loss="softmax", dims=(4, 4), seed=0, **options):
-    """train_into's record of a student trained into `path`, as stages.train_student runs it."""
+    """train_into's record of a student trained into `path`, as compute.train_student runs it."""
     if loss == "direct":
         start = make_student(tiny, "prf", dims, seed)
         train = functools.partial(train_direct, start, tiny_ids, settings)
@@ -159,7 +162,7 @@ def test_resume_after_interruption_equals_an_uninterrupted_run(tiny, tiny_ids, t
     with pytest.raises(KeyboardInterrupt):
         run(path, log=interrupt_at(4))
     assert not path.exists() and (tmp_path / "resumed.safetensors.progress").exists()
-    interrupted = read_tensors(path.with_name(path.name + ".progress"))[1]["seconds"]
+    interrupted = read_progress(path.with_name(path.name + ".progress"))["seconds"]
     lines = []
     info = run(path, log=lines.append)
     assert "at step 4/6" in lines[0] and len(lines) == 2  # then 6/6: steps 1-4 are not redone
@@ -226,23 +229,23 @@ def test_a_lock_that_is_a_link_is_refused_and_its_target_kept(tmp_path):
     assert (tmp_path / "target").read_text() == "precious"
 
 
-def small_run(tiny, tmp_path, ctx=16, **texts) -> stages.Run:
+def small_run(tiny, tmp_path, ctx=16, **texts) -> Run:
     cfg = SimpleNamespace(out=tmp_path, data=tmp_path / "store", J=64, variants=("fix",), limit=0)
     cfg.__dict__.update(error_windows=2, curve_windows=2, e2e_windows=2, batch=2, steps=1)
     cfg.__dict__.update(lr=0.02, lr_a=0.2, per_device=1)
     texts = {name: torch.zeros(1000, dtype=torch.long) for name in ("calib", "train")} | texts
     texts = {"wikitext2": torch.zeros(100, dtype=torch.long), "heldout": texts["calib"]} | texts
-    return stages.Run(cfg, tiny, None, ctx, 0.0625, (8,), {}, texts=texts)
+    return Run(cfg, tiny, None, ctx, 0.0625, (8,), {}, texts=texts)
 
 
 @pytest.mark.parametrize("result", [{}, "x", {"per_head": [[1.0], [1.0]], "dims": {"8": {}}}])
 def test_a_saved_result_of_another_shape_is_named_and_redone(tiny, tmp_path, capsys, result):
     run, path = small_run(tiny, tmp_path), tmp_path / "allocation.json"
-    key, valid = {"lam": 0.0625}, functools.partial(valid_allocation, run)  # stage_files' own
-    dims = {v: [4, 4] for v in ("fix", *stages.ALLOCATIONS)}
+    key, valid = {"lam": 0.0625}, functools.partial(valid_allocation, run)  # the DoF stage's own
+    dims = {v: [4, 4] for v in ("fix", *ALLOCATIONS)}
     good = {"per_head": [[1.0], [1.0]], "dims": {"8": dims}, "seconds": 1.0}
     path.write_text(json.dumps({"key": key, "result": result}))
-    assert runs.saved(path, key) == result and runs.saved(path, key, valid) is None
+    assert store.saved(path, key) == result and store.saved(path, key, valid) is None
     assert stage(path, key, lambda: good, valid=valid) == good
     assert (
         f"redo: {path}: its result is not of the shape this stage writes" in capsys.readouterr().out
@@ -253,13 +256,13 @@ def test_a_saved_result_of_another_shape_is_named_and_redone(tiny, tmp_path, cap
 
 def test_a_text_too_short_for_the_run_is_one_error_naming_its_file(tiny, tmp_path):
     held_out = torch.zeros(50, dtype=torch.long)  # the students need 6 windows of 16
-    with pytest.raises(runs.RunError, match=r"wikipedia-heldout.txt: 50 tokens; 96 needed \(the"):
-        stages.check_texts(small_run(tiny, tmp_path, heldout=held_out))
-    with pytest.raises(runs.RunError, match=r"wiki.test.raw: 10 tokens; 16 needed \(a window"):
-        stages.check_texts(small_run(tiny, tmp_path, wikitext2=torch.zeros(10)))
-    with pytest.raises(runs.RunError, match=r"ctx 1 \(64 positions in the model\): expected 2"):
-        stages.settings(small_run(tiny, tmp_path, ctx=1), 0)
-    stages.check_texts(small_run(tiny, tmp_path))
+    with pytest.raises(store.RunError, match=r"wikipedia-heldout.txt: 50 tokens; 96 needed \(the"):
+        check_texts(small_run(tiny, tmp_path, heldout=held_out))
+    with pytest.raises(store.RunError, match=r"wiki.test.raw: 10 tokens; 16 needed \(a window"):
+        check_texts(small_run(tiny, tmp_path, wikitext2=torch.zeros(10)))
+    with pytest.raises(store.RunError, match=r"ctx 1 \(64 positions in the model\): expected 2"):
+        small_run(tiny, tmp_path, ctx=1).settings(0)
+    check_texts(small_run(tiny, tmp_path))
 
 
 def test_after_a_failure_further_signals_are_ignored():
@@ -267,7 +270,7 @@ def test_after_a_failure_further_signals_are_ignored():
     try:
         with pytest.raises(SystemExit, match="boom"):
             with guard.one_line_errors(refuse):
-                raise runs.RunError("boom")
+                raise store.RunError("boom")
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # torchrun's to the others
     finally:
         signal.signal(signal.SIGTERM, before)

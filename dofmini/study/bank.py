@@ -59,6 +59,9 @@ def train_units(run: Run, units: list, log=log) -> list:
         log(f"units trained already, not again (in {run.cfg.out / 'units'}): {names}")
     if not todo:
         return todo
+    for unit in todo:
+        if why := store.lookup(unit.path(run.cfg.out), unit.key)[1]:
+            log(why)
     loss, seed = todo[0].loss, todo[0].seed
     pairs = [(unit.layer, unit.n_features) for unit in todo]
     train, tokens = run.settings(seed), run.texts["train"]

@@ -143,6 +143,11 @@ def load(run: Run, spec: Student):
     return load_student(run.teacher, spec.path(run.cfg.out), {"key": spec.key})[0]
 
 
+def loader(run: Run, spec: Student):
+    """load(run, spec) on its first call, the same student after."""
+    return functools.cache(functools.partial(load, run, spec))
+
+
 def fitting(run: Run, spec: Student):
     """train(log=, resume=, on_step=) -> (student, record): a whole student's training, the
     direct baseline's (PRF or DiJiang) or the Performer's draw, untrained."""

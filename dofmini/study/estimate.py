@@ -94,20 +94,24 @@ class Probes:
         ratio = [s / t for s, t in zip(self["student ppl window"], self["teacher ppl window"])]
         return scaled(times, tuple(ratio))
 
-    def example(self, task: str) -> tuple:
-        """A zero-shot example of `task` scored with a few others, as the evaluation batches."""
+    def examples(self, task: str) -> tuple:
+        """(How many examples of `task` the run scores, the seconds of one scored with a few
+        others, as the evaluation batches them)."""
         run = self.run
         pinned = {Path(f.path).name for f in data.files(task)}
-        first = load_task(task, run.cfg.data, run.cfg.limit, pinned)[:TASK_PROBE]
+        examples = load_task(task, run.cfg.data, run.cfg.limit, pinned)
+        first = examples[:TASK_PROBE]
         scored = functools.partial(evaluate.score_examples, run.teacher, run.tokenizer, first)
-        return scaled(timed(scored), 1 / len(first))
+        return len(examples), scaled(timed(scored), 1 / len(first))
+
+    def example(self, task: str) -> tuple:
+        return self[("examples", task)][1]
 
     def teacher_tasks(self) -> tuple:
-        run, total = self.run, (0.0, 0.0)
-        for task in run.tasks():
-            pinned = {Path(f.path).name for f in data.files(task)}
-            count = len(load_task(task, run.cfg.data, run.cfg.limit, pinned))
-            total = tuple(a + b for a, b in zip(total, scaled(self[("example", task)], count)))
+        total = (0.0, 0.0)
+        for task in self.run.tasks():
+            count, each = self[("examples", task)]
+            total = tuple(a + b for a, b in zip(total, scaled(each, count)))
         return total
 
     def student_tasks(self) -> tuple:

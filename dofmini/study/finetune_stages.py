@@ -6,8 +6,6 @@ on. The sizes come from the profile (reproduce.py's PROFILES: finetune_train_lim
 finetune_epochs and finetune_batch; `default` about an hour for the GPT-2 stand-in on 2 CPU
 cores, measured)."""
 
-import functools
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -119,33 +117,34 @@ def learning_rates(run, runner) -> dict:
     return chosen
 
 
+def models_to_tune(run, specs) -> list:
+    """(plan stage, file name, label, seed, model(), model key) of each model fine-tuned after
+    the grid, in run order: the teacher at each seed, then each student at its own; a student's
+    label is its variant, loss and budget."""
+    teacher = lambda: run.teacher  # noqa: E731
+    key = run.inputs["teacher"]
+    found = [
+        (f"{PREFIX}teacher/s{s}", "teacher", "teacher", s, teacher, key) for s in run.cfg.seeds
+    ]
+    for spec in specs:
+        label = f"{spec.variant}/{spec.loss}/b{spec.budget}"
+        model = compute.loader(run, spec)
+        found.append((PREFIX + spec.name, spec.name, label, spec.seed, model, spec.key))
+    return found
+
+
 def run_all(run, runner, specs) -> dict:
-    """Every model fine-tuned on every task with a training split, at every seed: the teacher
-    once per seed, then each student (run.Student) at its own, after the teacher's zero-shot
-    accuracy on each evaluation split. {"lr": learning_rates, "models": {label: {seed: {task:
-    fine_tune's record}}}, "zero_shot": {task: zero_shot's}}, a student's label its variant,
-    loss and budget; PENDING while any part is."""
+    """Every model fine-tuned on every task with a training split, at every seed, after the
+    teacher's zero-shot accuracy on each evaluation split and the grid: {"lr": learning_rates,
+    "models": {label: {seed: {task: fine_tune's record}}}, "zero_shot": {task: zero_shot's}};
+    PENDING while any part is."""
     tasks = task_train.trainable_tasks()
     before = {task: zero_shot(run, runner, task) for task in tasks}
     rates, models = learning_rates(run, runner), {}
-    teacher = [(None, seed) for seed in run.cfg.seeds]
-    for spec, seed in teacher + [(spec, spec.seed) for spec in specs]:
-        if spec is None:
-            model, name, key, label = (
-                lambda: run.teacher,
-                "teacher",
-                run.inputs["teacher"],
-                "teacher",
-            )
-        else:
-            model = functools.cache(partial(compute.load, run, spec))
-            name, key, label = spec.name, spec.key, f"{spec.variant}/{spec.loss}/b{spec.budget}"
-        stage = f"{PREFIX}{name}/s{seed}" if spec is None else PREFIX + name
-        lr = {t: None if rates[t] is PENDING else rates[t]["lr"] for t in tasks}
+    lr = {t: None if rates[t] is PENDING else rates[t]["lr"] for t in tasks}
+    found = [*before.values(), *rates.values()]
+    for stage, name, label, seed, model, key in models_to_tune(run, specs):
         by_task = {t: tuned(run, runner, stage, model, name, key, t, lr[t], seed) for t in tasks}
         models.setdefault(label, {})[str(seed)] = by_task
-    found = [*before.values(), *rates.values()]
-    found += [
-        r for by_seed in models.values() for by_task in by_seed.values() for r in by_task.values()
-    ]
+        found += by_task.values()
     return PENDING if PENDING in found else dict(lr=rates, models=models, zero_shot=before)

@@ -64,8 +64,8 @@ def parse(argv, config, profiles: dict, description: str) -> dict:
         if convert not in (int, float, str):
             convert = partial(_arg, flag, convert)
         if f.name == "profile":  # every other flag's default comes from it
-            how.update(choices=profiles, default=f.default)
-            said = ", ".join(profiles)
+            p.add_argument(flag, choices=profiles, default=f.default, help=help_text)
+            continue
         p.add_argument(flag, dest=f.name, type=convert, help=f"{help_text}; {said}", **how)
     return vars(p.parse_args(argv))
 

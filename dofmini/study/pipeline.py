@@ -16,7 +16,6 @@ each budget. A key that needs a result still pending in plan mode (dims from DoF
 rate from the grid) is None, and its stage is pending too."""
 
 import dataclasses
-import functools
 import itertools
 import time
 from functools import partial
@@ -176,9 +175,9 @@ def error_curves(run, runner, curve_students: list, allocation) -> tuple:
     together = curve_students + students(run, allocation, PENDING)
     for spec in curve_students:
         trained = train(run, runner, spec, together)
-        key = {"student": spec.key, **run.eval_key(), "windows": cfg.curve_windows}
+        key = run.of_student(spec, windows=cfg.curve_windows)
         path = cfg.out / "eval" / f"{spec.stem}-curve.json"
-        model = functools.cache(partial(compute.load, run, spec))
+        model = compute.loader(run, spec)
         # on the windows after the reported errors'
         measure = partial(curve_errors, run, model)
         work = {"layer window": cfg.curve_windows}
@@ -205,7 +204,7 @@ def swap_curves(run, runner, curve_students: list):
     windows = endtoend.offsets(run)[1]
     work = {"teacher ppl window": cfg.e2e_windows * (run.teacher.config.n_layer + 1)}
     for spec in curve_students:
-        key = {"student": spec.key, **run.eval_key(), "e2e": windows}
+        key = run.of_student(spec, e2e=windows)
         path = cfg.out / "eval" / f"{spec.stem}-swap.json"
         swaps = lambda spec=spec: endtoend.swap_kl(run, compute.load(run, spec))  # noqa: E731
         found = runner.stage(SWAP_STAGE, path, key, swaps, work, partial(valid_swaps, run))
@@ -218,10 +217,10 @@ def swap_curves(run, runner, curve_students: list):
 def evaluate_student(run, runner, spec, trained, model=None) -> dict:
     """A trained student's evaluation (perplexity, tasks, layer errors), its untrained draw's
     layer errors (a trained PRF variant's) and its end-to-end KL, with its training record."""
-    cfg, eval_key, known = run.cfg, run.eval_key(), spec.key is not None
-    model = model or functools.cache(partial(compute.load, run, spec))
+    cfg = run.cfg
+    model = model or compute.loader(run, spec)
     path = cfg.out / "eval" / f"{spec.stem}.json"
-    key = {"student": spec.key, **eval_key} if known else None
+    key = run.of_student(spec)
     evaluation = compute.evaluation(run, spec.name, path, key, model, student=True)
     work = {"layer window": cfg.error_windows, "student ppl window": ppl_windows(run)}
     then = lambda _: compute.remove_parts(run, path)  # noqa: E731
@@ -233,13 +232,13 @@ def evaluate_student(run, runner, spec, trained, model=None) -> dict:
         drawn = f"{'-'.join(map(str, spec.dims or ()))}-s{spec.seed}"
         path = cfg.out / "eval" / f"untrained-{drawn}.json"
         own = dict(teacher=run.inputs["teacher"], dims=spec.dims, seed=spec.seed)
-        key = {**own, **eval_key} if known else None
+        key = None if spec.key is None else {**own, **run.eval_key()}
         errors = lambda: compute.layer_errors(run, compute.performer(run, spec))  # noqa: E731
         work = {"layer window": cfg.error_windows}
         before = runner.stage(spec.name, path, key, errors, work, partial(valid_errors, run))
     path = cfg.out / "eval" / f"{spec.stem}-e2e.json"
     windows = endtoend.offsets(run)[0]
-    key = {"student": spec.key, **eval_key, "e2e": windows, "per_window": True} if known else None
+    key = run.of_student(spec, e2e=windows, per_window=True)
     kl = lambda: endtoend.student_kl(run, model())  # noqa: E731
     work = {"e2e window": cfg.e2e_windows}
     valid = partial(valid_windows, cfg.e2e_windows)

@@ -139,6 +139,11 @@ class Run:
         key.update(limit=cfg.limit, data={k: v for k, v in inputs.items() if "/" in k})
         return dict(key, tokenizer=inputs["tokenizer"], device=inputs["device"])
 
+    def of_student(self, spec: Student, **more) -> dict | None:
+        """The key of a result measured on `spec`: its own key, the evaluation's, `more`; None
+        while its dims are pending."""
+        return None if spec.key is None else {"student": spec.key, **self.eval_key(), **more}
+
     def texts_read(self) -> dict:
         """{text: its data files, in the order read}: DoF's calibration text, the perplexity
         texts and the training corpus, joined in path order, not the registry's row order."""

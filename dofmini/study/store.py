@@ -31,56 +31,34 @@ def log(message: str):
     print(message, flush=True)
 
 
-def _record(path: Path) -> dict:
-    """The record at `path`: a JSON file's {"key", "result"}, a safetensors file's header; {} when
-    absent; a CheckpointError or ValueError when it cannot be read."""
+def lookup(path: Path, key: dict, valid=None) -> tuple:
+    """(What `path` holds for `key`: a JSON file's result, a safetensors file's record once its
+    training finished ("info"), checked by valid(result) when given; else None. Why it is made
+    again: one line, or None when there is nothing there or a training to resume)."""
     if not path.is_file():
-        return {}
-    if path.suffix == ".safetensors":
-        return read_tensors(path, tensors=False)[1]
-    stored = json.loads(path.read_text())
-    return stored if isinstance(stored, dict) else {}
-
-
-def _readable(path: Path) -> tuple:
-    """(record, why not readable): a damaged file is {} and its reason."""
+        return None, None
+    tensors = path.suffix == ".safetensors"
     try:
-        return _record(path), ""
+        record = read_tensors(path, tensors=False)[1] if tensors else json.loads(path.read_text())
     except CheckpointError as err:
-        return {}, str(err)
+        return None, f"redo: {err}"
     except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        return {}, f"{path}: damaged or of an older version (no record of its settings)"
-
-
-def _result(path: Path, record: dict):
-    """A JSON record's result; a safetensors file's header once its training finished ("info")."""
-    if path.suffix == ".safetensors":
-        return record if "info" in record else None
-    return record.get("result")
+        record = None
+    if not isinstance(record, dict) or "key" not in record:
+        return None, f"redo: {path}: damaged or of an older version (no record of its settings)"
+    if record["key"] != as_json(key):
+        return None, f"redo: {path}: {changed_settings(record['key'], as_json(key))} changed"
+    if not tensors and "result" not in record:
+        return None, f"redo: {path}: of an older version (no result in its record)"
+    result = record.get("result") if not tensors else record if "info" in record else None
+    if result is not None and valid and not valid(result):
+        return None, f"redo: {path}: its result is not of the shape this stage writes"
+    return result, None
 
 
 def saved(path: Path, key: dict, valid=None):
-    """What `path` holds if it was made with `key` and, given `valid`, valid(result) holds (it has
-    the shape its stage writes): a JSON file's result, a safetensors file's record; else None."""
-    record, _ = _readable(path)
-    result = _result(path, record) if record.get("key") == as_json(key) else None
-    return None if result is None or valid and not valid(result) else result
-
-
-def why_redo(path: Path, key: dict, valid=None) -> str | None:
-    """The line that says why `path` is made again, None when there is nothing there to redo."""
-    record, unreadable = _readable(path)
-    if unreadable:
-        return f"redo: {unreadable}"
-    if not record:
-        return None
-    if "key" not in record:
-        return f"redo: {path}: damaged or of an older version (no record of its settings)"
-    if record["key"] != as_json(key):
-        return f"redo: {path}: {changed_settings(record['key'], as_json(key))} changed"
-    if _result(path, record) is None:
-        return None  # a training that had not finished: its progress file resumes it
-    return f"redo: {path}: its result is not of the shape this stage writes"
+    """What `path` holds for `key` (lookup), or None."""
+    return lookup(path, key, valid)[0]
 
 
 def load_or_compute(path: Path, key: dict, compute, split: bool = False, valid=None):
@@ -89,10 +67,11 @@ def load_or_compute(path: Path, key: dict, compute, split: bool = False, valid=N
     rank computes if `split` (sharing the work), else the writer alone (the rest read it)."""
     if not split:
         return devices.writer_first(lambda: load_or_compute(path, key, compute, True, valid))
-    if (result := saved(path, key, valid)) is not None:
+    result, why = lookup(path, key, valid)
+    if result is not None:
         log(f"skip: {path} done")
         return result
-    if why := why_redo(path, key, valid):
+    if why:
         log(why)
     result = compute()
     if path.suffix == ".safetensors":
@@ -103,27 +82,23 @@ def load_or_compute(path: Path, key: dict, compute, split: bool = False, valid=N
 
 
 def token_ids(path: Path, key: dict, texts, tokenizer, max_chars, keep=True) -> torch.Tensor:
-    """Token ids of text files, encoded once and cached as .npy (no pickle) beside a key file that
-    also holds the cache's sha256, so a cache replaced or damaged since is encoded again; `keep`
-    False (a plan) reads a cache but writes none."""
-    key_path = path.with_suffix(".json")
-    stored, _ = _readable(key_path)
-    if stored.get("key") == as_json(key) and path.is_file():
-        if sha256_file(path) == stored.get("sha256"):
-            return torch.from_numpy(np.load(path))
-        log(f"redo: {path}: its bytes are not those its record names")
-    elif key_path.exists() or path.exists():
-        old = stored.get("key")
-        said = changed_settings(old, as_json(key)) if old else None
-        log(f"redo: {path}: {said} changed" if said else f"redo: {path}: damaged or of an older "
-            "version (no record of its settings)")  # fmt: skip
+    """Token ids of text files, encoded once and cached as .npy (no pickle) beside a record that
+    holds the key and the cache's sha256, so a cache replaced or damaged since is encoded again;
+    `keep` False (a plan) reads a cache but writes none."""
+    record = path.with_suffix(".json")
+    sha256, why = lookup(record, key)
+    if sha256 is not None and path.is_file() and sha256_file(path) == sha256:
+        return torch.from_numpy(np.load(path))
+    if record.exists():
+        log(why or f"redo: {path}: its bytes are not those its record names")
     text = "".join(Path(f).read_text(encoding="utf-8") for f in texts)[:max_chars]
     ids = np.array(tokenizer.encode(text).ids, dtype=np.int64)
     npy = io.BytesIO()
     np.save(npy, ids)  # to bytes: given a file name, np.save would append ".npy"
     if keep:
         atomic_write(path, lambda tmp: tmp.write_bytes(npy.getvalue()))
-        write_text(key_path, json.dumps({"key": as_json(key), "sha256": sha256_file(path)}))
+        made = {"key": as_json(key), "result": sha256_file(path)}
+        write_text(record, json.dumps(made))
     return torch.from_numpy(ids)
 
 
