@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import random
 
 import numpy as np
 import pytest
@@ -11,8 +12,12 @@ from hypothesis import strategies as st
 from dofmini.study.compare import against_fix
 from dofmini.study.oracle import oracle_allocate
 from dofmini.study.stats import (
+    at_edge,
+    clears_by,
+    cluster_bootstrap,
     dof_predicts,
     features_needed,
+    holm,
     loglog_at,
     loglog_slope,
     mean_ci,
@@ -331,3 +336,101 @@ def test_loglog_at_is_the_power_through_the_points_around_m():
     assert loglog_at(ms, errors, 64) == pytest.approx(0.125 * 2**0.5)
     with pytest.raises(ValueError, match="loglog_at"):
         loglog_at(ms, errors, 4)
+
+
+def test_cluster_bootstrap_weights_an_article_by_its_windows():
+    # one seed: only the articles vary. Article A has windows 0, 0, 0 and B one window of 4: the
+    # mean over cells is 1. Two articles drawn: AA (p 1/4) has mean 0, AB (1/2) 4/4 = 1 (not
+    # the articles' mean 2), BB (1/4) 4; so the 2.5% and 97.5% points are 0 and 4, about a
+    # quarter of the draws are <= 0 and all >= 0: p = 2·min(≈1/4, 1) ≈ 1/2.
+    found = cluster_bootstrap([[0.0, 4.0, 0.0, 0.0]], ["A", "B", "A", "A"], seed=1, draws=2000)
+    assert (found.mean, found.low, found.high) == (1.0, 0.0, 4.0)
+    assert found.p == pytest.approx(0.5, abs=0.05)
+    assert cluster_bootstrap([[0.0, 4.0, 0.0, 0.0]], "ABAA", seed=1, draws=2000) == found
+
+
+def test_cluster_bootstrap_of_one_article_draws_only_seeds_and_floors_p():
+    # one window: the seeds' values 1 and 3 give means 1, 2, 3 as two windows would
+    found = cluster_bootstrap([[1.0], [3.0]], [0], seed=0, draws=2000)
+    assert found == (2.0, 1.0, 3.0, 1 / 2000)  # no draw reaches 0: p is floored at 1/draws
+    assert cluster_bootstrap([[5.0]], [0], draws=10) == (5.0, 5.0, 5.0, 1 / 10)
+    assert cluster_bootstrap([[0.0]], [0], draws=10).p == 1.0  # every draw is both <= and >= 0
+
+
+def made_up_differences(rng, true, seed_sd, article_sd, noise_sd):
+    """(rows, clusters): 5 seeds' per-window differences true + seed effect + article effect +
+    window noise (normal, each sd given) on 20 articles of 1 to 8 windows."""
+    sizes = [rng.randint(1, 8) for _ in range(20)]
+    clusters = [article for article, size in enumerate(sizes) for _ in range(size)]
+    article_effects = [rng.gauss(0, article_sd) for _ in sizes]
+    rows = []
+    for _ in range(5):
+        seed_effect = rng.gauss(0, seed_sd)
+        noise = [rng.gauss(0, noise_sd) for _ in clusters]
+        rows.append([true + seed_effect + article_effects[a] + e for a, e in zip(clusters, noise)])
+    return rows, clusters
+
+
+def test_cluster_bootstrap_covers_where_the_seeds_alone_do_not():
+    # the article effects are shared by every seed, so the per-seed means do not vary with them
+    # and the seeds' t-interval leaves them out; the two-way bootstrap draws the articles again.
+    # Most of the mean's variance is the articles' (≈ 1²·Σn²/N² ≈ 0.06 against seeds' 0.2²/5).
+    # Over 1000 repetitions the combined interval covered 0.95, the seeds-only one 0.75: the
+    # bounds leave room for 200's noise (sd ≈ 0.015)
+    true, repetitions = 0.3, 200
+    covered = seeds_covered = 0
+    for rep in range(repetitions):
+        rows, clusters = made_up_differences(random.Random(rep), true, 0.2, 1.0, 2.0)
+        found = cluster_bootstrap(rows, clusters, seed=10_000 + rep, draws=500)
+        covered += found.low <= true <= found.high
+        per_seed = [math.fsum(row) / len(row) for row in rows]
+        mean, half = paired_diff(per_seed, [0.0] * len(per_seed))
+        seeds_covered += mean - half <= true <= mean + half
+    assert 0.88 <= covered / repetitions <= 0.99
+    assert seeds_covered / repetitions <= covered / repetitions - 0.10
+
+
+@pytest.mark.parametrize(
+    "rows, clusters, kwargs, match",
+    [
+        ([[1.0], [1.0, 2.0]], [0, 1], {}, r"cluster_bootstrap: rows: need rows of one length"),
+        ([], [], {}, r"cluster_bootstrap: rows: need rows of one length"),
+        ([[1.0, math.inf]], [0, 1], {}, r"cluster_bootstrap: rows\[0\] must be .* finite"),
+        ([[1.0, 2.0]], [0], {}, r"cluster_bootstrap: clusters: need one article per window \(2\)"),
+        ([[1.0]], [0], {"draws": 0}, r"cluster_bootstrap: draws, level: need an integer draws"),
+        ([[1.0]], [0], {"level": 95}, r"cluster_bootstrap: draws, level: .* level in \(0, 1\)"),
+    ],
+)
+def test_cluster_bootstrap_names_the_bad_argument(rows, clusters, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cluster_bootstrap(rows, clusters, **kwargs)
+
+
+def test_holm_by_hand():
+    # p = 0.01, 0.04, 0.03, 0.5 at 0.05, m = 4. Sorted: 0.01 <= 0.05/4 = 0.0125, rejected; then
+    # 0.03 > 0.05/3 = 0.0167, so it and every larger p (0.04, 0.5) stand.
+    assert holm([0.01, 0.04, 0.03, 0.5]) == [True, False, False, False]
+    # m = 3: 0.001 <= 0.05/3, rejected; 0.03 > 0.05/2 = 0.025 stops the steps, so 0.04 stands
+    # though it is <= 0.05/1, the last step's bound
+    assert holm([0.04, 0.001, 0.03]) == [False, True, False]
+    # 0.001 <= 0.05/4, 0.01 <= 0.05/3, 0.02 <= 0.05/2, 0.04 <= 0.05: all rejected
+    assert holm([0.02, 0.04, 0.001, 0.01]) == [True, True, True, True]
+    assert holm([0.04], level=0.05) == [True] and holm([0.06]) == [False]
+    with pytest.raises(ValueError, match=r"holm: need p-values in \[0, 1\]"):
+        holm([0.01, 1.5])
+    with pytest.raises(ValueError, match="holm: p_values must be a nonempty"):
+        holm([])
+
+
+def test_clears_by_and_at_edge():
+    # [0.05, 1.05]: the nearer end is 0.05 from 0, a width of 1: 5%, at the edge (< 10%)
+    assert clears_by(0.05, 1.05) == pytest.approx(0.05) and at_edge(0.05, 1.05)
+    assert clears_by(-1.2, -0.2) == pytest.approx(0.2) and not at_edge(-1.2, -0.2)
+    assert at_edge(-1.2, -0.2, share=0.25)
+    assert clears_by(-0.5, 1.5) == pytest.approx(-0.25) and at_edge(-0.5, 1.5)  # holds 0
+    assert clears_by(2.0, 2.0) == math.inf and clears_by(-2.0, -2.0) == math.inf
+    assert clears_by(0.0, 0.0) == 0.0
+    with pytest.raises(ValueError, match="clears_by: need low <= high"):
+        clears_by(1.0, 0.0)
+    with pytest.raises(ValueError, match="clears_by: low, high must be"):
+        clears_by(math.nan, 1.0)

@@ -1,6 +1,7 @@
 """Statistics over seeds, standard library only: two-sided Student t-intervals (s with n − 1 in
-the denominator), paired differences, a bootstrap over the text's windows, Wilson's interval
-of an accuracy on n examples, the share of Fix's
+the denominator), paired differences, a bootstrap over the text's windows, a two-way bootstrap
+over seeds and articles with its p-value, Holm's step-down over a family of tests, how far an
+interval clears 0, Wilson's interval of an accuracy on n examples, the share of Fix's
 degradation that DoF removes, Spearman's ρ with a permutation p-value, the features a layer needs
 to reach a target error, and a curve's error between its measured points."""
 
@@ -9,6 +10,7 @@ import math
 import random
 from bisect import bisect_left, bisect_right
 from statistics import NormalDist
+from typing import NamedTuple
 
 
 def t_critical(level, df):
@@ -61,17 +63,93 @@ def window_bootstrap(rows, seed=0, draws=2000, level=0.95):
     paired difference is one row per seed of differences), so each draw takes one set of W window
     indices, with replacement, for all seeds, by random.Random(seed). The seeds stay fixed: this
     is the text's share of the uncertainty, beside mean_ci's over seeds."""
-    if int(draws) != draws or draws < 1 or not 0 < level < 1:
-        why = f"need an integer draws >= 1 and a level in (0, 1), got {draws}, {level}"
-        raise ValueError(f"window_bootstrap: {why}")
-    rows = [_finite(f"window_bootstrap: row {s}", row) for s, row in enumerate(rows)]
-    if not rows or len({len(row) for row in rows}) != 1:
-        raise ValueError(f"window_bootstrap: need rows of one length, got {[len(r) for r in rows]}")
+    rows = _bootstrap_rows("window_bootstrap", rows, draws, level)
     per_window = [math.fsum(column) / len(rows) for column in zip(*rows)]  # the seeds' mean
     rng, count = random.Random(seed), len(per_window)
     means = sorted(math.fsum(rng.choices(per_window, k=count)) / count for _ in range(draws))
-    tail = round((1 - level) / 2 * draws)  # draws below the interval, and as many above it
-    return [means[tail], means[draws - 1 - tail]]
+    return list(_percentiles(means, level))
+
+
+class Bootstrap(NamedTuple):
+    """cluster_bootstrap's answer: the mean, its percentile interval [low, high], and the
+    two-sided bootstrap p-value of a mean of 0."""
+
+    mean: float
+    low: float
+    high: float
+    p: float
+
+
+def cluster_bootstrap(rows, clusters, seed=0, draws=2000, level=0.95) -> Bootstrap:
+    """The Bootstrap of the mean over seeds and windows when both the seeds and the text's
+    articles are drawn again. rows[s][w] is seed s's value on window w (a paired difference:
+    rule − Fix on the same seed and window); clusters[w] is the article window w lies in. Each
+    draw, by random.Random(seed), takes as many seeds as there are, with replacement, and as
+    many articles, with replacement, every window of a drawn article coming along, and takes the
+    mean over the drawn (seed, window) cells: an article drawn twice counts twice, each (seed,
+    article) pair weighted by its windows. With one seed only the articles vary, with one article
+    only the seeds. p = 2·min(share of draws <= 0, share >= 0), at least 1/draws, at most 1."""
+    rows = _bootstrap_rows("cluster_bootstrap", rows, draws, level)
+    clusters = list(clusters)
+    windows = len(rows[0])
+    if len(clusters) != windows:
+        why = f"need one article per window ({windows}), got {len(clusters)}"
+        raise ValueError(f"cluster_bootstrap: clusters: {why}")
+    members = {}  # article: its windows, in first-seen order, so the draws are reproducible
+    for w, article in enumerate(clusters):
+        members.setdefault(article, []).append(w)
+    sizes = [len(found) for found in members.values()]
+    sums = [[math.fsum(row[w] for w in found) for found in members.values()] for row in rows]
+    mean = math.fsum(map(math.fsum, sums)) / (len(rows) * windows)
+    rng, seeds, articles = random.Random(seed), range(len(rows)), range(len(sizes))
+    means = []
+    for _ in range(draws):
+        drawn_seeds = rng.choices(seeds, k=len(seeds))
+        drawn = rng.choices(articles, k=len(articles))
+        total = math.fsum(math.fsum(map(sums[s].__getitem__, drawn)) for s in drawn_seeds)
+        cells = len(drawn_seeds) * sum(map(sizes.__getitem__, drawn))
+        means.append(total / cells)
+    means.sort()
+    at_most_0 = bisect_right(means, 0.0) / draws
+    at_least_0 = 1 - bisect_left(means, 0.0) / draws
+    p = min(1.0, max(1 / draws, 2 * min(at_most_0, at_least_0)))
+    return Bootstrap(mean, *_percentiles(means, level), p)
+
+
+def holm(p_values, level=0.05) -> list:
+    """Holm's step-down at family-wise error `level`: a list of bools, True where the hypothesis
+    of p_values[k] is rejected. The k-th smallest p (from 1, of m) is rejected when it and every
+    smaller one are <= level/(m − k + 1); ties keep their order, which changes nothing."""
+    p_values = _finite("holm: p_values", p_values)
+    if not all(0 <= p <= 1 for p in p_values) or not 0 < level < 1:
+        why = f"need p-values in [0, 1] and a level in (0, 1), got {p_values}, {level}"
+        raise ValueError(f"holm: {why}")
+    count = len(p_values)
+    rejected = [False] * count
+    for rank, k in enumerate(sorted(range(count), key=p_values.__getitem__)):
+        if p_values[k] > level / (count - rank):
+            break
+        rejected[k] = True
+    return rejected
+
+
+def clears_by(low, high) -> float:
+    """The share of [low, high]'s width by which it lies clear of 0: the nearer end's distance
+    from 0 over the width (0.1: a tenth of it), <= 0 where it holds 0, ±inf for a point off 0."""
+    low, high = _finite("clears_by: low, high", [low, high])
+    if high < low:
+        raise ValueError(f"clears_by: need low <= high, got {low}, {high}")
+    gap = max(low, -high)  # > 0 exactly where the interval excludes 0
+    width = high - low
+    if width == 0:
+        return math.copysign(math.inf, gap) if gap else 0.0
+    return gap / width
+
+
+def at_edge(low, high, share=0.10) -> bool:
+    """Whether [low, high] clears 0 by less than `share` of its width (clears_by); one that holds
+    0 does not clear it at all, so is at the edge too."""
+    return clears_by(low, high) < share
 
 
 def wilson(acc, n, level=0.95):
@@ -193,6 +271,25 @@ def _finite(name, values):
     if not values or not all(map(math.isfinite, values)):
         raise ValueError(f"{name} must be a nonempty sequence of finite numbers, got {values}")
     return values
+
+
+def _bootstrap_rows(caller, rows, draws, level):
+    """rows as lists of finite floats, all of one nonzero length, or a ValueError naming the
+    caller and the argument; likewise for draws (an integer >= 1) and level (in (0, 1))."""
+    if int(draws) != draws or draws < 1 or not 0 < level < 1:
+        why = f"need an integer draws >= 1 and a level in (0, 1), got {draws}, {level}"
+        raise ValueError(f"{caller}: draws, level: {why}")
+    rows = [_finite(f"{caller}: rows[{s}]", row) for s, row in enumerate(rows)]
+    if not rows or len({len(row) for row in rows}) != 1:
+        lengths = [len(row) for row in rows]
+        raise ValueError(f"{caller}: rows: need rows of one length (one per seed), got {lengths}")
+    return rows
+
+
+def _percentiles(means, level):
+    """(low, high): the percentile interval at `level` of the sorted bootstrap means."""
+    tail = round((1 - level) / 2 * len(means))  # draws below the interval, and as many above it
+    return means[tail], means[len(means) - 1 - tail]
 
 
 def _paired(caller, a, b, names="ab", least=1, unit="seeds"):
