@@ -268,16 +268,25 @@ def e2e_summary(grouped: dict) -> dict:
         if fix:
             _, _, _, diff, relative = against_fix(fix, by_seed)[0]  # METRICS[0]: end-to-end KL
             row.update(minus_fix=as_json(*diff), relative=relative)
-        windows = {seed: s.get("e2e_kl_windows") for seed, s in by_seed.items()}
-        if None not in windows.values():
-            text = dict(BOOTSTRAP, e2e_kl=stats.window_bootstrap(windows.values(), **BOOTSTRAP))
-            seeds = sorted(set(by_seed) & set(fix or {}))
-            if seeds and all(fix[s].get("e2e_kl_windows") for s in seeds):
-                diffs = [np.subtract(windows[s], fix[s]["e2e_kl_windows"]) for s in seeds]
+        windows = [s.get("e2e_kl_windows") for s in by_seed.values()]
+        if None not in windows:
+            text = dict(BOOTSTRAP, e2e_kl=stats.window_bootstrap(windows, **BOOTSTRAP))
+            diffs = window_diffs(by_seed, fix or {})
+            if diffs:
                 text["minus_fix"] = stats.window_bootstrap(diffs, **BOOTSTRAP)
             row["window_bootstrap"] = text
         found[f"{variant}/{loss}/b{budget}"] = row
     return found
+
+
+def window_diffs(by_seed: dict, fix: dict):
+    """[seed][window]: a student's per-window end-to-end KL less Fix's, over the seeds both have
+    (in seed order); None where they share no seed or one of those seeds lacks its windows."""
+    seeds = sorted(set(by_seed) & set(fix))
+    pairs = [(by_seed[s].get("e2e_kl_windows"), fix[s].get("e2e_kl_windows")) for s in seeds]
+    if not pairs or not all(own and base for own, base in pairs):
+        return None
+    return [np.subtract(own, base).tolist() for own, base in pairs]
 
 
 def swap_section(results: dict) -> str:
