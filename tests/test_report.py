@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO
 
 from dofmini.study import compare, figures, report, task_train, verdicts
-from dofmini.study.stats import window_bootstrap
+from dofmini.study.stats import Bootstrap, window_bootstrap
 
 RULES_RUN = REPO / "runs" / "standin-gpt2-rules" / "results.json"
 
@@ -98,6 +98,59 @@ def test_one_seed_verdicts_ask_for_seeds(one_seed):
     lines = verdicts.verdict_lines(one_seed)
     assert lines and all("one seed: no interval; run `--seeds 0,1,2`" in line for line in lines)
     assert "not measured" in verdicts.regime(one_seed)
+
+
+def with_windows(results, shifts):
+    """results with every student's end-to-end KL split into four windows (two articles, 0 and
+    1) and shifted by shifts[variant] (0 where not named), its e2e rows made again."""
+    found = copy.deepcopy(results)
+    for s in found["students"].values():
+        shift = shifts.get(s["variant"], 0.0)
+        s["e2e_kl_windows"] = [s["e2e_kl"] + shift + d for d in (-1e-4, 1e-4, -2e-4, 2e-4)]
+        s["e2e_kl"] = float(np.mean(s["e2e_kl_windows"]))
+    found["e2e"] = compare.e2e_summary(compare.groups(found["students"]))
+    return found
+
+
+def test_verdicts_with_windows_draw_seeds_and_articles_and_keep_the_rest_as_diagnostics(study):
+    # every rule but dof lies 1e-3 below Fix's windows on every seed and window, dof 1e-3 above,
+    # far beyond the windows' ±2e-4: Holm rejects all, and none is at the edge
+    results = with_windows(study, {"fix": 1e-3, "dof": 2e-3})
+    lines = verdicts.verdict_lines(results, [0, 0, 1, 1])
+    assert len(lines) == len(verdicts.verdict_lines(study))
+    for line in lines:
+        name, word = line.split(": ")[:2]
+        suffix = name.partition("/")[2]
+        family = sum(other.endswith(f"/{suffix}") for other in results["e2e"]) - 1  # less Fix
+        assert word == ("worse" if name.startswith("dof/") else "better"), line
+        assert "seeds × articles 95% [" in line and f"(Holm over {family} rules at 0.05)" in line
+        assert "; diagnostics: seeds only " in line and ", text only 95% [" in line
+    windows = verdicts.verdict_lines(results)  # no articles: each window is its own
+    assert all("seeds × windows as articles 95%" in line for line in windows)
+
+
+def test_a_family_verdict_waits_for_holm_and_says_when_it_is_at_the_edge():
+    assert verdicts.family_verdict(Bootstrap(0.5, 0.05, 1.05, 0.001), True) == (
+        "worse (at the edge: clears 0 by 5% of its width)"
+    )
+    assert verdicts.family_verdict(Bootstrap(-0.7, -1.2, -0.2, 0.001), True) == "better"
+    assert verdicts.family_verdict(Bootstrap(-0.7, -1.2, -0.2, 0.03), False) == "inconclusive"
+    # at b8, p 0.01 <= 0.05/3 is rejected, then 0.03 > 0.05/2 stops the steps; alone at b16,
+    # 0.04 <= 0.05 is rejected
+    ps = {"a/softmax/b8": 0.01, "b/softmax/b8": 0.04, "c/softmax/b8": 0.03, "a/softmax/b16": 0.04}
+    found = {name: Bootstrap(1.0, 0.5, 1.5, p) for name, p in ps.items()}
+    assert verdicts.holm_by_family(found) == {
+        "a/softmax/b8": (True, 3), "b/softmax/b8": (False, 3), "c/softmax/b8": (False, 3),
+        "a/softmax/b16": (True, 1),
+    }  # fmt: skip
+
+
+def test_the_report_reads_the_articles_of_the_end_to_end_windows(one_seed, tmp_path):
+    results = with_windows(one_seed, {"dof": 1e-3})
+    results["e2e_articles"] = ["a", "a", "b", "b"]
+    report.write(tmp_path, results)
+    assert "seeds × articles 95%" in (tmp_path / "report.md").read_text()
+    assert "seeds × articles 95%" in report.closing(tmp_path, results)
 
 
 def test_headroom_is_the_oracle_against_fix_on_the_summed_swaps(study):

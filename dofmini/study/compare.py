@@ -18,7 +18,7 @@ METRICS = (
     ("WikiText-2 ppl", "wikitext2_ppl", None), ("held-out ppl", "heldout_ppl", None),
 )  # fmt: skip
 PERMUTATIONS, PERMUTATION_SEED = 10000, 0  # for the permutation p-value of a rank correlation
-BOOTSTRAP = dict(seed=0, draws=2000, level=0.95)  # stats.window_bootstrap's, kept in results.json
+BOOTSTRAP = dict(seed=0, draws=2000, level=0.95)  # window_bootstrap (results.json), verdicts too
 
 
 def md_table(header, rows) -> str:

@@ -1,14 +1,18 @@
 """What a run can tell, and what it tells, on end-to-end KL: the headroom the one-layer swap curves
 leave any allocation over Fix at each budget, beside the difference the seeds resolve; how much
 attention matters on the teacher (untrained random features against trained ones); and one verdict
-per rule against Fix. Each returns lines or markdown for report.md and the run's last lines."""
+per rule against Fix, from the two-way bootstrap over seeds and articles with Holm's step-down over
+the rules of a loss and budget where the run kept each window's KL, else from the seeds alone. Each
+returns lines or markdown for report.md and the run's last lines."""
 
 import math
 
 from . import stats
-from .compare import groups, interval, md_table
+from .compare import BOOTSTRAP, groups, interval, md_table, window_diffs
 
 UNTRAINED = "performer"  # the variant of untrained random features in every layer
+FAMILY_LEVEL = 0.05  # Holm's family-wise error over the rules of one loss and budget
+EDGE = 0.10  # a verdict whose interval clears 0 by less than this share of its width: at the edge
 
 
 def headroom(results: dict) -> dict:
@@ -53,26 +57,95 @@ def verdict(row: dict, fix_mean: float, gain=None) -> str:
     return "inconclusive"
 
 
-def verdict_lines(results: dict) -> list:
-    """One line per rule, loss and budget against Fix on end-to-end KL: the verdict, the paired
-    difference (mean ± 95% t half width over seeds), the relative change, and the text interval
-    where the run has per-window KL."""
+def family_verdict(found: stats.Bootstrap, rejected: bool) -> str:
+    """better / worse where Holm's step-down over the rule's family (`rejected`) rejects a
+    difference of 0 from Fix, by the sign of the combined interval `found`'s mean; else
+    inconclusive. A rejection whose interval clears 0 by less than EDGE of its width says so."""
+    if not rejected:
+        return "inconclusive"
+    word = "better" if found.mean < 0 else "worse"
+    if not stats.at_edge(found.low, found.high, EDGE):
+        return word
+    share = stats.clears_by(found.low, found.high)
+    return f"{word} (at the edge: clears 0 by {100 * share:.0f}% of its width)"
+
+
+def combined(results: dict, articles=None) -> dict:
+    """{rule name: stats.cluster_bootstrap of its per-window difference from Fix} for the rules
+    whose paired seeds all kept each window's end-to-end KL, the seeds and the articles drawn
+    again; `articles` names each end-to-end window's article (window order), None: each window
+    its own."""
+    grouped = groups(results["students"])
+    found = {}
+    for (variant, loss, budget), by_seed in grouped.items():
+        fix = grouped.get(("fix", loss, budget))
+        diffs = None if variant == "fix" or not fix else window_diffs(by_seed, fix)
+        if diffs:
+            clusters = range(len(diffs[0])) if articles is None else articles
+            found[f"{variant}/{loss}/b{budget}"] = stats.cluster_bootstrap(
+                diffs, clusters, **BOOTSTRAP
+            )
+    return found
+
+
+def holm_by_family(found: dict) -> dict:
+    """{rule name: (whether Holm's step-down at FAMILY_LEVEL rejects its bootstrap p, how many
+    rules its family has)}, a family being the rules of `found` (combined's) at one loss and
+    budget."""
+    families = {}
+    for name in found:
+        _, loss, budget = name.split("/")
+        families.setdefault((loss, budget), []).append(name)
+    rejected = {}
+    for names in families.values():
+        decisions = stats.holm([found[name].p for name in names], FAMILY_LEVEL)
+        rejected.update((name, (decision, len(names))) for name, decision in zip(names, decisions))
+    return rejected
+
+
+def verdict_lines(results: dict, articles=None) -> list:
+    """One line per rule, loss and budget against Fix on end-to-end KL. Where the run kept each
+    window's KL: family_verdict, the mean difference and its relative change, the 95% interval
+    with seeds and articles drawn again (`articles`: one id per end-to-end window, in window
+    order; None: the windows as articles), its p and the family Holm weighed, then as
+    diagnostics the seeds-only t half width and the text-only window bootstrap. Else the
+    seeds-only verdict and the paired difference (mean ± 95% t half width over seeds)."""
     e2e = results["e2e"]
     gains = headroom(results)
+    found = combined(results, articles)
+    decided = holm_by_family(found)
+    unit = "windows as articles" if articles is None else "articles"
     lines = []
     for name, row in sorted(e2e.items(), key=lambda item: _order(item[0])):
         variant, loss, budget = name.split("/")
         if variant == "fix" or "minus_fix" not in row:
             continue
-        fix_mean = e2e[f"fix/{loss}/{budget}"]["e2e_kl"][0]
-        gain = gains.get(budget.removeprefix("b"), {}).get("gain")
         mean, half = row["minus_fix"]
-        spread = "" if half is None else f" ± {half:.2g}"
-        text = row.get("window_bootstrap", {}).get("minus_fix")
-        text = f", text 95% {interval(text, '+')}" if text else ""
-        numbers = f"{mean:+.3g}{spread} ({100 * row['relative']:+.1f}%){text}"
-        lines.append(f"{name}: {verdict(row, fix_mean, gain)}: − fix {numbers}")
+        seeds = f"{mean:+.3g}" + ("" if half is None else f" ± {half:.2g}")
+        change = f"({100 * row['relative']:+.1f}%)"
+        if name in found:
+            result = found[name]
+            rejected, family = decided[name]
+            words = family_verdict(result, rejected)
+            numbers = f"{result.mean:+.3g} {change}, {_combined_interval(result, family, unit)}"
+            text = row.get("window_bootstrap", {}).get("minus_fix")
+            text = f", text only 95% {interval(text, '+')}" if text else ""
+            diagnostics = f"diagnostics: seeds only {seeds}{text}"
+            lines.append(f"{name}: {words}: − fix {numbers}; {diagnostics}")
+        else:
+            fix_mean = e2e[f"fix/{loss}/{budget}"]["e2e_kl"][0]
+            gain = gains.get(budget.removeprefix("b"), {}).get("gain")
+            words = verdict(row, fix_mean, gain)
+            lines.append(f"{name}: {words}: − fix, seeds only: {seeds} {change}")
     return lines
+
+
+def _combined_interval(result: stats.Bootstrap, family: int, unit: str) -> str:
+    """The combined interval as a verdict line says it: its 95% bounds over seeds and `unit`
+    (articles, or windows as articles), its p, and how many rules Holm weighed."""
+    bounds = interval((result.low, result.high), "+")
+    holm = f"Holm over {family} rules at {FAMILY_LEVEL:g}"
+    return f"seeds × {unit} 95% {bounds}, p {result.p:.2g} ({holm})"
 
 
 def _order(name: str) -> tuple:
@@ -132,7 +205,7 @@ against Fix's, 1 − oracle/Fix, the most any allocation could gain as far as th
 up. Beside it, what the seeds resolve: each rule's 95% paired half width against Fix, over Fix's
 mean end-to-end KL (least to most over the rules), and the text's: the half span of the window
 bootstrap's 95% interval of the difference, the same way. A gain below the resolution cannot be
-told from noise; such a rule's verdict reads "cannot resolve".
+told from noise; such a rule's seeds-only verdict reads "cannot resolve".
 
 {table}
 
