@@ -135,14 +135,14 @@ def holm(p_values, level=0.05) -> list:
 
 def clears_by(low, high) -> float:
     """The share of [low, high]'s width by which it lies clear of 0: the nearer end's distance
-    from 0 over the width (0.1: a tenth of it), <= 0 where it holds 0, ±inf for a point off 0."""
+    from 0 over the width (0.1: a tenth of it), <= 0 where it holds 0, inf for a point off 0."""
     low, high = _finite("clears_by: low, high", [low, high])
     if high < low:
         raise ValueError(f"clears_by: need low <= high, got {low}, {high}")
     gap = max(low, -high)  # > 0 exactly where the interval excludes 0
     width = high - low
     if width == 0:
-        return math.copysign(math.inf, gap) if gap else 0.0
+        return math.inf if gap > 0 else 0.0
     return gap / width
 
 
