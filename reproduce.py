@@ -115,8 +115,11 @@ class RunConfig:
     eval_windows: int | None = 128  # perplexity windows per text; None: all
     limit: int | None = option(100, "first N examples a task (0: none)", type=int, none="all")
     error_windows: int = 32  # held-out windows for the per-layer errors
-    curve_windows: int = 16  # the next held-out windows, for the error curves
-    e2e_windows: int = 32  # the next ones, for end-to-end KL; the next ones, for the swap curves
+    curve_windows: int = 16  # held-out windows for the error curves
+    e2e_windows: int = 32  # for end-to-end KL; as many again for the swap curves (Run.windows)
+    heldout_skip: int = option(
+        0, "held-out windows before this one are never drawn (windows earlier runs used)", type=int
+    )
     max_ctx: int = 2048
     finetune: bool = option(False, "fine-tune every model on the tasks (finetune.py)")
     finetune_lr: tuple = option(

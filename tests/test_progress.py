@@ -82,6 +82,7 @@ def student_run(tiny, tiny_ids, out):
     """A Run on the tiny fixture, no tasks; its student's evaluation has three parts: the layer
     errors, then the perplexity of two texts (one batch each)."""
     cfg = SimpleNamespace(out=out, data=None, eval_windows=4, limit=0, error_windows=2)
+    cfg.__dict__.update(curve_windows=0, e2e_windows=0, heldout_skip=0)
     texts = {"wikitext2": tiny_ids[:1024], "heldout": tiny_ids[1024:]}
     return Run(cfg, tiny, None, 32, 1.0, (8,), {}, texts)
 

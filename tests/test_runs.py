@@ -232,6 +232,7 @@ def test_a_lock_that_is_a_link_is_refused_and_its_target_kept(tmp_path):
 def small_run(tiny, tmp_path, ctx=16, **texts) -> Run:
     cfg = SimpleNamespace(out=tmp_path, data=tmp_path / "store", J=64, variants=("fix",), limit=0)
     cfg.__dict__.update(error_windows=2, curve_windows=2, e2e_windows=2, batch=2, steps=1)
+    cfg.heldout_skip = 0
     cfg.__dict__.update(lr=0.02, lr_a=0.2, per_device=1)
     texts = {name: torch.zeros(1000, dtype=torch.long) for name in ("calib", "train")} | texts
     texts = {"wikitext2": torch.zeros(100, dtype=torch.long), "heldout": texts["calib"]} | texts
@@ -255,8 +256,8 @@ def test_a_saved_result_of_another_shape_is_named_and_redone(tiny, tmp_path, cap
 
 
 def test_a_text_too_short_for_the_run_is_one_error_naming_its_file(tiny, tmp_path):
-    held_out = torch.zeros(50, dtype=torch.long)  # the students need 6 windows of 16
-    with pytest.raises(store.RunError, match=r"wikipedia-heldout.txt: 50 tokens; 96 needed \(the"):
+    held_out = torch.zeros(50, dtype=torch.long)  # the four roles need 8 windows of 16
+    with pytest.raises(store.RunError, match=r"wikipedia-heldout.txt: 50 tokens; 128 needed \(the"):
         check_texts(small_run(tiny, tmp_path, heldout=held_out))
     with pytest.raises(store.RunError, match=r"wiki.test.raw: 10 tokens; 16 needed \(a window"):
         check_texts(small_run(tiny, tmp_path, wikitext2=torch.zeros(10)))

@@ -297,10 +297,16 @@ def swap_section(results: dict) -> str:
         return ""
     block = _curves_block(swap, results["dof"]["per_head"])
     oracle = [[b, spaced(dims)] for b, dims in swap["oracle"].items()]
+    held_out = results.get("held_out")  # 0.9: each role's windows drawn over the whole text
+    where = (
+        f"{len(swap['windows'])} held-out windows in {held_out['swaps']['article_count']} articles"
+        if held_out
+        else f"{swap['windows'][1]} held-out windows from window {swap['windows'][0]}"
+    )
     return f"""
 Each layer's cost end to end: the teacher with only that layer swapped for the Fix student's at M
-features (seeds {", ".join(swap["kl"])}, mean), on {swap["windows"][1]} held-out windows from window
-{swap["windows"][0]}, disjoint from those of the table above, so the end-to-end oracle
+features (seeds {", ".join(swap["kl"])}, mean), on {where}, disjoint from those of the table
+above, so the end-to-end oracle
 (`oracle_e2e`, least summed swap KL by the same exact DP as `oracle`) is scored out of sample.
 
 {block}

@@ -164,6 +164,7 @@ def performer(run: Run, spec: Student):  # the untrained draw where training sta
     return make_student(run.teacher, "prf", spec.dims, spec.seed)
 
 
-def layer_errors(run: Run, student, windows=None, offset=0) -> dict:
-    windows, heldout = windows or run.cfg.error_windows, run.texts["heldout"]
-    return evaluate.layer_errors(run.teacher, student, heldout, run.ctx, windows, offset)
+def layer_errors(run: Run, student, role: str = "errors") -> dict:
+    """`student`'s layer errors on `role`'s held-out windows (Run.windows)."""
+    count = len(run.windows[role])
+    return evaluate.layer_errors(run.teacher, student, run.window_ids(role), run.ctx, count)

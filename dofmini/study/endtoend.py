@@ -3,9 +3,7 @@
 with one layer's attention swapped for a Fix student's). The layerwise errors feed each layer the
 teacher's own inputs, so they cannot weigh how a layer's error grows through the layers after it.
 
-Held-out windows, in order: the layer errors' (error_windows), the error curves' (curve_windows),
-the students' end-to-end KL (e2e_windows), then the swap curves' (e2e_windows), so the end-to-end
-oracle chosen on the swap curves is scored on windows it never saw."""
+Which held-out windows each measures: run.Run.windows."""
 
 import copy
 import math
@@ -57,23 +55,17 @@ def swapped(teacher, student, layer: int):
     return model
 
 
-def offsets(run) -> tuple:
-    """(first window, windows) of the students' end-to-end KL and of the swap curves."""
-    start = run.cfg.error_windows + run.cfg.curve_windows
-    count = run.cfg.e2e_windows
-    return (start, count), (start + count, count)
-
-
 def student_kl(run, student) -> dict:
-    """A trained student's end-to-end KL: {"e2e_kl": mean, "windows": [W] each window's}."""
-    offset, count = offsets(run)[0]
-    found = window_kl(run.teacher, [student], run.texts["heldout"], run.ctx, count, offset)
+    """A trained student's end-to-end KL on its role's windows (Run.windows["e2e"]): {"e2e_kl":
+    mean, "windows": [W] each window's}."""
+    count = len(run.windows["e2e"])
+    found = window_kl(run.teacher, [student], run.window_ids("e2e"), run.ctx, count)
     return {"e2e_kl": math.fsum(found[0]) / count, "windows": found[0]}
 
 
 def swap_kl(run, student) -> list:
     """The teacher's end-to-end KL with each one of its layers swapped for `student`'s: a mean a
-    layer, on the swap curves' windows."""
-    offset, count = offsets(run)[1]
+    layer, on the swap curves' windows (Run.windows["swaps"])."""
     models = [swapped(run.teacher, student, i) for i in range(run.teacher.config.n_layer)]
-    return e2e_kl(run.teacher, models, run.texts["heldout"], run.ctx, count, offset)
+    count = len(run.windows["swaps"])
+    return e2e_kl(run.teacher, models, run.window_ids("swaps"), run.ctx, count)

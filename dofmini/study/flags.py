@@ -129,6 +129,8 @@ def check(cfg):
         fail(f"--limit {cfg.limit}: expected 0 (no tasks) or more")
     if (cfg.finetune or cfg.finetune_lr) and (cfg.limit == 0 or devices.world() > 1):
         fail("--finetune scores tasks in one process: not with --limit 0 or under torchrun")
+    if cfg.heldout_skip < 0:
+        fail(f"--heldout-skip {cfg.heldout_skip}: expected 0 or more windows")
     if cfg.J < 2:
         fail(f"--J {cfg.J}: expected 2 or more samples per head")
     if cfg.per_device is not None and cfg.per_device < 1:

@@ -175,10 +175,9 @@ def error_curves(run, runner, curve_students: list, allocation) -> tuple:
     together = curve_students + students(run, allocation, PENDING)
     for spec in curve_students:
         trained = train(run, runner, spec, together)
-        key = run.of_student(spec, windows=cfg.curve_windows)
+        key = run.of_student(spec, windows=run.windows["curves"])
         path = cfg.out / "eval" / f"{spec.stem}-curve.json"
         model = compute.loader(run, spec)
-        # on the windows after the reported errors'
         measure = partial(curve_errors, run, model)
         work = {"layer window": cfg.curve_windows}
         found = runner.stage(spec.name, path, key, measure, work, partial(valid_errors, run))
@@ -193,7 +192,7 @@ def error_curves(run, runner, curve_students: list, allocation) -> tuple:
 
 
 def curve_errors(run, model) -> dict:
-    return compute.layer_errors(run, model(), run.cfg.curve_windows, run.cfg.error_windows)
+    return compute.layer_errors(run, model(), "curves")
 
 
 def swap_curves(run, runner, curve_students: list):
@@ -201,7 +200,7 @@ def swap_curves(run, runner, curve_students: list):
     of curve_dims, every seed; their seed means ("mean_kl" [L][M]) and the end-to-end oracle dims
     at each budget (the exact DP of oracle_allocate on those means)."""
     cfg, kl = run.cfg, {}
-    windows = endtoend.offsets(run)[1]
+    windows = run.windows["swaps"]
     work = {"teacher ppl window": cfg.e2e_windows * (run.teacher.config.n_layer + 1)}
     for spec in curve_students:
         key = run.of_student(spec, e2e=windows)
@@ -237,8 +236,7 @@ def evaluate_student(run, runner, spec, trained, model=None) -> dict:
         work = {"layer window": cfg.error_windows}
         before = runner.stage(spec.name, path, key, errors, work, partial(valid_errors, run))
     path = cfg.out / "eval" / f"{spec.stem}-e2e.json"
-    windows = endtoend.offsets(run)[0]
-    key = run.of_student(spec, e2e=windows, per_window=True)
+    key = run.of_student(spec, e2e=run.windows["e2e"], per_window=True)
     kl = lambda: endtoend.student_kl(run, model())  # noqa: E731
     work = {"e2e window": cfg.e2e_windows}
     valid = partial(valid_windows, cfg.e2e_windows)
@@ -273,6 +271,12 @@ def collect(run, runner, teacher_result, allocation, curves, students, every, tu
     found.update(students=students, config=config, inputs=inputs)
     found["e2e"] = compare.e2e_summary(compare.groups(students))  # the metric to choose by
     found["bank"] = bank.cost(run, list(dict.fromkeys(every)))
+    articles = run.articles()
+    found["held_out"] = {
+        role: dict(windows=windows, articles=articles[role], article_count=len(set(articles[role])))
+        for role, windows in run.windows.items()
+    }
+    found["e2e_articles"] = articles["e2e"]  # the verdicts' clusters
     if tuned is not None:
         found["finetune"] = tuned
     # a resumed run skips finished stages, so its own wall time says little

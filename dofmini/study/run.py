@@ -8,9 +8,14 @@ seed + l) and its training data's order, so Fix and every DoF rule of one seed s
 first seed (`Run.dof_seed`) draws DoF's J queries and keys and the teacher's learning-rate grid
 runs at it (`Run.grid_seed`); the cost estimate's probes draw with seed 0."""
 
+import bisect
+import functools
 import itertools
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from ..distill import TrainSettings
 from . import data, evaluate, store
@@ -28,6 +33,7 @@ ALLOCATIONS = {
     "dof_inv": ("power:-1", "max", False, None),
 }
 CALIBRATION = "wikitext-2-raw/wiki.valid.raw"  # DoF calibration text, in the data store
+WINDOW_SEED = 0  # the held-out windows' one draw (Run.windows)
 
 
 @dataclass(frozen=True)
@@ -135,9 +141,47 @@ class Run:
         the run verified (a superset of what an evaluation reads: a change to any of them redoes
         it); results.json's inputs["read"] gives the order they are read in."""
         cfg, inputs = self.cfg, self.inputs
-        key = dict(ctx=self.ctx, eval_windows=cfg.eval_windows, error_windows=cfg.error_windows)
+        errors = self.windows["errors"]
+        key = dict(ctx=self.ctx, eval_windows=cfg.eval_windows, error_windows=errors)
         key.update(limit=cfg.limit, data={k: v for k, v in inputs.items() if "/" in k})
         return dict(key, tokenizer=inputs["tokenizer"], device=inputs["device"])
+
+    @functools.cached_property
+    def windows(self) -> dict:
+        """{role: its held-out windows, ascending}: one seeded draw (WINDOW_SEED) without
+        replacement over the held-out text's ctx-token windows from --heldout-skip on, cut in
+        this order: the layer errors' (error_windows), the error curves' (curve_windows), the
+        students' end-to-end KL (e2e_windows) and the swap curves' (e2e_windows). Every role is
+        drawn whatever the variants, so runs of other variants score the same windows; spread
+        over the whole text, each role spans many of its articles; disjoint, so the end-to-end
+        oracle chosen on the swap curves is scored on windows it never saw."""
+        cfg = self.cfg
+        counts = dict(errors=cfg.error_windows, curves=cfg.curve_windows)
+        counts.update(e2e=cfg.e2e_windows, swaps=cfg.e2e_windows)
+        pool = range(cfg.heldout_skip, len(self.texts["heldout"]) // self.ctx)
+        drawn = random.Random(WINDOW_SEED).sample(pool, sum(counts.values()))
+        ends = list(itertools.accumulate(counts.values()))
+        cuts = zip([0, *ends], ends)
+        return {role: sorted(drawn[a:b]) for role, (a, b) in zip(counts, cuts)}
+
+    def window_ids(self, role: str):
+        """The token ids of `role`'s windows, one after another [W·ctx]."""
+        ids, ctx = self.texts["heldout"], self.ctx
+        return torch.cat([ids[w * ctx : (w + 1) * ctx] for w in self.windows[role]])
+
+    def articles(self) -> dict:
+        """{role: the article (its index in the held-out file, data_articles.txt's order) of each
+        window's first token}: what the verdicts' bootstrap resamples."""
+        path = evaluate.PPL_TEXTS["heldout"]
+        text = (self.cfg.data / path).read_text(encoding="utf-8")
+        starts, at = [], 0
+        for title in data.ARTICLES[path]:
+            at = text.index(f"= {title} =", at)
+            starts.append(at)
+        offsets = self.tokenizer.encode(text).offsets  # (first, last) character of each token
+        where = lambda w: offsets[w * self.ctx][0]  # noqa: E731
+        of = lambda w: bisect.bisect_right(starts, where(w)) - 1  # noqa: E731
+        return {role: [of(w) for w in windows] for role, windows in self.windows.items()}
 
     def of_student(self, spec: Student, **more) -> dict | None:
         """The key of a result measured on `spec`: its own key, the evaluation's, `more`; None
@@ -165,11 +209,12 @@ def check_texts(run: Run) -> None:
     enough tokens: DoF's J queries and keys, a window of ctx for each perplexity and training, and
     the held-out windows of the students' errors, curves and end-to-end KL."""
     cfg, ctx = run.cfg, run.ctx
-    held_out = cfg.error_windows + cfg.curve_windows + cfg.e2e_windows
-    held_out += cfg.e2e_windows if "oracle_e2e" in cfg.variants else 0
+    held_out = cfg.heldout_skip + cfg.error_windows + cfg.curve_windows + 2 * cfg.e2e_windows
     window = (ctx, f"a window of ctx {ctx}")
     calib = -(-cfg.J // (2 * ctx)) * ctx
-    students = (held_out * ctx, f"the students' {held_out} held-out windows of ctx {ctx}")
+    roles = "the layer errors', the curves', the end-to-end KL's and the swaps'"
+    skipped = f" after the {cfg.heldout_skip} skipped" if cfg.heldout_skip else ""
+    students = (held_out * ctx, f"{roles} {held_out} held-out windows of ctx {ctx}{skipped}")
     needs = dict(calib=(calib, f"DoF's {cfg.J} queries and keys"), wikitext2=window)
     needs.update(
         heldout=students if cfg.variants else window, train=window if cfg.variants else (0, "")
