@@ -1,9 +1,12 @@
+import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 from conftest import FIXTURES, data_path
 
+from dofmini.study import task_train
 from dofmini.study.data import DataError, files
 from dofmini.study.tasks import TASKS, load_task
 
@@ -193,3 +196,76 @@ def test_a_task_file_the_registry_does_not_pin_is_not_read(tmp_path):
     with pytest.raises(DataError, match="pins no mmlu/test/<subject>_test.csv; the mmlu task"):
         load_task("mmlu", tmp_path, only=set())
     assert len(load_task("piqa", tmp_path, 2, {"valid.jsonl", "valid-labels.lst"})) == 2
+
+
+# (task, its file, a record changed to break its format, the row named, what is expected): a
+# record that parses but names a choice that is not there, or scores nothing, is no example
+WRONG_RECORDS = [
+    ("wsc273", "wsc273/WSCollection.xml",
+     lambda t: t.replace("<answer>Anna</answer><answer>Beth</answer>", "<answer>Anna</answer>"),
+     "schema 2", "1 choice(s), fewer than 2"),
+    ("arc_easy", "arc/ARC-Easy-Test.jsonl",
+     lambda t: t.replace('{"text": "oxygen", "label": "A"}, ', "", 1).replace(
+         ', {"text": "helium", "label": "C"}', "", 1), "line 1", "1 choice(s), fewer than 2"),
+    ("arc_easy", "arc/ARC-Easy-Test.jsonl", lambda t: t.replace('"oxygen"', '" "', 1), "line 1",
+     "choice 0's continuation is empty"),
+    ("lambada", "lambada/lambada_openai.jsonl", lambda t: t.replace('"Rex"', '""', 1), "line 1",
+     "choice 0's continuation is empty"),
+    ("winogrande", "winogrande/winogrande_1.1/dev.jsonl",
+     lambda t: t.replace("_ was", "_ was _", 1), "line 1", '2 "_" in the sentence'),
+    ("winogrande", "winogrande/winogrande_1.1/dev.jsonl",
+     lambda t: t.replace("_ was too big.", "_", 1), "line 1", "choice 0's continuation is empty"),
+    ("winogrande", "winogrande/winogrande_1.1/dev.jsonl",
+     lambda t: t.replace('"the cup"', '""', 1), "line 1", "option 0 is empty"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, path, change, row, says", WRONG_RECORDS)
+def test_a_record_against_its_format_is_refused_naming_the_file_and_record(
+    tmp_path, name, path, change, row, says
+):
+    assert says in refusal(tmp_path, name, path, change, row)
+
+
+def superglue_wsc(folder: Path, split: str, index: int) -> Path:
+    """`folder` holding a SuperGLUE WSC `split` file of one record, its pronoun at `index`."""
+    target = {"span1_text": "Beth", "span2_index": index, "span2_text": "she"}
+    record = {"text": "Anna thanked Beth because she had helped.", "label": True, "target": target}
+    path = folder / "superglue_wsc" / f"{split}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("index", [-1, 7, 40, True])
+def test_a_coreference_index_past_the_passage_is_refused(tmp_path, index):
+    path = superglue_wsc(tmp_path, "train", index)
+    with pytest.raises(DataError) as err:
+        task_train.load_split("wsc", "train", tmp_path)
+    assert f"line 1 of {path}: expected " in str(err.value)
+    assert f"span2_index {index!r}, not a word of the 7-word text" in str(err.value)
+    superglue_wsc(tmp_path, "train", 4)  # "she": the fifth word
+    assert len(task_train.load_split("wsc", "train", tmp_path)) == 1
+
+
+@pytest.mark.parametrize("limit", [-1, -5, True, 1.5, "2"])
+def test_a_limit_that_is_no_count_is_refused_not_applied(tmp_path, limit):
+    with pytest.raises(ValueError, match=rf"load_task: limit {re.escape(repr(limit))}; expected"):
+        load_task("arc_easy", FIXTURES / "tasks", limit)
+    superglue_wsc(tmp_path, "train", 4)
+    with pytest.raises(ValueError, match=rf"load_split: limit {re.escape(repr(limit))}; expected"):
+        task_train.load_split("wsc", "train", tmp_path, limit)
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_a_limit_of_0_keeps_no_examples_of_any_task(name):
+    assert load_task(name, FIXTURES / "tasks", 0) == []
+
+
+@pytest.mark.parametrize("split", ["test", "validation", "Train", ""])
+def test_a_split_name_that_is_not_train_or_eval_is_refused(tmp_path, split):
+    """Not another task's examples: any name but "train" read the SuperGLUE WSC evaluation."""
+    shutil.copytree(FIXTURES / "tasks", tmp_path, dirs_exist_ok=True)
+    superglue_wsc(tmp_path, "val", 4)
+    with pytest.raises(ValueError, match=rf"load_split: split {split!r}; expected 'train' or"):
+        task_train.load_split("arc_easy", split, tmp_path)

@@ -20,6 +20,7 @@ from .tasks import (
     _mmlu,
     _parse,
     _winogrande,
+    bad_limit,
     load_task,
 )
 
@@ -42,6 +43,8 @@ def _superglue_wsc(d: dict) -> Example:
     to the noun, answered " no" or " yes" (lm-evaluation-harness's SuperGLUE WSC prompt)"""
     target, words = d["target"], d["text"].split()
     pronoun, at = target["span2_text"], target["span2_index"]
+    if type(at) is not int or not 0 <= at <= len(words) - len(pronoun.split()):
+        raise ValueError(f"span2_index {at!r}, not a word of the {len(words)}-word text")
     marked = " ".join([*words[:at], f"*{pronoun}*", *words[at + len(pronoun.split()) :]])
     question = f'does the pronoun "*{pronoun}*" refer to "*{target["span1_text"]}*"?'
     context = f"Passage: {marked}\nQuestion: In the passage above, {question}\nAnswer:"
@@ -91,6 +94,11 @@ def trainable_tasks() -> tuple:
 
 def load_split(task: str, split: str, data_dir, limit=None) -> list:
     """The first `limit` examples of `task`'s "train" or "eval" split from the data folder."""
+    why = bad_limit(limit)
+    if why:
+        raise ValueError(f"load_split: {why}")
+    if split not in ("train", "eval"):  # not another split, nor another task's
+        raise ValueError(f"load_split: split {split!r}; expected 'train' or 'eval'")
     if task not in TRAIN:
         why = SPLITS[task][0] if task in SPLITS else f"not one of {', '.join(SPLITS)}"
         raise DataError(f"fine-tuning task {task!r} has no pinned training split ({why})")

@@ -40,13 +40,32 @@ MMLU_FOLDER = "mmlu/test"
 PINNED_UNREAD = {"winogrande": ("winogrande/winogrande_1.1/dev-labels.lst",)}
 
 
-def _choices(context: str, options: list, label: int, group: str = "") -> Example:
-    return Example([context] * len(options), [" " + o for o in options], label, group)
+def _example(contexts: list, continuations: list, label: int, group: str, least: int) -> Example:
+    """The Example, checked against what scoring needs: `least` choices or more, each continuation
+    with text after its space, the label one choice's index; a ValueError says what is not."""
+    if len(continuations) < least:
+        raise ValueError(f"{len(continuations)} choice(s), fewer than {least}")
+    empty = [i for i, continuation in enumerate(continuations) if not continuation.strip()]
+    if empty:
+        raise ValueError(f"choice {empty[0]}'s continuation is empty")
+    if not 0 <= label < len(continuations):
+        raise ValueError(f"the label {label} names none of {len(continuations)} choices")
+    return Example(contexts, continuations, label, group)
+
+
+def _choices(context: str, options: list, label: int, group: str = "", least=2) -> Example:
+    continuations = [" " + o for o in options]
+    return _example([context] * len(options), continuations, label, group, least)
 
 
 def _partial(prefix: str, options: list, suffix: str, label: int) -> Example:
-    """Trinh & Le's partial scoring: each option completes the prefix; the suffix is scored."""
-    return Example([prefix + o for o in options], [" " + suffix.strip()] * len(options), label)
+    """Trinh & Le's partial scoring: each option completes the prefix; the suffix is scored. An
+    empty option would score the bare prefix: a ValueError."""
+    empty = [i for i, option in enumerate(options) if not option.strip()]
+    if empty:
+        raise ValueError(f"option {empty[0]} is empty")
+    contexts = [prefix + o for o in options]
+    return _example(contexts, [" " + suffix.strip()] * len(options), label, "", 2)
 
 
 def _file(data_dir, relative: str) -> Path:
@@ -114,7 +133,10 @@ def _arc(d: dict) -> Example:
 
 def _winogrande(d: dict) -> Example:
     """a JSON object with "answer", "option1", "option2" and "sentence" (one "_" in it)"""
-    before, after = d["sentence"].split("_", 1)  # the blank each option fills
+    blanks = d["sentence"].count("_")
+    if blanks != 1:  # a second blank would be scored as text
+        raise ValueError(f'{blanks} "_" in the sentence')
+    before, after = d["sentence"].split("_")  # the blank each option fills
     label = _label(d["answer"], ("1", "2"))
     return _partial(before, [d["option1"], d["option2"]], after, label)
 
@@ -203,7 +225,7 @@ def load_logiqa(data_dir) -> list:
 
 def _lambada(d: dict) -> Example:
     """a JSON object with "context" and "continuation" (its one "choice")"""
-    return _choices(d["context"], [d["continuation"]], 0)
+    return _choices(d["context"], [d["continuation"]], 0, least=1)
 
 
 TASKS = {
@@ -229,6 +251,13 @@ def task_reads(task: str, path: str) -> str:
     return f"the {task} task reads {named}, not {path!r}"
 
 
+def bad_limit(limit) -> str:
+    """Why `limit` is no count of examples to keep (a negative one would drop the last), or ""."""
+    if limit is None or type(limit) is int and limit >= 0:
+        return ""
+    return f"limit {limit!r}; expected None (every example) or an int 0 or more"
+
+
 def load_task(name: str, data_dir, limit=None, only=None) -> list:
     """The task's examples from the data folder `data_dir`; `limit` keeps the first N. MMLU keeps
     the first ceil(N/57) of each subject, at most N in all, so a limited run still spreads over the
@@ -236,12 +265,17 @@ def load_task(name: str, data_dir, limit=None, only=None) -> list:
     file it reads among them (MMLU reads those), or a DataError."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
+    why = bad_limit(limit)
+    if why:
+        raise ValueError(f"load_task: {why}")
     unpinned = [
         path for path in TASK_FILES[name] if only is not None and Path(path).name not in only
     ]
     if unpinned or only is not None and not only:  # MMLU's need: one pinned subject
         what = ", ".join(unpinned) or f"{MMLU_FOLDER}/<subject>_test.csv"
         raise DataError(f"the data registry pins no {what}; the {name} task reads it")
+    if limit == 0:  # MMLU's first 0 rows of each subject would read as empty files
+        return []
     per_subject = [limit and -(-limit // 57), only] if name == "mmlu" else []
     try:
         return TASKS[name](data_dir, *per_subject)[:limit]
