@@ -4,7 +4,9 @@ alone without curves (the quick profile's shape: one seed, no curves)."""
 
 import copy
 import json
+import os
 import re
+import subprocess
 import sys
 
 import numpy as np
@@ -76,6 +78,43 @@ def test_without_matplotlib_the_report_says_how_to_get_the_figures(one_seed, tmp
     assert "`pip install matplotlib`" in (tmp_path / "report.md").read_text()
     assert not list(tmp_path.glob("*.png"))
     assert "figures in" in report.closing(tmp_path, one_seed)
+
+
+WRITE_REPORT = """import json, sys
+from pathlib import Path
+from dofmini.study import report
+out = Path(sys.argv[1])
+results = json.loads(Path(sys.argv[2]).read_text())
+report.write(out, results)
+print(report.closing(out, results))"""
+
+
+@pytest.mark.parametrize("broken", ["MPLBACKEND=not-a-backend", "matplotlib raising RuntimeError"])
+def test_a_broken_matplotlib_costs_the_figures_not_the_finished_run(tmp_path, broken):
+    """A real environment variable, or a real package on the path whose import raises something
+    other than ImportError: one warning line, naming the cause and the fix; report.md is written."""
+    shadow = tmp_path / "shadow"
+    (shadow / "matplotlib").mkdir(parents=True)
+    (shadow / "matplotlib" / "__init__.py").write_text('raise RuntimeError("a broken install")')
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if broken.startswith("MPLBACKEND"):
+        env["MPLBACKEND"] = "not-a-backend"
+        cause, fix = "ValueError: Key backend: 'not-a-backend'", "unset MPLBACKEND or set it to a"
+    else:
+        env.pop("MPLBACKEND", None)
+        env["PYTHONPATH"] = os.pathsep.join([str(shadow), str(REPO)])
+        cause, fix = "RuntimeError: a broken install", "pip install --force-reinstall matplotlib`"
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "e2e_kl.png").write_bytes(b"an earlier run's figure")
+    command = [sys.executable, "-c", WRITE_REPORT, str(tmp_path / "out"), str(RULES_RUN)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    warned = [line for line in done.stdout.splitlines() if line.startswith("warning: ")]
+    assert len(warned) == 1 and f"({cause}" in warned[0] and fix in warned[0], warned
+    assert "figures in " + str(tmp_path / "out") + ": none (matplotlib cannot" in done.stdout
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "## Figures\n\nNo figures: matplotlib cannot be imported (" in text
+    assert not list((tmp_path / "out").glob("*.png"))
 
 
 def test_verdicts_agree_with_the_recorded_intervals(study):

@@ -1,6 +1,9 @@
 """report.md's figures as PNG files beside it, one function per figure, each from results.json's
-dict alone. matplotlib is an optional extra (`pip install matplotlib`); without it the report says
-how to get them and the run goes on. The Agg backend (no display), a fixed size and dpi."""
+dict alone. matplotlib is an optional extra (`pip install matplotlib`); without it, or with one
+that fails to import, the report says why and how to get them and the run goes on. The Agg backend
+(no display), a fixed size and dpi."""
+
+import os
 
 import numpy as np
 
@@ -11,23 +14,40 @@ from .compare import groups
 DPI = 100
 PANEL = (3.6, 3.0)  # inches per panel
 INSTALL = "`pip install matplotlib` (or `pip install dofmini[test]`)"
+BAD_BACKEND = "unset MPLBACKEND or set it to a backend matplotlib names (the figures use Agg)"
+REINSTALL = "`pip install --force-reinstall matplotlib`, or uninstall it to run without figures"
 
 
-def available() -> bool:
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend (files only: no display, the same pixels
+    everywhere), or a str: why matplotlib cannot serve and how to fix it. The one place it is
+    imported, so that a broken install or an invalid $MPLBACKEND costs the figures, not the run."""
     try:
-        import matplotlib  # noqa: F401 (only whether it imports)
-    except ImportError:
-        return False
-    return True
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot
+    except ImportError as err:
+        if err.name == "matplotlib":
+            return f"matplotlib is not installed; {INSTALL} and run again to get them"
+        cause = " ".join(f"{type(err).__name__}: {err}".split())
+        return f"matplotlib cannot be imported ({cause}); {REINSTALL}"
+    except Exception as err:  # noqa: BLE001 - whatever a broken matplotlib raises
+        cause = " ".join(f"{type(err).__name__}: {err}".split())  # one line
+        fix = BAD_BACKEND if "MPLBACKEND" in os.environ else REINSTALL
+        return f"matplotlib cannot be imported ({cause}); {fix}"
+    return pyplot
+
+
+def missing() -> str:
+    """Why the run can draw no figures (matplotlib absent or broken; what to do), or ""."""
+    found = _pyplot()
+    return found if isinstance(found, str) else ""
 
 
 def _panels(count: int, columns: int = 3):
     """A figure of `count` panels, at most `columns` a row: (figure, flat list of its axes)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display, the same pixels everywhere
-    from matplotlib import pyplot
-
+    pyplot = _pyplot()
     columns = min(count, columns)
     rows = -(-count // columns)
     size = (PANEL[0] * columns, PANEL[1] * rows)
@@ -50,10 +70,8 @@ def _legend_beside(figure, axes):
 
 
 def _save(figure, path):
-    from matplotlib import pyplot
-
     figure.savefig(path, dpi=DPI)
-    pyplot.close(figure)
+    _pyplot().close(figure)
 
 
 def _first_seed(results: dict) -> dict:
@@ -177,8 +195,6 @@ def e2e_kl(results: dict, path):
     losses = {loss for _, loss in rules}
     styles = _styles(results)
     figure, (absolute, relative) = _panels(2, columns=2)
-    from matplotlib.ticker import NullLocator  # after _panels chose the backend
-
     for i, (variant, loss) in enumerate(rules):
         found = [
             (b, e2e[f"{variant}/{loss}/b{b}"]) for b in budgets if f"{variant}/{loss}/b{b}" in e2e
@@ -202,7 +218,7 @@ def e2e_kl(results: dict, path):
     relative.set(xscale="log", xticks=budgets, xticklabels=budgets)
     relative.set(xlabel="budget (features per layer)", ylabel="− Fix, paired, % of Fix")
     for ax in (absolute, relative):
-        ax.xaxis.set_minor_locator(NullLocator())  # the budgets alone label the log axis
+        ax.xaxis.set_minor_locator(_pyplot().NullLocator())  # the budgets alone label the log axis
     _save(figure, path)
 
 
@@ -216,12 +232,15 @@ FIGURES = (
 
 def write(out, results: dict) -> str:
     """Every figure the run's results allow, into `out`; the markdown that shows them, or that
-    says how to get them where matplotlib is absent."""
+    says why there are none and how to get them where matplotlib is absent or broken (said in one
+    warning line too)."""
+    why = missing()
     shown = []
     for name, draw, caption in FIGURES:
         (out / name).unlink(missing_ok=True)  # an earlier run's figure never stands for this one
-        if available() and draw(results, out / name) is not False:
+        if not why and draw(results, out / name) is not False:
             shown.append(f"![{caption}]({name})")
-    if not available():
-        return f"No figures: matplotlib is not installed; {INSTALL} and run again to get them."
+    if why:
+        print(f"warning: no figures: {why}", flush=True)  # stdout, as the run's other lines
+        return f"No figures: {why}."
     return "\n\n".join(shown)

@@ -148,7 +148,7 @@ def _bootstrap_words() -> str:
 def closing(out, results: dict) -> str:
     """The run's last lines: where its files are, how long it took, and each rule's verdict."""
     made = [name for name, _, _ in figures.FIGURES if (out / name).is_file()]
-    shown = ", ".join(made) if made else f"none ({figures.INSTALL})"
+    shown = ", ".join(made) if made else f"none ({figures.missing() or 'nothing to draw'})"
     timings = results["timings"]
     lines = [
         f"results: {out / 'results.json'}",
