@@ -11,6 +11,7 @@ from .log_space import log_chunks, log_step
 from .plain_forms import chunked_attention, recurrent_step
 
 CPU_PART = 1024  # tokens per part on CPU (cache-sized); any other device takes T in one part
+HINT = "PRF features overflow fp32 once ‖x‖ ≳ 5√d: pass log-features, log_space=True"
 
 
 @dataclass
@@ -43,6 +44,8 @@ def causal_linear_attention(
     else:
         form = form or (log_chunks if log_space else chunked_attention)
         y, carried = in_parts(form, q, k, x, carried, chunk)
+    if normalize and not log_space and not bool(y[..., -1].isfinite().all()):  # inf/inf: NaN
+        raise ValueError(f"causal_linear_attention: sums of φ_q·φ_k overflow {f} ({HINT})")
     if state is not None:
         state.S = carried[0]
         state.c = carried[1] if log_space else None
@@ -87,12 +90,11 @@ def check_inputs(phi_q, phi_k, v, chunk, normalize, log_space):
         raise ValueError("log_space=True needs normalize=True: its shifts cancel only there")
     if log_space or not normalize:  # no denominator to keep ≥ 0: no read back
         return
-    hint = "PRF features overflow fp32 once ‖x‖ ≳ 5√d: pass log-features, log_space=True"
     for name, phi in (("phi_q", phi_q), ("phi_k", phi_k)):
         low, high = torch.aminmax(phi)  # one pass; NaN fails both tests
         if not bool((low >= 0) & (high < math.inf)):
             got = f"{name} holds negative, infinite or NaN features"
-            raise ValueError(f"{got}; expected finite features >= 0 ({hint})")
+            raise ValueError(f"{got}; expected finite features >= 0 ({HINT})")
 
 
 def start_state(state, v, shape, f, log_space):

@@ -9,6 +9,7 @@ table; exits 1 if any probe is silent wrong or a traceback.
 """
 
 import json
+import math
 import re
 import shutil
 import signal
@@ -83,6 +84,7 @@ def probe_library(only: str = "") -> list:
     phi = torch.rand(1, 2, 5, 4)
     v = torch.randn(1, 2, 5, 3)
     tiny = hub.load(FIXTURES / "gpt2-tiny")
+    near_e50 = torch.full((1, 2, 5, 4), math.exp(50.0))  # finite; their products are not
     far = torch.full((1, 1, 32, 8), 4.0) + torch.arange(32.0).view(1, 1, 32, 1) / 8
     squares = torch.linspace(70, 80, 32, dtype=torch.float64)  # ‖xᵢ‖²/√d: the Gram past e^70
     rounding = torch.diag((squares * 32**0.5).sqrt())  # 32 orthogonal points
@@ -102,6 +104,8 @@ def probe_library(only: str = "") -> list:
         ("float token ids", lambda: tiny(torch.zeros(1, 4)), "ids"),
         ("load(dtype='float32')", lambda: hub.load(FIXTURES / "gpt2-tiny", dtype="float32"),
          "dtype"),
+        ("features near e^50, linear space", lambda: causal_linear_attention(
+            near_e50, near_e50, v), "log_space=True"),
     ]  # fmt: skip
     rows = []
     for name, call, says in calls:

@@ -656,6 +656,21 @@ def test_linear_attention_reports_q_k_v_to_capture():
         assert all(torch.equal(a, b) for a, b in zip(t, s))
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 70])  # a decoding step, one chunk, chunks and a rest
+@pytest.mark.parametrize("decay", [None, torch.tensor([0.9, 1.0])])
+def test_features_whose_sums_overflow_are_refused_naming_log_space(tokens, decay):
+    """Finite features near e^50 pass the input check, but their products pass fp32's e^88: every
+    output would be NaN. The call refuses, naming the log-space option; the state has not moved."""
+    phi = torch.full((1, 2, tokens, 4), math.exp(50.0))
+    v = torch.randn(1, 2, tokens, 3)
+    state = LinearState()
+    with pytest.raises(ValueError, match=r"causal_linear_attention: .* overflow .*log_space=True"):
+        causal_linear_attention(phi, phi, v, state=state, **options(decay, True))
+    assert state.n == 0
+    smaller = causal_linear_attention(phi / math.exp(20.0), phi, v, **options(decay, True))
+    assert smaller.isfinite().all()  # e^30 · e^50 · 280 terms: finite
+
+
 def test_calls_a_vendoring_engineer_makes_are_refused_by_name():
     """Each input that gave a wrong answer, uninitialised memory or NaN is refused before any
     work, naming the argument and what was expected."""
