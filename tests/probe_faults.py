@@ -80,6 +80,8 @@ def probe_library(only: str = "") -> list:
     from dofmini.dof import dof_by_definition
     from dofmini.linear_attention import causal_linear_attention
     from dofmini.plain_forms import recurrent_step
+    from dofmini.study.task_train import load_split
+    from dofmini.study.tasks import load_task
 
     phi = torch.rand(1, 2, 5, 4)
     v = torch.randn(1, 2, 5, 3)
@@ -106,6 +108,9 @@ def probe_library(only: str = "") -> list:
          "dtype"),
         ("features near e^50, linear space", lambda: causal_linear_attention(
             near_e50, near_e50, v), "log_space=True"),
+        ("load_task(limit=-1)", lambda: load_task("arc_easy", FIXTURES / "tasks", -1), "limit -1"),
+        ("load_split(split='test')", lambda: load_split("arc_easy", "test", FIXTURES / "tasks"),
+         "split 'test'"),
     ]  # fmt: skip
     rows = []
     for name, call, says in calls:
