@@ -5,9 +5,11 @@ one line, never a traceback."""
 import contextlib
 import errno
 import fcntl
+import functools
 import os
 import signal
 import stat
+import sys
 from pathlib import Path
 
 from ..checkpoint import CheckpointError
@@ -24,19 +26,36 @@ def check_writable(out: Path, flag: str, fail) -> None:
         fail(f"{flag} {out} cannot be created: {parent} is not a writable folder")
 
 
+STOPS = []  # the signals that have stopped the run under the guard, in order of arrival
+
+
 def _ignore_signals():
     """From here on SIGINT and SIGTERM are ignored: the run is ending already, and one raised
     while it unwinds or exits (torchrun's SIGTERM to the ranks left after one fails) would break
-    that off with a traceback or an "Exception ignored" one."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+    that off with a traceback or an "Exception ignored" one. One pending as they are set (its
+    handler runs first, and ignores them too) is dropped: the run is ending on a stop already."""
+    with contextlib.suppress(KeyboardInterrupt):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _stop(number, frame):
     """SIGINT and SIGTERM end the run alike, unwinding (temporaries removed, the lock released);
-    later ones are ignored: a second Ctrl-C ms later would break that off with a traceback."""
+    later ones are ignored, unless Python drops this one (_heard_again): a second Ctrl-C ms later
+    would break the unwinding off with a traceback."""
     _ignore_signals()
+    STOPS.append(number)
     raise KeyboardInterrupt(signal.Signals(number).name)
+
+
+def _heard_again(kept: list, hook, unraisable):
+    """sys.unraisablehook under the guard. A stop that Python dropped, raised in a finalizer (its
+    handler had ignored every later signal: the run went on, deaf, to exit 0), leaves the `kept`
+    signals stopping the run again, and the guard's end fails for it; other reports go to `hook`."""
+    if not (STOPS and isinstance(unraisable.exc_value, KeyboardInterrupt)):
+        return hook(unraisable)
+    for sig in kept:  # not re-delivered now: its handler would run in this hook, dropped again
+        signal.signal(sig, _stop)
 
 
 @contextlib.contextmanager
@@ -47,13 +66,20 @@ def one_line_errors(fail):
     resumes)."""
     # not a signal ignored from the start (`nohup`, a shell's `&`): the user asked to keep running
     kept = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) != signal.SIG_IGN]
+    STOPS.clear()
+    hook = sys.unraisablehook
+    sys.unraisablehook = functools.partial(_heard_again, kept, hook)
     before = {sig: signal.signal(sig, _stop) for sig in kept}
     try:
         yield
+        if STOPS:  # every stop's KeyboardInterrupt dropped (_heard_again): still a stop
+            raise KeyboardInterrupt(signal.Signals(STOPS[0]).name)
     except BaseException as err:
         if kept:  # not when the user asked to keep running: those stay ignored anyway
             _ignore_signals()
+        sys.unraisablehook = hook
         fail(_one_line(err))
+    sys.unraisablehook = hook
     for sig, handler in before.items():  # not after a failure: its exit ignores them
         signal.signal(sig, handler)
 
