@@ -4,6 +4,7 @@ key, written whole or not at all."""
 
 import json
 
+import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
@@ -11,8 +12,35 @@ from .checkpoint import CheckpointError
 from .files import atomic_write
 
 
+def _sharing(tensors: dict) -> tuple:
+    """Two names whose tensors overlap in memory, or (): saved, they would part (safetensors
+    refuses them on the CPU, and copies from another device would save them twice)."""
+    spans = []
+    for name, t in tensors.items():
+        if t.numel():
+            reach = sum((size - 1) * step for size, step in zip(t.shape, t.stride()))
+            end = t.data_ptr() + (reach + 1) * t.element_size()  # past its last element
+            spans.append((str(t.device), t.data_ptr(), end, name))
+    spans.sort()
+    for (device, _, end, name), (other, start, _, second) in zip(spans, spans[1:]):
+        if device == other and start < end:  # sorted: an overlap shows in a neighbouring pair
+            return name, second
+    return ()
+
+
 def save_tensors(tensors: dict, path, metadata: dict):
-    """A safetensors file written atomically, `metadata` sorted JSON under "dofmini"."""
+    """A safetensors file written atomically, `metadata` sorted JSON under "dofmini"; a dict
+    that is not of str names to tensors each in its own memory is refused, by name."""
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            got = f"tensors[{name!r}] is {type(t).__name__}"
+            raise TypeError(f"save_tensors: {got}; expected a torch.Tensor under a str name")
+    shared = _sharing(tensors)
+    if shared:
+        both = " and ".join(map(repr, shared))
+        raise ValueError(
+            f"save_tensors: tensors {both} share memory; expected each its own (clone one)"
+        )
     ordered = sorted(tensors.items())
     on_cpu = {name: t.detach().cpu().contiguous() for name, t in ordered}
     header = {"dofmini": json.dumps(metadata, sort_keys=True)}

@@ -80,8 +80,11 @@ def probe_library(only: str = "") -> list:
     from dofmini.dof import dof_by_definition
     from dofmini.linear_attention import causal_linear_attention
     from dofmini.plain_forms import recurrent_step
+    from dofmini.study.evaluate import score_requests
+    from dofmini.study.finetune import accuracy
     from dofmini.study.task_train import load_split
     from dofmini.study.tasks import load_task
+    from dofmini.tensor_files import save_tensors
 
     phi = torch.rand(1, 2, 5, 4)
     v = torch.randn(1, 2, 5, 3)
@@ -111,6 +114,12 @@ def probe_library(only: str = "") -> list:
         ("load_task(limit=-1)", lambda: load_task("arc_easy", FIXTURES / "tasks", -1), "limit -1"),
         ("load_split(split='test')", lambda: load_split("arc_easy", "test", FIXTURES / "tasks"),
          "split 'test'"),
+        ("score_requests, a token id past the vocabulary", lambda: score_requests(
+            tiny, [([1], [96])]), "score_requests"),
+        ("accuracy of no examples", lambda: accuracy(tiny, []), "accuracy: encoded is empty"),
+        ("save_tensors, one tensor under two names", lambda: save_tensors(
+            {"a": v, "b": v}, Path(tempfile.gettempdir()) / "never.safetensors", {}),
+         "share memory"),
     ]  # fmt: skip
     rows = []
     for name, call, says in calls:

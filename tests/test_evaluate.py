@@ -30,7 +30,7 @@ class Bigram(nn.Module):
 
     def __init__(self, probs: dict):
         super().__init__()
-        self.config = SimpleNamespace(n_ctx=16, name="bigram")
+        self.config = SimpleNamespace(n_ctx=16, name="bigram", vocab_size=len(WORDS))
         V = len(WORDS)
         table = torch.zeros(V, V, dtype=torch.float64)  # [V, V]
         for a, word in enumerate(WORDS):
@@ -97,6 +97,47 @@ def test_a_choice_longer_than_the_context_is_refused_by_name(bigram, word_tokeni
     too_long = [Example(["q"], [" y" * (bigram.config.n_ctx + 1)], 0)]
     with pytest.raises(DataError, match=r"piqa: a choice of \d+ tokens does not fit .* --limit 0"):
         score_examples(bigram, word_tokenizer, too_long, what="piqa")
+
+
+# (requests, batch_tokens, what the refusal says): inputs score_requests cannot score
+BAD_REQUESTS = [
+    ([], 4096, r"score_requests \(scoring\): requests is empty; expected \(context ids"),
+    ([([], [1])], 4096, r"requests\[0\]: context of 0 tokens, continuation of 1; expected a"),
+    ([([0], [])], 4096, r"requests\[0\]: context of 1 tokens, continuation of 0"),
+    ([([0], [1]), ([0], [8])], 4096, r"requests\[1\]: token id 8; expected an int in \[0, 8\)"),
+    ([([-1], [1])], 4096, r"requests\[0\]: token id -1; expected an int"),
+    ([([True], [1])], 4096, r"requests\[0\]: token id True; expected an int"),
+    ([([0.0], [1])], 4096, r"requests\[0\]: token id 0.0; expected an int"),
+    ([([0], [1])], 0, r"score_requests: batch_tokens=0; expected an integer >= 1"),
+    ([([0], [1])], True, r"score_requests: batch_tokens=True; expected an integer >= 1"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("requests, batch_tokens, says", BAD_REQUESTS)
+def test_requests_that_cannot_be_scored_are_refused_at_entry(bigram, requests, batch_tokens, says):
+    with pytest.raises(ValueError, match=says) as err:
+        score_requests(bigram, requests, batch_tokens)
+    assert err.traceback[-1].name == "score_requests"
+
+
+# (examples, what the refusal says): Examples score_examples cannot score
+BAD_EXAMPLES = [
+    ([], "examples is empty; expected Examples"),
+    ([Example(["q", "q"], [" x", " y"], 2)], r"examples\[0\]: label 2 for 2 choice\(s\); expec"),
+    ([Example(["q", "q"], [" x", " y"], 0), Example(["q", "q"], [" x", " y"], -1)],
+     r"examples\[1\]: label -1 for 2"),
+    ([Example(["q", "q"], [" x", " y"], True)], r"examples\[0\]: label True for 2"),
+    ([Example(["q"], [" x", " y"], 0)], r"examples\[0\]: 1 contexts for 2 continuations"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("examples, says", BAD_EXAMPLES)
+def test_examples_that_cannot_be_scored_are_refused_at_entry(
+    bigram, word_tokenizer, examples, says
+):
+    with pytest.raises(ValueError, match=r"score_examples \(piqa\): " + says) as err:
+        score_examples(bigram, word_tokenizer, examples, what="piqa")
+    assert err.traceback[-1].name == "score_examples"
 
 
 def test_partial_scoring_scores_only_the_shared_suffix(bigram, word_tokenizer):

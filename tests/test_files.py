@@ -73,3 +73,33 @@ def test_a_student_that_cannot_be_saved_is_named_and_leaves_nothing(tmp_path):
     with pytest.raises(OSError, match=f"cannot write {target}: .*Is a directory") as err:
         save_tensors({"z": torch.zeros(2)}, target, {})
     assert err.value.filename == str(target) and not target.exists()
+
+
+# (tensors, the error, what it says): a dict save_tensors cannot save as given
+BASE = list(range(6))
+BAD_TENSORS = [
+    (lambda t: {"a": t, "b": t}, ValueError, "tensors 'a' and 'b' share memory"),
+    (lambda t: {"a": t, "b": t.view(2, 3)}, ValueError, "tensors 'a' and 'b' share memory"),
+    (lambda t: {"a": t[:4], "b": t[3:]}, ValueError, "tensors 'a' and 'b' share memory"),
+    (lambda t: {"a": t.view(2, 3).T, "b": t[5:]}, ValueError, "tensors 'a' and 'b' share"),
+    (lambda t: {"a": t, "b": [1.0]}, TypeError, r"tensors\['b'\] is list; expected a torch"),
+    (lambda t: {1: t}, TypeError, r"tensors\[1\] is Tensor; expected a torch.Tensor under a str"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("tensors, error, says", BAD_TENSORS)
+def test_tensors_save_tensors_cannot_keep_apart_are_refused_at_entry(
+    tmp_path, tensors, error, says
+):
+    """Tensors sharing memory would part on saving (on the CPU safetensors refused them deep in
+    its own frames; from another device they were saved twice): refused in save_tensors."""
+    import torch
+
+    from dofmini.tensor_files import read_tensors, save_tensors
+
+    base = torch.tensor(BASE, dtype=torch.float32)
+    with pytest.raises(error, match=f"save_tensors: {says}") as err:
+        save_tensors(tensors(base), tmp_path / "x.safetensors", {})
+    assert err.traceback[-1].name == "save_tensors" and not list(tmp_path.iterdir())
+    save_tensors({"a": base[:3], "b": base[3:]}, tmp_path / "x.safetensors", {})  # apart: saved
+    assert read_tensors(tmp_path / "x.safetensors")[0]["b"].tolist() == BASE[3:]

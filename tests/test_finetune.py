@@ -2,8 +2,10 @@
 is learnt, an interrupted fine-tuning resumes to the same result, a bad --finetune-lr is refused
 before any work; the training splits load where the data store holds them."""
 
+import dataclasses
 import hashlib
 import json
+import math
 import random
 import re
 import shutil
@@ -33,6 +35,47 @@ def marked_task(n: int, seed: int) -> list:
         context = [rng.randrange(10, 80) for _ in range(5)] + [MARK, ANSWERS[label]]
         examples.append(([(context, [a]) for a in ANSWERS], label))
     return examples
+
+
+SMALL = finetune.Settings(lr=1e-3, epochs=1, batch=2, part=1)
+# (what is changed in a small fine-tuning, what fine_tune's refusal says after "fine_tune: ")
+BAD_FINE_TUNING = [
+    (dict(train=[]), "train is empty; expected encoded examples"),
+    (dict(test=[]), "test is empty; expected encoded examples"),
+    (dict(settings=dataclasses.replace(SMALL, batch=0)), r"settings.batch=0; expected an int"),
+    (dict(settings=dataclasses.replace(SMALL, batch=True)), r"settings.batch=True; expected"),
+    (dict(settings=dataclasses.replace(SMALL, part=0)), r"settings.part=0; expected an int"),
+    (dict(settings=dataclasses.replace(SMALL, epochs=0)), r"settings.epochs=0; expected an int"),
+    (dict(settings=dataclasses.replace(SMALL, save_every=0)), r"settings.save_every=0; expec"),
+    (dict(settings=dataclasses.replace(SMALL, seed=-1)), r"settings.seed=-1; expected an in"),
+    (dict(settings=dataclasses.replace(SMALL, lr=0.0)), r"settings.lr=0.0; expected a positive"),
+    (dict(settings=dataclasses.replace(SMALL, lr=math.nan)), r"settings.lr=nan; expected a posi"),
+    (dict(train=[([([5], [90]), ([5], [91])], 2)]), r"train\[0\]: label 2 for 2 choice\(s\)"),
+    (dict(train=[([([5], [90]), ([5], [91])], True)]), r"train\[0\]: label True for 2"),
+    (dict(test=[([([5], [90]), ([5], [96])], 0)]),
+     r"test\[0\]: choices\[1\]: token id 96; expected an int in \[0, 96\)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("change, says", BAD_FINE_TUNING)
+def test_a_fine_tuning_that_cannot_run_is_refused_at_entry(tiny, tmp_path, change, says):
+    given = dict(train=marked_task(4, seed=1), test=marked_task(2, seed=2), settings=SMALL)
+    given.update(change)
+    with pytest.raises(ValueError, match="fine_tune: " + says) as err:
+        finetune.fine_tune(tiny, given["train"], given["test"], given["settings"],
+                           tmp_path / "p", lambda _: None)  # fmt: skip
+    assert err.traceback[-1].name == "fine_tune" and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("encoded, says", [
+    ([], "encoded is empty"),
+    ([([([5], [90]), ([5], [91])], 2)], r"encoded\[0\]: label 2 for 2 choice\(s\)"),
+    ([([([5], [90])], 0), ([([5], [-1])], 0)], r"encoded\[1\]: choices\[0\]: token id -1"),
+])  # fmt: skip
+def test_an_accuracy_that_cannot_be_scored_is_refused_at_entry(tiny, encoded, says):
+    with pytest.raises(ValueError, match="accuracy: " + says) as err:
+        finetune.accuracy(tiny, encoded)
+    assert err.traceback[-1].name == "accuracy"
 
 
 def test_fine_tuning_learns_a_marked_answer(tiny, tmp_path):

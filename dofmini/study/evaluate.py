@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..checks import need_integers
+from ..checks import need_integers, not_integers
 from ..distill import add_means, layer_chunks
 from ..log_space import unit_features
 from . import data, devices
@@ -48,20 +48,46 @@ def perplexity(model, token_ids, ctx: int, batch: int = 8, what: str = "perplexi
     return math.exp(nll / scored), nll, int(scored)
 
 
+def not_requests(requests, config, name: str = "requests") -> str:
+    """Why `requests` cannot be scored by a model of `config` (its n_ctx and vocab_size): none,
+    or the first without a context, with a continuation not of 1..n_ctx tokens or with a token id
+    that is no int in [0, vocab_size); or ""."""
+    if not requests:
+        return f"{name} is empty; expected (context ids, continuation ids) pairs"
+    max_len, vocab = config.n_ctx, config.vocab_size
+    for i, (context, continuation) in enumerate(requests):
+        if not context or not 1 <= len(continuation) <= max_len:
+            got = f"context of {len(context)} tokens, continuation of {len(continuation)}"
+            return f"{name}[{i}]: {got}; expected a context and 1..{max_len} continuation tokens"
+        ids = [*context, *continuation]
+        if {type(t) for t in ids} != {int} or not 0 <= min(ids) <= max(ids) < vocab:
+            bad = next(t for t in ids if type(t) is not int or not 0 <= t < vocab)
+            return f"{name}[{i}]: token id {bad!r}; expected an int in [0, {vocab})"
+    return ""
+
+
+def not_label(label, choices: int) -> str:
+    """Why `label` names none of `choices` choices (a bool is no index), or ""."""
+    if type(label) is not int or not 0 <= label < choices:
+        return f"label {label!r} for {choices} choice(s); expected an int in [0, {choices})"
+    return ""
+
+
 @torch.no_grad()
 def score_requests(model, requests, batch_tokens: int = 4096, what: str = "scoring"):
     """(summed log-likelihood, greedy) of each (context ids, continuation ids) request, greedy when
     every continuation token is the argmax. Requests with equal model inputs share one forward pass
     (MMLU's four letters); inputs are sorted by length and right-padded, which a causal model never
     sees. Under torchrun each rank scores its share of the inputs and the scores are summed."""
+    why = not_requests(requests, model.config)
+    why = not_integers("score_requests", batch_tokens=batch_tokens) or (
+        why and f"score_requests ({what}): {why}"
+    )
+    if why:
+        raise ValueError(why)
     max_len = model.config.n_ctx
     rows = {}  # model input -> indices of the requests it serves
     for i, (context, continuation) in enumerate(requests):
-        if not context or not 1 <= len(continuation) <= max_len:
-            raise ValueError(
-                f"{what}: context of {len(context)} tokens, continuation of {len(continuation)}; "
-                f"expected a context and 1..{max_len} continuation tokens"
-            )
         rows.setdefault(tuple((list(context) + list(continuation))[:-1][-max_len:]), []).append(i)
     inputs = devices.share(sorted(rows, key=len, reverse=True))
     found = torch.zeros(len(requests), 2, dtype=torch.float64)  # [n, 2] log-likelihood, greedy
@@ -110,12 +136,29 @@ def _gather(batch: list, rows: dict, requests, device) -> tuple:
     return ids.to(device), keep.to(device), *tokens, served
 
 
+def not_examples(examples) -> str:
+    """Why `examples` cannot be scored: none, or the first whose contexts and continuations
+    differ in number (zip would drop choices) or whose label names none of its choices; or ""."""
+    if not examples:
+        return "examples is empty; expected Examples"
+    for i, e in enumerate(examples):
+        count = len(e.continuations)
+        unpaired = f"{len(e.contexts)} contexts for {count} continuations; expected one each"
+        why = not_label(e.label, count) if len(e.contexts) == count >= 1 else unpaired
+        if why:
+            return f"examples[{i}]: {why}"
+    return ""
+
+
 def score_examples(model, tokenizer, examples, what: str = "scoring") -> dict:
     """{"acc", "acc_norm", "n"} over multiple-choice `Example`s: acc takes the best summed
     log-likelihood, acc_norm the best per character of the continuation (without its separating
     space). Plus "acc_macro", "acc_norm_macro" over groups when they have groups (MMLU; "acc" is
     then the micro average). Single-choice examples are cloze items (LAMBADA): "acc" is greedy
     match of the whole continuation, "ppl" exp(-mean log-likelihood)."""
+    why = not_examples(examples)
+    if why:
+        raise ValueError(f"score_examples ({what}): {why}")
     pairs = [(c, x) for e in examples for c, x in zip(e.contexts, e.continuations)]
     texts = sorted({s for pair in pairs for s in pair})
     ids = dict(zip(texts, (e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False))))

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..checks import not_integers, not_positive
 from . import evaluate, store, task_train
 from .progress import Progress
 
@@ -106,8 +107,25 @@ def loss(model, batch) -> torch.Tensor:
     return total
 
 
+def not_encoded(encoded, name: str, config) -> str:
+    """Why the encoded examples `encoded` (named `name`) cannot be scored or trained on by a model
+    of `config`: none, or the first whose label names none of its choices or whose choices
+    evaluate.score_requests refuses; or ""."""
+    if not encoded:
+        return f"{name} is empty; expected encoded examples"
+    for i, (choices, label) in enumerate(encoded):
+        unscored = evaluate.not_requests(choices, config, "choices")
+        why = evaluate.not_label(label, len(choices)) or unscored
+        if why:
+            return f"{name}[{i}]: {why}"
+    return ""
+
+
 def accuracy(model, encoded) -> float:
     """Share of examples whose gold choice has the highest summed log-likelihood (acc)."""
+    why = not_encoded(encoded, "encoded", model.config)
+    if why:
+        raise ValueError(f"accuracy: {why}")
     pairs = [pair for choices, _ in encoded for pair in choices]
     scores = evaluate.score_requests(model, pairs, what="fine-tuned")
     start = 0
@@ -148,6 +166,16 @@ def fine_tune(
     resumes from it exactly (tensors, AdamW, the step, the curves); on_step(step) after each;
     a progress line (progress.Progress) names it `what`."""
     s, n = settings, len(train)
+    sizes = {f"settings.{k}": getattr(s, k) for k in ("epochs", "batch", "part", "save_every")}
+    data = not_encoded(train, "train", model.config) or not_encoded(test, "test", model.config)
+    why = (
+        not_integers("fine_tune", **sizes)
+        or not_integers("fine_tune", 0, **{"settings.seed": s.seed})
+        or not_positive("fine_tune", **{"settings.lr": s.lr})
+        or (data and f"fine_tune: {data}")
+    )
+    if why:
+        raise ValueError(why)
     model, opt = trainable(model, s.lr)
     params = dict(model.named_parameters())
     per_epoch = -(-n // s.batch)
