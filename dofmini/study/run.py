@@ -12,6 +12,7 @@ import bisect
 import functools
 import itertools
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,14 +171,13 @@ class Run:
         return torch.cat([ids[w * ctx : (w + 1) * ctx] for w in self.windows[role]])
 
     def articles(self) -> dict:
-        """{role: the article (its index in the held-out file, data_articles.txt's order) of each
-        window's first token}: what the verdicts' bootstrap resamples."""
+        """{role: the article of each window's first token}: what the verdicts' bootstrap
+        resamples. An article starts at each title line ("= Title =", as the store writes
+        Wikipedia's); text before the first is article 0, and a file without titles is one."""
         path = evaluate.PPL_TEXTS["heldout"]
         text = (self.cfg.data / path).read_text(encoding="utf-8")
-        starts, at = [], 0
-        for title in data.ARTICLES[path]:
-            at = text.index(f"= {title} =", at)
-            starts.append(at)
+        titles = [found.start() for found in re.finditer(r"^= [^=].* =$", text, re.M)]
+        starts = sorted({0, *titles})
         offsets = self.tokenizer.encode(text).offsets  # (first, last) character of each token
         where = lambda w: offsets[w * self.ctx][0]  # noqa: E731
         of = lambda w: bisect.bisect_right(starts, where(w)) - 1  # noqa: E731
