@@ -17,17 +17,16 @@ import math
 from pathlib import Path
 
 import numpy as np
-import torch
 from torch import nn
 
 from dofmini import dof, hub
 from dofmini.distill import TrainSettings, distill
 from dofmini.files import sha256_file, write_text
-from dofmini.study import data, runs, stats
+from dofmini.study import data, devices, guard, stats, store
 from dofmini.study.compare import dof_views, evidence_table, md_table, needs, spaced
 from dofmini.study.evaluate import PPL_TEXTS, layer_errors
 from dofmini.study.oracle import curves_record
-from dofmini.study.stages import CALIBRATION
+from dofmini.study.run import CALIBRATION
 
 TEMPERATURES = (0.6, 0.8, 1.0, 1.2, 1.4, 1.6)
 LAMS = (2.0**-4, 2.0**-8)
@@ -41,7 +40,7 @@ class VirtualTeacher(nn.Module):
     def __init__(self, teacher, layer: int, temperatures):
         super().__init__()
         if not 0 <= layer < teacher.config.n_layer:
-            raise runs.RunError(f"--layer {layer}: expected 0..{teacher.config.n_layer - 1}")
+            raise store.RunError(f"--layer {layer}: expected 0..{teacher.config.n_layer - 1}")
         self.teacher, self.layer, self.temperatures = teacher, layer, tuple(temperatures)
         self.config = dataclasses.replace(teacher.config, n_layer=len(self.temperatures))
         self.blocks = nn.ModuleList(_Layer(teacher.blocks[layer].attn) for _ in self.temperatures)
@@ -65,12 +64,12 @@ class _Layer(nn.Module):
         self.attn = attn
 
 
-def run(teacher, tokens: dict, args, out: Path, log=runs.log) -> dict:
+def run(teacher, tokens: dict, args, out: Path, log=store.log) -> dict:
     """Every stage of the experiment on `tokens` {"calib", "train", "heldout"}; results.json."""
     virtual = VirtualTeacher(teacher, args.layer, TEMPERATURES)
     n, budget, ctx = len(TEMPERATURES), args.budget, args.ctx
     base = {"teacher": virtual.identity, "ctx": ctx, "tokens": tokens["hashes"]}
-    base["device"] = runs.device_name(teacher)
+    base["device"] = devices.device_name(teacher)
 
     def sample():
         x = dof.sample_queries_keys(virtual, tokens["calib"], args.J, 0, ctx)  # [n, H, J, d]
@@ -79,12 +78,12 @@ def run(teacher, tokens: dict, args, out: Path, log=runs.log) -> dict:
                  for g, lam in grid}  # fmt: skip
         return found
 
-    per_head = runs.stage(out / "dof.json", {**base, "J": args.J, "lams": LAMS}, sample)
+    per_head = store.load_or_compute(out / "dof.json", {**base, "J": args.J, "lams": LAMS}, sample)
     settings = lambda seed: TrainSettings(args.steps, args.batch, ctx, data_seed=seed)
 
     def errors(dims, seed):
         """A student of these dims and seed: its per-layer held-out KL, each stage saved."""
-        key = {**base, "dims": list(dims), "seed": seed, **runs.training_record(settings(seed))}
+        key = {**base, "dims": list(dims), "seed": seed, **store.training_record(settings(seed))}
         path = out / "students" / f"{'-'.join(map(str, dims))}-s{seed}.json"
 
         def compute():
@@ -92,7 +91,7 @@ def run(teacher, tokens: dict, args, out: Path, log=runs.log) -> dict:
             student, _ = distill(virtual, dims, train, settings(seed), feature_seed=seed, log=log)
             return layer_errors(virtual, student, tokens["heldout"], ctx, args.windows)
 
-        return runs.stage(path, key, compute)
+        return store.load_or_compute(path, key, compute)
 
     ms = list(args.curve_dims)
     curves = curves_record(
@@ -171,13 +170,13 @@ def main(argv=None):
         _fail(f"--seeds {args.seeds!r}: expected comma-separated integers")
     if not args.curve_dims[0] <= args.budget <= args.curve_dims[-1]:
         _fail(f"--budget {args.budget}: the oracle needs one within the curves' M, 8..128")
-    with runs.one_line_errors(_fail), runs.locked(args.out, _fail):
+    with guard.one_line_errors(_fail), guard.locked(args.out, _fail):
         _run(args)
 
 
 def _run(args):
-    store = data.store_dir(args.data)
-    hashes = data.ensure(["wikitext2", "corpus", "heldout"], store)
+    folder = data.store_dir(args.data)
+    hashes = data.ensure(["wikitext2", "corpus", "heldout"], folder)
     teacher, tokenizer = hub.load(args.model), hub.load_tokenizer(args.model)
     hashes["tokenizer"] = sha256_file(hub.locate(args.model) / "tokenizer.json")
     corpus = [f.path for f in data.files("corpus")]
@@ -186,7 +185,7 @@ def _run(args):
     for name, paths in texts.items():
         key = {"files": [hashes[p] for p in paths], "tokenizer": hashes["tokenizer"]}
         cache = args.out / f"tokens-{name}.npy"
-        tokens[name] = runs.token_ids(cache, key, [store / p for p in paths], tokenizer, None)
+        tokens[name] = store.token_ids(cache, key, [folder / p for p in paths], tokenizer, None)
     run(teacher, tokens, args, args.out)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from dofmini import dof, hub
-from dofmini.study.stages import CALIBRATION
+from dofmini.study.run import CALIBRATION
 
 model = "../shared/weights/standin-pythia"
 teacher, tok = hub.load(model), hub.load_tokenizer(model)
