@@ -5,5 +5,5 @@ from .checkpoint import CheckpointError
 from .generate import generate
 from .hub import load, load_tokenizer
 
-__version__ = "0.8.5"
+__version__ = "0.9.0"
 __all__ = ["CheckpointError", "generate", "load", "load_tokenizer"]
