@@ -13,11 +13,12 @@ from .files import atomic_write
 
 
 def _sharing(tensors: dict) -> tuple:
-    """Two names whose tensors overlap in memory, or (): saved, they would part (safetensors
-    refuses them on the CPU, and copies from another device would save them twice)."""
+    """Two names whose CPU tensors overlap in memory, or (): safetensors refuses them, deep in
+    its own frames (another device's tensors are copied to the CPU apart, and its pointers need
+    not be the machine's: a simulated CUDA device's are not)."""
     spans = []
     for name, t in tensors.items():
-        if t.numel():
+        if t.numel() and t.device.type == "cpu":
             reach = sum((size - 1) * step for size, step in zip(t.shape, t.stride()))
             end = t.data_ptr() + (reach + 1) * t.element_size()  # past its last element
             spans.append((str(t.device), t.data_ptr(), end, name))

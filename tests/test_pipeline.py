@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO
 from test_finetune import tuning_store
 
-from dofmini.study import task_train
+from dofmini.study import data, task_train
 
 # budgets 8 is the tiny model's head size; 4 and 16 are not
 COMBINATIONS = {
@@ -60,9 +60,19 @@ def executed(out: str) -> list:
     return [name for _, _, name in lines]
 
 
+@pytest.fixture(autouse=True)
+def fresh_registry():
+    """The data registry is read once a process: each test reads the tiny store's, then the next
+    one reads its own again."""
+    data.registry.cache_clear()
+    yield
+    data.registry.cache_clear()
+
+
 def run_main(script, monkeypatch, capsys, env: dict, argv: list) -> str:
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    data.registry.cache_clear()
     script.main([str(arg) for arg in argv])
     return capsys.readouterr().out
 
