@@ -5,6 +5,7 @@ in CI; in a user's fresh clone it is absent and the tests that need it skip, say
 import functools
 import hashlib
 import http.server
+import importlib.util
 import os
 import random
 import shutil
@@ -75,6 +76,15 @@ def tiny_ids():
     import torch
 
     return torch.randint(0, 96, (4096,), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="session")
+def script():
+    """reproduce.py as a module: its RunConfig, PROFILES and main."""
+    spec = importlib.util.spec_from_file_location("reproduce", REPO / "reproduce.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="session")

@@ -4,11 +4,9 @@ this process on the tiny fixture with every task and fine-tuning split (test_fin
 tuning_store): its plan first, then the run, whose stage lines must count 1..N through the
 plan's names."""
 
-import importlib.util
 import re
 
 import pytest
-from conftest import REPO
 from test_finetune import tuning_store
 
 from dofmini.study import data, task_train
@@ -31,14 +29,6 @@ COMBINATIONS = {
     "three seeds, two rules": ["--seeds", "0,1,2", "--variants", "fix,dof_sqrt", "--budgets", "4"],
 }  # fmt: skip
 STAGE_LINE = re.compile(r"^\[(\d+)/(\d+)\] (.+) \(run: ", re.M)
-
-
-@pytest.fixture(scope="module")
-def script():
-    spec = importlib.util.spec_from_file_location("reproduce", REPO / "reproduce.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

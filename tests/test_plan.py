@@ -2,7 +2,6 @@
 device it picks (cpu here, cuda where torch sees one), the plan with each stage's estimate, and
 one message when the weights and the data are missing and their hosts unreachable."""
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -14,15 +13,6 @@ from conftest import REPO, shared_path, tiny_store
 from test_reproduce import missing_listing, offline_env, reproduce
 
 from dofmini.study import flags
-
-
-@pytest.fixture(scope="module")
-def script():
-    """reproduce.py as a module, for its RunConfig and PROFILES."""
-    spec = importlib.util.spec_from_file_location("reproduce", REPO / "reproduce.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def parse(script, *argv):
