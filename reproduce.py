@@ -9,8 +9,8 @@ Every setting of a run is one field of RunConfig below. Each stage saves its res
 the settings and inputs that made it; running again reuses a stage only when they match.
 """
 
+import hashlib
 import json
-import os
 import sys
 import tempfile
 import urllib.parse
@@ -304,9 +304,10 @@ def stop_if_unreachable(cfg: RunConfig, weights: list, absent: list):
         sources = where(map(data.source, absent))
         lines.append(f"  data: {len(absent)} file(s), {data.size_mb(absent)}, from {sources}")
     header = "Each file this run lacks: its URL, then where it goes."
-    handle, listing = tempfile.mkstemp(prefix="dofmini-missing-", suffix=".txt", text=True)
-    with os.fdopen(handle, "w") as file:
-        file.write(missing_listing(weights, absent, cfg.data, header) + "\n")
+    # one listing a data store, replaced on each attempt: attempts leave no trail of them
+    store = hashlib.sha256(str(cfg.data.resolve()).encode()).hexdigest()[:12]
+    listing = Path(tempfile.gettempdir()) / f"dofmini-missing-{store}.txt"
+    write_text(listing, missing_listing(weights, absent, cfg.data, header) + "\n")
     lines.append(f"Each file's URL and destination are in {listing}.")
     lines.append(
         "Fix: download each file to its destination (a Wikipedia file as served: it is converted "

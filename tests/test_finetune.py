@@ -221,3 +221,12 @@ def test_the_plan_lists_and_costs_each_fine_tuning_then_marks_it_done(tmp_path):
     again = run_script(*args, "--plan-only", env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "\n  7 of 7 stages done\n" in again.stdout
+
+
+def test_a_rate_for_a_task_without_a_training_split_is_said_before_any_work(tmp_path):
+    model, env = tuning_store(tmp_path)
+    args = ["--plan-only", "--finetune-lr", "piqa=1e-4,wsc=1e-5", "--out", tmp_path / "o"]
+    result = run_script(model, "--profile", "quick", "--variants", "none", *args, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    warning = "reproduce.py: warning: --finetune-lr piqa: no pinned training split, so this rate"
+    assert result.stdout.startswith(warning), result.stdout[:500]

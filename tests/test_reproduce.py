@@ -309,6 +309,18 @@ def missing_listing(stderr: str) -> str:
     return open(re.search(r"destination are in (\S+)\.\n", stderr)[1]).read()
 
 
+def test_offline_attempts_keep_one_listing_a_store(tmp_path):
+    """Each attempt replaces the store's listing of what is missing: no trail of them in the
+    temporary folder."""
+    env = offline_env(tmp_path)
+    for _ in range(2):
+        result = reproduce("gpt2", "--out", tmp_path / "out", env=env, timeout=120)
+        assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    listings = [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("dofmini-")]
+    assert len(listings) == 1 and listings[0].startswith("dofmini-missing-"), listings
+    assert "gpt2" in missing_listing(result.stderr)
+
+
 @pytest.mark.parametrize("missing", ["data", "weights"])
 def test_offline_first_run_names_the_host_and_every_missing_file(tmp_path, missing):
     """Nothing downloaded: the weights and the data are named; with the data in place, the

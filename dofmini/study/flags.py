@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .. import hub
-from . import data, devices, guard
+from . import data, devices, guard, task_train
 from .compute import ORACLES
 from .finetune import parse_lr
 from .run import ALLOCATIONS
@@ -127,6 +127,10 @@ def check(cfg):
         fail(f"--lam {cfg.lam}: expected a positive finite number")
     if cfg.limit is not None and cfg.limit < 0:
         fail(f"--limit {cfg.limit}: expected 0 (no tasks) or more")
+    unused = [task for task, _ in cfg.finetune_lr if task not in task_train.trainable_tasks()]
+    if unused:  # `paper` gives Table 8's PIQA rate: a warning, not a refusal
+        print(f"reproduce.py: warning: --finetune-lr {', '.join(unused)}: no pinned training "
+              "split, so this rate is not used", flush=True)  # fmt: skip
     if (cfg.finetune or cfg.finetune_lr) and (cfg.limit == 0 or devices.world() > 1):
         fail("--finetune scores tasks in one process: not with --limit 0 or under torchrun")
     if cfg.heldout_skip < 0:
