@@ -1,14 +1,16 @@
-"""The pre-registered analysis (PREREGISTERED.md) of the two runs beside this file: each arm's
+"""The pre-registered analysis (PREREGISTERED.md) of the two runs in the folder given (default:
+beside this file): each arm's
 end-to-end KL less Fix's, paired by seed and window, with the seeds x articles bootstrap
 (stats.cluster_bootstrap) and Holm's correction over the family of four arms at 0.05. Prints
 RESULT.md's text."""
 
 import json
+import sys
 from pathlib import Path
 
 from dofmini.study import compare, stats
 
-HERE = Path(__file__).parent
+HERE = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent
 ARMS = {  # arm: (run folder, variant)
     "dof (primary)": ("main", "dof"),
     "dof_mean": ("main", "dof_mean"),

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The pre-registered replication (PREREGISTERED.md): two runs, then the analysis. Resumable: the
 # same command picks up where an interrupted one stopped (each run's saved stages are reused).
-# From the repository root: bash runs/replication-pythia/run.sh
+# From the repository root: bash runs/replication-pythia/run.sh. REPLICATION_OUT names the folder
+# for the two runs and their logs (default: beside this file); outside the checkout it outlives a
+# work tree laid anew between sessions.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-here=runs/replication-pythia
+here=${REPLICATION_OUT:-runs/replication-pythia}
 teacher=../shared/weights/standin-pythia
 common=(--profile study --data ../shared/data --device cpu --seeds 5,6,7,8,9,10,11,12,13,14
         --budgets 32 --loss softmax --heldout-skip 112)
@@ -12,4 +14,4 @@ python reproduce.py "$teacher" "${common[@]}" --variants fix,dof,dof_mean,oracle
     --out "$here/main" >> "$here/main.log" 2>&1
 python reproduce.py "$teacher" "${common[@]}" --variants dof --lam 0.0625 \
     --out "$here/lam-0.0625" >> "$here/lam-0.0625.log" 2>&1
-python "$here/analyse.py" > "$here/RESULT.md"
+python runs/replication-pythia/analyse.py "$here" > "$here/RESULT.md"
