@@ -75,16 +75,21 @@ def ppl_windows(run) -> int:
 def teacher_evaluation(run, runner):
     path = run.cfg.out / "teacher.json"
     key = {"teacher": run.inputs["teacher"], **run.eval_key()}
-    name = "teacher evaluation"
-    evaluation = compute.evaluation(run, name, path, key, lambda: run.teacher)
     work = {"teacher ppl window": ppl_windows(run), "teacher tasks": 1}
+    name = "teacher evaluation"
+    found = evaluation(run, runner, name, path, key, lambda: run.teacher, work)
+    if found is not PENDING:
+        runner.log(f"teacher: WikiText-2 perplexity {found['wikitext2_ppl']:.2f} (ctx {run.ctx})")
+    return found
 
-    def then(found):
-        compute.remove_parts(run, path)
-        log(f"teacher: WikiText-2 perplexity {found['wikitext2_ppl']:.2f} (ctx {run.ctx})")
 
-    valid = partial(valid_evaluation, run, False)
-    return runner.stage(name, path, key, evaluation, work, valid, split=True, then=then)
+def evaluation(run, runner, name: str, path, key, model, work: dict, student=False):
+    """The stage of model()'s evaluation (compute.evaluation: saved in parts, removed once it is
+    whole), a `student`'s with its layer errors."""
+    measure = compute.evaluation(run, name, path, key, model, student)
+    valid = partial(valid_evaluation, run, student)
+    then = lambda _: compute.remove_parts(run, path)  # noqa: E731
+    return runner.stage(name, path, key, measure, work, valid, split=True, then=then)
 
 
 def dof_estimate(run, runner):
@@ -220,12 +225,9 @@ def evaluate_student(run, runner, spec, trained, model=None) -> dict:
     model = model or compute.loader(run, spec)
     path = cfg.out / "eval" / f"{spec.stem}.json"
     key = run.of_student(spec)
-    evaluation = compute.evaluation(run, spec.name, path, key, model, student=True)
     work = {"layer window": cfg.error_windows, "student ppl window": ppl_windows(run)}
-    then = lambda _: compute.remove_parts(run, path)  # noqa: E731
-    valid = partial(valid_evaluation, run, True)
-    evaluated = runner.stage(spec.name, path, key, evaluation, dict(work, **{"student tasks": 1}),
-                             valid, split=True, then=then)  # fmt: skip
+    work["student tasks"] = 1
+    evaluated = evaluation(run, runner, spec.name, path, key, model, work, student=True)
     before = None
     if spec.variant in TRAINED_PRF:  # the draw training started from (a Performer of these dims)
         drawn = f"{'-'.join(map(str, spec.dims or ()))}-s{spec.seed}"
