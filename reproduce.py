@@ -235,7 +235,8 @@ def check_teacher(run: Run):
 
 def plan_run(run: Run) -> tuple:
     """The pipeline in plan mode: print its stages in order, "done" for those saved with this
-    run's keys (a rerun reloads them) and the time each other one should take here. (The rows,
+        run's keys (a rerun reloads them), the time each other one should take here and, where one
+    of its files is saved under other settings, why it is made again. (The rows,
     {stage: (low, high) seconds}) for the progress lines."""
     cfg = run.cfg
     planner = Runner()
@@ -250,7 +251,8 @@ def plan_run(run: Run) -> tuple:
     windows = f"{steps} steps of {cfg.batch} windows of {run.ctx} tokens, {cfg.per_device} at once"
     log(f"plan (each student: {windows}{share if world > 1 else ''}):")
     for row in rows:
-        log(f"  {row.name}: {estimate.span(seconds[row.name]) if not row.done else 'done'}")
+        why = f"; {row.why}" if row.why else ""
+        log(f"  {row.name}: {estimate.span(seconds[row.name]) + why if not row.done else 'done'}")
     done = sum(row.done for row in rows)
     log(f"  {done} of {len(rows)} stages done{estimate.total(seconds, cfg.device)}")
     log(f"  {units_line(rows, run.teacher.config.n_layer)}")

@@ -224,7 +224,7 @@ def evaluate_student(run, runner, spec, trained, model=None) -> dict:
     cfg = run.cfg
     model = model or compute.loader(run, spec)
     path = cfg.out / "eval" / f"{spec.stem}.json"
-    key = run.of_student(spec)
+    key = run.of_student(spec, errors=run.windows["errors"])
     work = {"layer window": cfg.error_windows, "student ppl window": ppl_windows(run)}
     work["student tasks"] = 1
     evaluated = evaluation(run, runner, spec.name, path, key, model, work, student=True)
@@ -233,7 +233,8 @@ def evaluate_student(run, runner, spec, trained, model=None) -> dict:
         drawn = f"{'-'.join(map(str, spec.dims or ()))}-s{spec.seed}"
         path = cfg.out / "eval" / f"untrained-{drawn}.json"
         own = dict(teacher=run.inputs["teacher"], dims=spec.dims, seed=spec.seed)
-        key = None if spec.key is None else {**own, **run.eval_key()}
+        own.update(errors=run.windows["errors"], **run.eval_key())
+        key = None if spec.key is None else own
         errors = lambda: compute.layer_errors(run, compute.performer(run, spec))  # noqa: E731
         work = {"layer window": cfg.error_windows}
         before = runner.stage(spec.name, path, key, errors, work, partial(valid_errors, run))

@@ -139,11 +139,12 @@ class Run:
 
     def eval_key(self) -> dict:
         """What an evaluation's numbers depend on besides the model. `data` pins every data file
-        the run verified (a superset of what an evaluation reads: a change to any of them redoes
-        it); results.json's inputs["read"] gives the order they are read in."""
+        the run verified and `error_windows` counts the layer errors' windows (supersets of what
+        the teacher's evaluation reads, as 0.8 keyed it: its records stay recognised); a result
+        measured on held-out windows adds those drawn (of_student's `more`).
+        results.json's inputs["read"] gives the order the files are read in."""
         cfg, inputs = self.cfg, self.inputs
-        errors = self.windows["errors"]
-        key = dict(ctx=self.ctx, eval_windows=cfg.eval_windows, error_windows=errors)
+        key = dict(ctx=self.ctx, eval_windows=cfg.eval_windows, error_windows=cfg.error_windows)
         key.update(limit=cfg.limit, data={k: v for k, v in inputs.items() if "/" in k})
         return dict(key, tokenizer=inputs["tokenizer"], device=inputs["device"])
 

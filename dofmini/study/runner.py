@@ -25,11 +25,13 @@ PENDING = Pending()
 
 @dataclass
 class Row:
-    """A stage in the plan: whether every file of it is saved, the work left (Counter of
-    estimate.py's kinds), and the layer units it trains (None: not known before its dims)."""
+    """A stage in the plan: whether every file of it is saved, why the first one saved is made
+    again (store.lookup's line), the work left (Counter of estimate.py's kinds), and the layer
+    units it trains (None: not known before its dims)."""
 
     name: str
     done: bool = True
+    why: str | None = None
     work: Counter = field(default_factory=Counter)
     units: int | None = 0
 
@@ -52,9 +54,10 @@ class Runner:
         there (store.load_or_compute; `split`: every rank shares the work), then then(result)."""
         row = self._row(name)
         if self.planning:
-            found = None if key is None else store.saved(path, key, valid)
+            found, why = (None, None) if key is None else store.lookup(path, key, valid)
             if found is None:
                 row.done = False
+                row.why = row.why or why
                 work = dict(work() if callable(work) else work)
                 units = work.pop("units", 0)  # counted, not priced
                 row.units = None if units is None or row.units is None else row.units + units
