@@ -135,7 +135,10 @@ def test_changed_flag_recomputes_what_it_touches(grid_run, tmp_path):
     args = [str(copy) if a == out else a for a in args]
     changed = reproduce(*args, "--lam", "0.5")
     assert changed.returncode == 0, changed.stderr[-3000:]
-    assert f"redo: {copy / 'allocation.json'}: lam changed" in changed.stdout
+    redo = f"redo: {copy / 'allocation.json'}: lam changed"
+    assert redo in changed.stdout
+    planned = rf"\n  DoF estimate: ~[^\n]+; {re.escape(redo)}\n"  # the plan says why, first
+    assert re.search(planned, changed.stdout.split("[1/", 1)[0])
     assert f"redo: {copy / 'teacher.json'}" not in changed.stdout  # λ does not touch the teacher
     results = json.loads((copy / "results.json").read_text())
     assert results["dof"]["lam"] == 0.5 == results["config"]["lam"]
