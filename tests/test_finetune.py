@@ -248,6 +248,13 @@ def test_the_plan_lists_and_costs_each_fine_tuning_then_marks_it_done(tmp_path):
     assert "| teacher, not fine-tuned |" in report
     assert "Examples trained on / selection / evaluation: logiqa 1/2/1, arc_easy 1/2/1," in report
     assert "drawn once by random.Random(55)" in report
+    # WSC's rate: the grid's best by the selection acc each grid point's record holds
+    chosen = json.loads((tmp_path / "o" / "results.json").read_text())["finetune"]["lr"]["wsc"]
+    best = max(chosen["grid"].values())
+    assert chosen["lr"] == min(float(r) for r, acc in chosen["grid"].items() if acc == best)
+    for rate, acc in chosen["grid"].items():
+        record = tmp_path / "o" / "finetune" / f"teacher-wsc-lr{rate}-s0.json"
+        assert json.loads(record.read_text())["result"]["select"] == acc
     again = run_script(*args, "--plan-only", env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "\n  7 of 7 stages done\n" in again.stdout
