@@ -285,6 +285,9 @@ def test_the_fine_tuned_table_counts_a_task_lifted_only_by_its_paired_interval()
     assert "random.Random(55)" in table and "logiqa 64/100/100, arc_easy 64/100/100" in table
     same = "+0.0000 [+0.0000, +0.0000]"
     assert f"| 1 of {len(tasks)} | {same} | {same} |" in table  # DoF: as the teacher, as Fix
+    older = {k: v for k, v in found.items() if k != "selection"}  # before the selection split
+    with pytest.raises(ValueError, match="from before the selection split keep no per-example"):
+        report.finetune_table(older)
 
 
 def test_the_paired_interval_is_narrower_than_the_unpaired_where_examples_correlate():

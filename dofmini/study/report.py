@@ -175,6 +175,9 @@ def finetune_table(found: dict) -> str:
     Fix of its loss and budget (each paired by seed and evaluation example: `paired`), and the
     share of Fix's degradation it removes (stats.share_removed on 1 − mean acc, seed by seed);
     first the teacher before fine-tuning on the same evaluation examples."""
+    if "selection" not in found:  # 0.9.0's records: chosen on what they report, no 0/1 scores
+        why = "fine-tuning results from before the selection split keep no per-example scores"
+        raise ValueError(f"finetune_table: {why}; fine-tune again to pair them")
     models, before = found["models"], found["zero_shot"]
     tuned = [t for t in TASKS if t in task_train.trainable_tasks()]
     means = {label: [_mean(r, tuned) for r in seeds.values()] for label, seeds in models.items()}
