@@ -33,11 +33,11 @@ PAPER_LR = {  # Table 8, GPT-2: each task's rate chosen on the original model
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """One fine-tuning: `epochs` passes over the first `train_limit` training examples in a
-    seeded order, `batch` a step, back-propagated `part` at a time (gradient accumulation: the
-    same step for any part); progress saved every `save_every` steps and at each epoch's end. The
-    stages draw the selection split, `select_size` training examples, by random.Random(select_seed)
-    (finetune_stages.splits); fine_tune is given the examples."""
+    """One fine-tuning: `epochs` passes over the first `train_limit` training examples outside
+    the selection split in a seeded order, `batch` a step, back-propagated `part` at a time
+    (gradient accumulation: the same step for any part); progress saved every `save_every` steps
+    and at each epoch's end. The stages draw the selection split, `select_size` training examples,
+    by random.Random(select_seed) (finetune_stages.splits); fine_tune is given the examples."""
 
     lr: float
     epochs: int = 3
