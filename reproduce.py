@@ -35,7 +35,7 @@ from dofmini.study.store import log
 PROFILES = {
     "quick": dict(ctx=64, J=128, calib_windows=8, steps=4, batch=2, eval_windows=4, limit=4,
                   error_windows=4, curve_windows=4, train_chars=200_000, e2e_windows=4,
-                  finetune_train_limit=8, finetune_epochs=1, finetune_batch=4),
+                  finetune_train_limit=8, finetune_select=2, finetune_epochs=1, finetune_batch=4),
     "default": {},
     "study": dict(eval_windows=64, limit=0, seeds=(0, 1, 2), budgets=(16, 32, 64),
                   variants=("fix", "dof", "dof_sqrt", "dof_sqrt_mean", "oracle", "oracle_e2e",
@@ -126,6 +126,9 @@ class RunConfig:
         (), "TASK=LR,... or paper (Table 8)", type=rates, none="none: the teacher's grid search"
     )
     finetune_train_limit: int | None = 64  # training examples a task; None: all
+    finetune_select: int = option(
+        100, "training examples a task held out to choose the rate and the epoch", type=int
+    )
     finetune_epochs: int = 3  # MMLU's is always 1, its accuracy the last epoch's
     finetune_batch: int | None = 16  # examples a step; None: the paper's (finetune_stages)
 

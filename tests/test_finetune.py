@@ -1,6 +1,8 @@
 """Fine-tuning (dofmini/study/finetune.py) on the tiny fixture: a made-up task a model can learn
-is learnt, an interrupted fine-tuning resumes to the same result, a bad --finetune-lr is refused
-before any work; the training splits load where the data store holds them."""
+is learnt, the epoch is chosen by the selection split alone, an interrupted fine-tuning resumes to
+the same result, a bad --finetune-lr or --finetune-select is refused before any work; the
+selection split is apart from the examples trained on and reported; the training splits load
+where the data store holds them."""
 
 import dataclasses
 import hashlib
@@ -10,6 +12,7 @@ import random
 import re
 import shutil
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,7 @@ from conftest import FIXTURES, REPO, data_path, tiny_store
 from test_reproduce import reproduce as run_script
 
 from dofmini.students import make_student
-from dofmini.study import finetune, task_train
+from dofmini.study import data, finetune, finetune_stages, task_train
 from dofmini.study.tasks import PINNED_UNREAD, TASK_FILES
 
 sys.path.insert(0, str(REPO))
@@ -41,6 +44,7 @@ SMALL = finetune.Settings(lr=1e-3, epochs=1, batch=2, part=1)
 # (what is changed in a small fine-tuning, what fine_tune's refusal says after "fine_tune: ")
 BAD_FINE_TUNING = [
     (dict(train=[]), "train is empty; expected encoded examples"),
+    (dict(select=[]), "select is empty; expected encoded examples"),
     (dict(test=[]), "test is empty; expected encoded examples"),
     (dict(settings=dataclasses.replace(SMALL, batch=0)), r"settings.batch=0; expected an int"),
     (dict(settings=dataclasses.replace(SMALL, batch=True)), r"settings.batch=True; expected"),
@@ -59,10 +63,11 @@ BAD_FINE_TUNING = [
 
 @pytest.mark.parametrize("change, says", BAD_FINE_TUNING)
 def test_a_fine_tuning_that_cannot_run_is_refused_at_entry(tiny, tmp_path, change, says):
-    given = dict(train=marked_task(4, seed=1), test=marked_task(2, seed=2), settings=SMALL)
+    given = dict(train=marked_task(4, seed=1), select=marked_task(2, seed=5),
+                 test=marked_task(2, seed=2), settings=SMALL)  # fmt: skip
     given.update(change)
     with pytest.raises(ValueError, match="fine_tune: " + says) as err:
-        finetune.fine_tune(tiny, given["train"], given["test"], given["settings"],
+        finetune.fine_tune(tiny, *(given[k] for k in ("train", "select", "test", "settings")),
                            tmp_path / "p", lambda _: None)  # fmt: skip
     assert err.traceback[-1].name == "fine_tune" and not list(tmp_path.iterdir())
 
@@ -72,30 +77,52 @@ def test_a_fine_tuning_that_cannot_run_is_refused_at_entry(tiny, tmp_path, chang
     ([([([5], [90]), ([5], [91])], 2)], r"encoded\[0\]: label 2 for 2 choice\(s\)"),
     ([([([5], [90])], 0), ([([5], [-1])], 0)], r"encoded\[1\]: choices\[0\]: token id -1"),
 ])  # fmt: skip
-def test_an_accuracy_that_cannot_be_scored_is_refused_at_entry(tiny, encoded, says):
-    with pytest.raises(ValueError, match="accuracy: " + says) as err:
+def test_examples_that_cannot_be_scored_are_refused_at_entry(tiny, encoded, says):
+    with pytest.raises(ValueError, match="correct: " + says) as err:
         finetune.accuracy(tiny, encoded)
-    assert err.traceback[-1].name == "accuracy"
+    assert err.traceback[-1].name == "correct"
 
 
 def test_fine_tuning_learns_a_marked_answer(tiny, tmp_path):
-    train, test = marked_task(32, seed=1), marked_task(32, seed=2)
+    train, select, test = (marked_task(32, seed=seed) for seed in (1, 5, 2))
     before = finetune.accuracy(tiny, test)
     settings = finetune.Settings(lr=3e-2, epochs=2, batch=4, part=4)
-    found = finetune.fine_tune(tiny, train, test, settings, tmp_path / "p", lambda _: None)
-    assert before < 0.5 and found["acc"] >= 0.9, (before, found["epoch_acc"])
-    assert found["acc"] == max(found["epoch_acc"]) and len(found["epoch_acc"]) == 2
+    found = finetune.fine_tune(tiny, train, select, test, settings, tmp_path / "p", print)
+    assert before < 0.5 and found["acc"] >= 0.9, (before, found)
+    assert len(found["correct"]) == 32 and found["acc"] == sum(found["correct"]) / 32
+    assert found["examples"] == dict(train=32, select=32, test=32)
     assert finetune.accuracy(tiny, test) == before  # the model given is left as it was
+
+
+def test_the_epoch_is_chosen_by_the_selection_split_alone(tiny, tmp_path):
+    """The first epoch whose selection acc is the highest is chosen, whatever the evaluation
+    examples: other evaluation examples change what is reported, never the epoch; another
+    selection split may."""
+    train, select = marked_task(24, seed=1), marked_task(8, seed=5)
+    settings = finetune.Settings(lr=1e-2, epochs=3, batch=4, part=4)
+    tune = lambda picked, test, name: finetune.fine_tune(  # noqa: E731
+        tiny, train, picked, test, settings, tmp_path / name, lambda _: None
+    )
+    found = tune(select, marked_task(6, seed=2), "a")
+    accs = found["select_acc"]
+    assert len(accs) == 3 and found["epoch"] == accs.index(max(accs)) + 1
+    assert found["select"] == max(accs)
+    other = tune(select, marked_task(10, seed=7), "b")
+    assert (other["select_acc"], other["epoch"]) == (accs, found["epoch"])
+    assert len(other["correct"]) == 10 and len(found["correct"]) == 6
+    reselected = tune(marked_task(8, seed=9), marked_task(6, seed=2), "c")
+    chosen = reselected["select_acc"]
+    assert reselected["epoch"] == chosen.index(max(chosen)) + 1
 
 
 def test_a_killed_fine_tuning_resumes_to_the_same_result(tiny, tmp_path):
     """A PRF student (features and shared weights all training) stopped mid-epoch, after a save,
     then run again, ends where an uninterrupted run ends."""
     student = make_student(tiny, "prf", (8, 8), 0)
-    train, test = marked_task(24, seed=3), marked_task(8, seed=4)
+    train, select, test = marked_task(24, seed=3), marked_task(4, seed=6), marked_task(8, seed=4)
     settings = finetune.Settings(lr=1e-2, epochs=2, batch=4, part=2, save_every=2)
     run = lambda path, on_step=None: finetune.fine_tune(  # noqa: E731
-        student, train, test, settings, path, lambda _: None, on_step
+        student, train, select, test, settings, path, lambda _: None, on_step
     )
     whole = run(tmp_path / "whole")
 
@@ -145,8 +172,10 @@ def test_training_splits_load_with_valid_labels(task):
         assert 0 <= e.label < len(e.contexts) == len(e.continuations)
 
 
-# the fine-tuning splits made from the tiny task fixtures (each a copy of the task's evaluation
-# examples: these tests time and resume the stages, they measure no accuracy)
+# the fine-tuning splits made from the tiny task fixtures (each the task's evaluation examples
+# written COPIES times, so that a selection split can be held out of them: these tests time and
+# resume the stages, they measure no accuracy)
+COPIES = 3
 TRAINING_COPIES = {
     "logiqa_ft": {"logiqa/Eval.txt": "logiqa/Test.txt"},
     "arc_easy_train": {"arc/ARC-Easy-Train.jsonl": "arc/ARC-Easy-Test.jsonl"},
@@ -179,11 +208,12 @@ def tuning_store(root: Path) -> tuple:
     for group, copies in TRAINING_COPIES.items():
         for made, source in copies.items():
             (store / made).parent.mkdir(exist_ok=True)
-            shutil.copyfile(store / source, store / made)
+            (store / made).write_bytes((store / source).read_bytes() * COPIES)
             files[made] = group
     (store / "superglue_wsc").mkdir()
-    for name in ("train.jsonl", "val.jsonl"):
-        (store / "superglue_wsc" / name).write_text("".join(json.dumps(e) + "\n" for e in WSC))
+    for name, copies in (("train.jsonl", COPIES), ("val.jsonl", 1)):
+        lines = "".join(json.dumps(e) + "\n" for e in WSC) * copies
+        (store / "superglue_wsc" / name).write_text(lines)
         files[f"superglue_wsc/{name}"] = "superglue_wsc"
     rows = []
     for path, group in files.items():
@@ -216,11 +246,59 @@ def test_the_plan_lists_and_costs_each_fine_tuning_then_marks_it_done(tmp_path):
     report = (tmp_path / "o" / "report.md").read_text()
     assert "## Fine-tuned tasks (Table 3's shape)" in report
     assert "| teacher, not fine-tuned |" in report
-    # one seed gives no interval, so no task counts as lifted
-    assert "zero-shot acc on 0 of 6 tasks by the 95% t-interval over seeds, on" in report
+    assert "Examples trained on / selection / evaluation: logiqa 1/2/1, arc_easy 1/2/1," in report
+    assert "drawn once by random.Random(55)" in report
+    # WSC's rate: the grid's best by the selection acc each grid point's record holds
+    chosen = json.loads((tmp_path / "o" / "results.json").read_text())["finetune"]["lr"]["wsc"]
+    best = max(chosen["grid"].values())
+    assert chosen["lr"] == min(float(r) for r, acc in chosen["grid"].items() if acc == best)
+    for rate, acc in chosen["grid"].items():
+        record = tmp_path / "o" / "finetune" / f"teacher-wsc-lr{rate}-s0.json"
+        assert json.loads(record.read_text())["result"]["select"] == acc
     again = run_script(*args, "--plan-only", env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "\n  7 of 7 stages done\n" in again.stdout
+    # another selection size: every fine-tuning is made again, the zero-shot scoring is not
+    other = run_script(*args, "--plan-only", "--finetune-select", "1", env=env)
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert "\n  fine-tuning teacher: zero-shot: done\n" in other.stdout
+    assert "\n  4 of 7 stages done; the rest: " in other.stdout
+
+
+def test_a_selection_split_that_leaves_nothing_to_train_is_refused_before_work(tmp_path):
+    model, env = tuning_store(tmp_path)
+    for size, says in (
+        ("0", "expected 1 or more training examples"),
+        (str(COPIES), f"logiqa has {COPIES} training examples; expected 1 to"),
+    ):
+        args = [model, "--profile", "quick", "--variants", "none", "--finetune"]
+        found = run_script(*args, "--finetune-select", size, "--out", tmp_path / "o", env=env)
+        assert found.returncode != 0 and f"--finetune-select {size}: {says}" in found.stderr
+        assert not (tmp_path / "o" / "finetune").exists()
+
+
+def test_the_selection_split_is_apart_from_the_trained_and_the_reported_examples(
+    tmp_path, monkeypatch, request
+):
+    """By example id, on every task: the selection split, the examples trained on and the
+    evaluation examples are disjoint; the selection split is drawn the same for every seed."""
+    model, env = tuning_store(tmp_path)
+    monkeypatch.setenv("DOFMINI_DATA_REGISTRY", env["DOFMINI_DATA_REGISTRY"])
+    data.registry.cache_clear()  # read once a process: the tiny store's here, then the next's
+    request.addfinalizer(data.registry.cache_clear)
+    cfg = reproduce.RunConfig(model=model, data=tmp_path / "store")
+    run = types.SimpleNamespace(cfg=cfg)  # splits reads only the run's settings
+    for task in task_train.trainable_tasks():
+        pool = len(task_train.load_split(task, "train", cfg.data))
+        s = finetune.Settings(1e-4, select_size=2, select_seed=55, eval_limit=1, seed=0)
+        found = finetune_stages.splits(run, task, s)
+        ids = {name: set(found[name][0]) for name in ("train", "select", "eval")}
+        assert len(ids["select"]) == 2 and ids["train"] | ids["select"] == {
+            f"train:{i}" for i in range(pool)
+        }
+        assert not ids["train"] & ids["select"] and not ids["eval"] & (ids["train"] | ids["select"])
+        again = finetune_stages.splits(run, task, dataclasses.replace(s, seed=1, train_limit=1))
+        assert again["select"][0] == found["select"][0] and len(again["train"][0]) == 1
 
 
 def test_a_rate_for_a_task_without_a_training_split_is_said_before_any_work(tmp_path):

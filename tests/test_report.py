@@ -5,6 +5,7 @@ alone without curves (the quick profile's shape: one seed, no curves)."""
 import copy
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -238,23 +239,70 @@ def test_the_regime_line_sets_untrained_features_against_trained_fix(one_seed):
     )
 
 
-def test_the_fine_tuned_table_counts_a_task_lifted_only_beyond_its_interval():
-    """Three seeds: a task whose fine-tuned acc's 95% t-interval lies above the teacher's
-    zero-shot acc counts as lifted; one whose interval reaches below it does not. One example in
-    100 more on every seed lies beyond the seeds' interval (zero wide), not beyond the examples'."""
-    tasks = task_train.trainable_tasks()
-    spread = {"arc_easy": (0.50, 0.52, 0.54), "mmlu": (0.20, 0.40, 0.60), "logiqa": (0.36,) * 3}
-    seeds = {
-        str(seed): {t: {"acc": spread.get(t, (0.3, 0.3, 0.3))[seed]} for t in tasks}
-        for seed in range(3)
-    }
+def correctness(rng, n: int, hits: int) -> list:
+    """n made-up 0/1 scores of an evaluation split, `hits` of them 1, in a seeded order."""
+    found = [1] * hits + [0] * (n - hits)
+    rng.shuffle(found)
+    return found
+
+
+def flipped(correct: list, count: int) -> list:
+    """`correct` with its first `count` misses made hits (a negative count: hits made misses)."""
+    found, want = list(correct), int(count < 0)
+    at = [i for i, x in enumerate(found) if x == want][: abs(count)]
+    for i in at:
+        found[i] = 1 - want
+    return found
+
+
+def records(correct: list) -> dict:
+    return {"correct": correct, "acc": sum(correct) / len(correct),
+            "ids": [f"eval:{i}" for i in range(len(correct))]}  # fmt: skip
+
+
+def test_the_fine_tuned_table_counts_a_task_lifted_only_by_its_paired_interval():
+    """Three seeds on 100 examples a task: 10 examples more on every seed lifts a task; 10 more,
+    none and 10 fewer on the three seeds does not; one example more on every seed does not (the
+    seeds' t-interval, zero wide, called it lifted; drawing the examples again leaves it out)."""
+    rng, tasks = random.Random(0), task_train.trainable_tasks()
+    zero = {t: records(correctness(rng, 100, 35)) for t in tasks}
+    moved = {"arc_easy": (10, 10, 10), "mmlu": (10, 0, -10), "logiqa": (1, 1, 1)}
+    seeds = {}
+    for seed in range(3):
+        flips = {t: moved.get(t, (0, 0, 0))[seed] for t in tasks}
+        seeds[str(seed)] = {t: records(flipped(zero[t]["correct"], flips[t])) for t in tasks}
+        for record in seeds[str(seed)].values():
+            record["examples"] = dict(train=64, select=100, test=100)
     found = {
-        "models": {"teacher": seeds},
-        "zero_shot": {t: {"acc": 0.35, "n": 100} for t in tasks},
+        "models": {"teacher": seeds, "fix/softmax/b8": seeds, "dof/softmax/b8": seeds},
+        "zero_shot": {t: dict(zero[t], n=100) for t in tasks},
         "lr": {t: {"lr": 1e-4, "source": "--finetune-lr"} for t in tasks},
+        "selection": {"seed": 55, "size": 100},
     }
     table = report.finetune_table(found)
-    seeds = f"on 2 of {len(tasks)} tasks by the 95% t-interval over seeds (logiqa, arc_easy)"
-    examples = f"on 1 of {len(tasks)} by the 95% Wilson interval over the task's evaluation "
-    assert seeds in table and examples + "examples (arc_easy)" in table
+    assert f"Fine-tuning lifted the teacher on 1 of {len(tasks)} tasks (arc_easy)." in table
     assert "| teacher, not fine-tuned | — | 0.3500 |" in table  # PIQA has no training split
+    assert "random.Random(55)" in table and "logiqa 64/100/100, arc_easy 64/100/100" in table
+    same = "+0.0000 [+0.0000, +0.0000]"
+    assert f"| 1 of {len(tasks)} | {same} | {same} |" in table  # DoF: as the teacher, as Fix
+    older = {k: v for k, v in found.items() if k != "selection"}  # before the selection split
+    with pytest.raises(ValueError, match="from before the selection split keep no per-example"):
+        report.finetune_table(older)
+
+
+def test_the_paired_interval_is_narrower_than_the_unpaired_where_examples_correlate():
+    """A student that scores as Fix does on all but a few examples: paired by example its
+    difference has a narrow interval; the same accuracies with Fix's examples in another order
+    (the pairing broken) give the same mean and a far wider one. Other examples refuse."""
+    rng = random.Random(1)
+    fix = correctness(rng, 200, 100)
+    student = {str(seed): {"mmlu": records(flipped(fix, 6 + seed))} for seed in range(3)}
+    paired_fix = {seed: {"mmlu": records(fix)} for seed in student}
+    shuffled = {seed: {"mmlu": records(rng.sample(fix, len(fix)))} for seed in student}
+    paired = report.paired(student, paired_fix, ["mmlu"])
+    unpaired = report.paired(student, shuffled, ["mmlu"])
+    assert paired.mean == pytest.approx(unpaired.mean) == pytest.approx(7 / 200)
+    assert paired.low > 0 and 3 * (paired.high - paired.low) < unpaired.high - unpaired.low
+    fewer = {seed: {"mmlu": records(fix[:199])} for seed in student}
+    with pytest.raises(ValueError, match="paired: seed 0, mmlu: the records scored other"):
+        report.paired(student, fewer, ["mmlu"])

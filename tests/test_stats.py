@@ -26,7 +26,6 @@ from dofmini.study.stats import (
     share_removed,
     spearman,
     t_critical,
-    wilson,
     window_bootstrap,
 )
 
@@ -73,16 +72,6 @@ def test_paired_diff_by_hand():
     assert half == pytest.approx(T_975_2 / 3, abs=1e-5)
     with pytest.raises(ValueError, match="pair up"):
         paired_diff([1, 2], [1, 2, 3])
-
-
-def test_wilson_by_hand():
-    # 50 of 100: z = 1.959964, centre 1/2, half = z/(1 + z²/100)·sqrt(1/400 + z²/40000) = 0.09617
-    low, high = wilson(0.5, 100)
-    assert (low, high) == (pytest.approx(0.40383, abs=1e-5), pytest.approx(0.59617, abs=1e-5))
-    none_low, none_high = wilson(0.0, 10)  # 0 of 10: from 0, not below it
-    assert abs(none_low) < 1e-12 and none_high == pytest.approx(0.27753, abs=1e-5)
-    with pytest.raises(ValueError, match="integer n >= 1"):
-        wilson(0.5, 0)
 
 
 def test_share_removed_when_fix_is_clearly_worse():

@@ -176,27 +176,24 @@ class Probes:
         )
 
     def zero_shot(self, task: str) -> tuple:
-        _, test = self.tuning_splits(task)
-        return scaled(self.scored(task), len(test))
+        return scaled(self.scored(task), len(self.tuning_splits(task)["eval"][1]))
 
     def fine_tune(self, task: str, kind: str) -> tuple:
         """Its steps x one optimiser step (timed on PROBE_TASK's first examples), plus each epoch's
-        evaluation x an example's scoring."""
+        scoring of the selection and evaluation splits x an example's scoring."""
         if kind == "student":
             return self.on_student(self[("fine-tune", task, "teacher")])
         s = finetune_stages.settings_for(self.run, task, 0.0, PROBE_SEED)
-        train, test = self.tuning_splits(task)
+        found = self.tuning_splits(task)
+        train, select, test = (found[split][1] for split in ("train", "select", "eval"))
         steps = -(-len(train) // s.batch) * s.epochs
-        work = zip(
-            scaled(self["tuning step"], steps), scaled(self.scored(task), s.epochs * len(test))
-        )
+        scored = s.epochs * (len(select) + len(test))
+        work = zip(scaled(self["tuning step"], steps), scaled(self.scored(task), scored))
         return tuple(map(sum, work))
 
-    def tuning_splits(self, task: str) -> tuple:
+    def tuning_splits(self, task: str) -> dict:
         s = finetune_stages.settings_for(self.run, task, 0.0, PROBE_SEED)
-        data_dir = self.run.cfg.data
-        train = task_train.load_split(task, "train", data_dir, s.train_limit)
-        return train, task_train.load_split(task, "eval", data_dir, s.eval_limit)
+        return finetune_stages.splits(self.run, task, s)
 
     def scored(self, task: str) -> tuple:
         """An evaluation example's scoring: the zero-shot probe's where the run scores the task
@@ -204,7 +201,8 @@ class Probes:
         SuperGLUE's, is not the zero-shot WSC273)."""
         if task in self.run.tasks():
             return self[("example", task)]
-        encoded = finetune.encode(self.run.tokenizer, self.tuning_splits(task)[1][:TASK_PROBE])
+        examples = self.tuning_splits(task)["eval"][1][:TASK_PROBE]
+        encoded = finetune.encode(self.run.tokenizer, examples)
         with torch.no_grad():
             times = timed(lambda: finetune.accuracy(self.run.teacher, encoded))
         return scaled(times, 1 / len(encoded))

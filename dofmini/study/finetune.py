@@ -1,12 +1,15 @@
 """Fine-tuning, as the paper's Tables 3 and 6 score its models: every parameter of a model (the
 teacher's own copy, or a student: its PRF features and every weight it shares with the teacher)
-trained on a task's training split (task_train.py), the accuracy on the evaluation split after each
-epoch, the best epoch's reported (MMLU: its one epoch, the last). Objective: cross-entropy over the
+trained on a task's training examples (task_train.py); after each epoch the accuracy on a
+selection split held out of the training examples and each evaluation example's correctness; the
+epoch the selection split scores best is chosen (MMLU: its one epoch), and the evaluation split's
+correctness at it reported, never used to choose. Objective: cross-entropy over the
 choices' summed continuation log-likelihoods, the zero-shot scorer's framing, so acc scores
 exactly what is trained. AdamW (β 0.9, 0.999, weight decay 0.01), the rate falling linearly from
 its value to 0 over all steps, no warm-up. Learning rates: a grid searched on the teacher, the
-best reused for every student (the paper's procedure), or --finetune-lr TASK=LR,... ("paper": its
-Table 8 rates for GPT-2); finetune_stages.py runs them. Resumable mid-epoch."""
+best on the selection split reused for every student (the paper's procedure), or --finetune-lr
+TASK=LR,... ("paper": its Table 8 rates for GPT-2); finetune_stages.py runs them. Resumable
+mid-epoch."""
 
 import copy
 import dataclasses
@@ -30,9 +33,11 @@ PAPER_LR = {  # Table 8, GPT-2: each task's rate chosen on the original model
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """One fine-tuning: `epochs` passes over the first `train_limit` training examples in a
-    seeded order, `batch` a step, back-propagated `part` at a time (gradient accumulation: the
-    same step for any part); progress saved every `save_every` steps and at each epoch's end."""
+    """One fine-tuning: `epochs` passes over the first `train_limit` training examples outside
+    the selection split in a seeded order, `batch` a step, back-propagated `part` at a time
+    (gradient accumulation: the same step for any part); progress saved every `save_every` steps
+    and at each epoch's end. The stages draw the selection split, `select_size` training examples,
+    by random.Random(select_seed) (finetune_stages.splits); fine_tune is given the examples."""
 
     lr: float
     epochs: int = 3
@@ -41,6 +46,8 @@ class Settings:
     seed: int = 0
     train_limit: int | None = None
     eval_limit: int | None = None
+    select_size: int | None = None
+    select_seed: int | None = None
     save_every: int = 20
 
     def record(self) -> dict:
@@ -121,20 +128,26 @@ def not_encoded(encoded, name: str, config) -> str:
     return ""
 
 
-def accuracy(model, encoded) -> float:
-    """Share of examples whose gold choice has the highest summed log-likelihood (acc)."""
+def correct(model, encoded) -> list:
+    """Per example, 1 where its gold choice has the highest summed log-likelihood, else 0."""
     why = not_encoded(encoded, "encoded", model.config)
     if why:
-        raise ValueError(f"accuracy: {why}")
+        raise ValueError(f"correct: {why}")
     pairs = [pair for choices, _ in encoded for pair in choices]
     scores = evaluate.score_requests(model, pairs, what="fine-tuned")
     start = 0
-    hits = 0
+    hits = []
     for choices, label in encoded:
         ll = [s for s, _ in scores[start : start + len(choices)]]
-        hits += max(range(len(ll)), key=ll.__getitem__) == label
+        hits.append(int(max(range(len(ll)), key=ll.__getitem__) == label))
         start += len(choices)
-    return hits / len(encoded)
+    return hits
+
+
+def accuracy(model, encoded) -> float:
+    """Share of examples whose gold choice has the highest summed log-likelihood (acc)."""
+    hits = correct(model, encoded)
+    return sum(hits) / len(hits)
 
 
 def trainable(model, lr: float) -> tuple:
@@ -158,16 +171,23 @@ def train_step(model, opt, chosen: list, part: int) -> float:
 
 
 def fine_tune(
-    model, train, test, settings: Settings, progress: Path, log, on_step=None, what="fine-tuning"
-) -> dict:
-    """Fine-tune a copy of `model` on the encoded `train` examples, scoring `test` after each
-    epoch; {"epoch_acc", "acc" (the best epoch's, the last with one epoch), "epoch", "steps",
-    "train_seconds", "loss_curve"}. Progress goes to `progress` and a run of the same settings
-    resumes from it exactly (tensors, AdamW, the step, the curves); on_step(step) after each;
-    a progress line (progress.Progress) names it `what`."""
+    model, train, select, test, settings: Settings, progress: Path, log, on_step=None,
+    what="fine-tuning",
+) -> dict:  # fmt: skip
+    """Fine-tune a copy of `model` on the encoded `train` examples, scoring `select` and `test`
+    after each epoch; {"select_acc" (each epoch's on `select`), "epoch" (from 1: the first whose
+    select_acc is the highest), "select" (its select_acc), "correct" (its 0/1 on each `test`
+    example), "acc" (their mean), "examples" (how many trained, select, test), "steps",
+    "train_seconds", "loss_curve"}: `test` chooses nothing. Progress goes to `progress` and a
+    run of the same settings resumes from it exactly (tensors, AdamW, the step, the curves);
+    on_step(step) after each; a progress line (progress.Progress) names it `what`."""
     s, n = settings, len(train)
     sizes = {f"settings.{k}": getattr(s, k) for k in ("epochs", "batch", "part", "save_every")}
-    data = not_encoded(train, "train", model.config) or not_encoded(test, "test", model.config)
+    data = (
+        not_encoded(train, "train", model.config)
+        or not_encoded(select, "select", model.config)
+        or not_encoded(test, "test", model.config)
+    )
     why = (
         not_integers("fine_tune", **sizes)
         or not_integers("fine_tune", 0, **{"settings.seed": s.seed})
@@ -180,8 +200,9 @@ def fine_tune(
     params = dict(model.named_parameters())
     per_epoch = -(-n // s.batch)
     total = per_epoch * s.epochs
-    keep = {**s.record(), "train_examples": n, "test": len(test)}
-    state = dict(step=0, seconds=0.0, loss_curve=[], epoch_acc=[])
+    counts = dict(train=n, select=len(select), test=len(test))
+    keep = {**s.record(), "examples": counts}
+    state = dict(step=0, seconds=0.0, loss_curve=[], select_acc=[], epoch_correct=[])
     if meta := store.load_progress(progress, keep, params, opt, log):
         state.update({k: meta[k] for k in state})
         log(f"resuming from {progress} at step {state['step']}")
@@ -200,8 +221,9 @@ def fine_tune(
             state["loss_curve"].append(step_loss)
             if state["step"] % per_epoch == 0:
                 with torch.no_grad():
-                    state["epoch_acc"].append(accuracy(model, test))
-                log(f"  epoch {epoch + 1}/{s.epochs}: acc {state['epoch_acc'][-1]:.4f}")
+                    state["select_acc"].append(accuracy(model, select))
+                    state["epoch_correct"].append(correct(model, test))
+                log(f"  epoch {epoch + 1}/{s.epochs}: selection acc {state['select_acc'][-1]:.4f}")
             state["seconds"] += time.time() - started
             if state["step"] < total and (state["step"] % min(s.save_every, per_epoch) == 0):
                 store.save_progress(progress, {"settings": keep, **state}, params, opt)
@@ -209,7 +231,9 @@ def fine_tune(
             if on_step:
                 on_step(state["step"])
     progress.unlink(missing_ok=True)
-    accs = state["epoch_acc"]
-    best = len(accs) - 1 if s.epochs == 1 else max(range(len(accs)), key=accs.__getitem__)
-    found = dict(epoch_acc=accs, acc=accs[best], epoch=best + 1, steps=total)
+    chosen_by = state["select_acc"]
+    best = max(range(len(chosen_by)), key=chosen_by.__getitem__)  # one epoch: it, the last
+    hits = state["epoch_correct"][best]
+    found = dict(select_acc=chosen_by, epoch=best + 1, select=chosen_by[best], correct=hits)
+    found.update(acc=sum(hits) / len(hits), examples=counts, steps=total)
     return dict(found, train_seconds=state["seconds"], loss_curve=state["loss_curve"])

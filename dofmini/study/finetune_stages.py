@@ -1,17 +1,18 @@
 """Fine-tuning's stages, the pipeline's last (finetune.py trains): the teacher's zero-shot accuracy
-on each task's evaluation split, the learning-rate grid on the teacher (the paper's grids;
---finetune-lr skips a task's), then the teacher at each seed and each student at its own, one
-stage per model x seed, a file per task, each saved under finetune/ with everything it depends
-on. The sizes come from the profile (reproduce.py's PROFILES: finetune_train_limit,
-finetune_epochs and finetune_batch; `default` about an hour for the GPT-2 stand-in on 2 CPU
-cores, measured)."""
+on each task's evaluation split, the learning-rate grid on the teacher (the paper's grids, each
+rate scored on the selection split; --finetune-lr skips a task's), then the teacher at each seed
+and each student at its own, one stage per model x seed, a file per task, each saved under
+finetune/ with everything it depends on. The sizes come from the profile (reproduce.py's
+PROFILES: finetune_train_limit, finetune_select, finetune_epochs and finetune_batch; `default`
+about an hour for the GPT-2 stand-in on 2 CPU cores, measured before the selection split)."""
 
+import random
 from pathlib import Path
 
 import torch
 
 from . import compute, data, store, task_train
-from .finetune import Settings, accuracy, encode, fine_tune
+from .finetune import Settings, correct, encode, fine_tune
 from .runner import PENDING
 
 GRIDS = {  # the paper's grids, by teacher family
@@ -23,6 +24,7 @@ LAST_EPOCH = ("mmlu",)  # one epoch, its accuracy reported
 PREFIX = "fine-tuning "  # of each fine-tuning stage's name in the plan
 GRID_STAGE = f"{PREFIX}teacher: grid"  # every grid point of every task, one stage
 ZERO_STAGE = f"{PREFIX}teacher: zero-shot"  # the teacher on each evaluation split, before
+SELECTION_SEED = 55  # random.Random's, drawing each task's selection split (issue 55) once
 
 
 def data_groups() -> list:
@@ -31,12 +33,13 @@ def data_groups() -> list:
 
 
 def settings_for(run, task: str, lr: float, seed: int) -> Settings:
-    """The profile's sizes, MMLU's one epoch, --limit evaluation examples."""
+    """The profile's sizes, MMLU's one epoch, --limit evaluation examples, the selection split."""
     cfg = run.cfg
     batch = cfg.finetune_batch or PAPER_BATCH[run.teacher.config.family]
     epochs = 1 if task in LAST_EPOCH else cfg.finetune_epochs
     limits = dict(train_limit=cfg.finetune_train_limit, eval_limit=cfg.limit)
-    return Settings(lr, epochs, batch, max(1, batch // 4), seed, **limits)
+    selection = dict(select_size=cfg.finetune_select, select_seed=SELECTION_SEED)
+    return Settings(lr, epochs, batch, max(1, batch // 4), seed, **limits, **selection)
 
 
 def stage_file(run, name: str, model_key, task: str, lr: float, seed: int) -> tuple:
@@ -57,26 +60,49 @@ def inputs_of(run, task: str) -> dict:
     return dict(data=files, tokenizer=run.inputs["tokenizer"], device=run.inputs["device"])
 
 
-def encoded_split(run, task: str, split: str, limit) -> list:
-    """The first `limit` examples of `task`'s "train" or "eval" split, encoded as scored."""
-    examples = task_train.load_split(task, split, run.cfg.data, limit)
-    return encode(run.tokenizer, examples)
+def evaluation_split(run, task: str, limit) -> tuple:
+    """(ids, examples): the first `limit` of `task`'s evaluation split, an id "eval:<position>"."""
+    examples = task_train.load_split(task, "eval", run.cfg.data, limit)
+    return [f"eval:{i}" for i in range(len(examples))], examples
+
+
+def splits(run, task: str, s: Settings) -> dict:
+    """{"train", "select", "eval"}: (ids, examples) of a fine-tuning on `task` with settings `s`.
+    The selection split: s.select_size of the training examples drawn by
+    random.Random(s.select_seed), the same for every model and seed; trained on: the first
+    s.train_limit of the others; scored and reported: evaluation_split. A training example's id is
+    "train:<position in the training split>". A RunError where no training example would be left."""
+    pool = task_train.load_split(task, "train", run.cfg.data)
+    if not 0 < s.select_size < len(pool):
+        most = f"expected 1 to {len(pool) - 1}, leaving one or more to train on"
+        raise store.RunError(f"--finetune-select {s.select_size}: {task} has {len(pool)} "
+                             f"training examples; {most}")  # fmt: skip
+    chosen = sorted(random.Random(s.select_seed).sample(range(len(pool)), s.select_size))
+    others = sorted(set(range(len(pool))) - set(chosen))[: s.train_limit]
+    drawn = {"train": others, "select": chosen}
+    found = {
+        name: ([f"train:{i}" for i in at], [pool[i] for i in at]) for name, at in drawn.items()
+    }
+    return dict(found, eval=evaluation_split(run, task, s.eval_limit))
 
 
 def zero_shot(run, runner, task: str) -> dict:
-    """{"acc", "n"} of the teacher on `task`'s fine-tuning evaluation split before any
-    fine-tuning: what a fine-tuned teacher is read against (the same examples and scorer; WSC's
-    split is SuperGLUE's, not the zero-shot table's WSC273)."""
+    """{"acc", "n", "correct" (0/1 per example), "ids"} of the teacher on `task`'s fine-tuning
+    evaluation split before any fine-tuning: what a fine-tuned model is read against, example by
+    example (the same examples and scorer; WSC's split is SuperGLUE's, not the zero-shot table's
+    WSC273). A saved result without "correct" (of an older version) is made again."""
     limit = run.cfg.limit
     key = dict(model=run.inputs["teacher"], task=task, eval_limit=limit, **inputs_of(run, task))
     path = run.cfg.out / "finetune" / f"teacher-{task}-zero-shot.json"
 
     def score():
-        encoded = encoded_split(run, task, "eval", limit)
+        ids, examples = evaluation_split(run, task, limit)
         with torch.no_grad():
-            return dict(acc=accuracy(run.teacher, encoded), n=len(encoded))
+            hits = correct(run.teacher, encode(run.tokenizer, examples))
+        return dict(acc=sum(hits) / len(hits), n=len(hits), correct=hits, ids=ids)
 
-    return runner.stage(ZERO_STAGE, path, key, score, {("zero-shot", task): 1})
+    work = {("zero-shot", task): 1}
+    return runner.stage(ZERO_STAGE, path, key, score, work, valid=lambda r: "correct" in r)
 
 
 def tuned(run, runner, stage: str, model, name: str, model_key, task: str, lr, seed: int):
@@ -85,11 +111,15 @@ def tuned(run, runner, stage: str, model, name: str, model_key, task: str, lr, s
 
     def tune():
         s = settings_for(run, task, lr, seed)
-        train = encoded_split(run, task, "train", s.train_limit)
-        test = encoded_split(run, task, "eval", s.eval_limit)
-        store.log(f"fine-tuning {name} on {task}: {len(train)} examples, lr {lr:g}, seed {seed}")
-        what = f"fine-tuning {name} on {task}"
-        return fine_tune(model(), train, test, s, Path(f"{path}.progress"), store.log, what=what)
+        found = splits(run, task, s)
+        train, select, test = (
+            encode(run.tokenizer, found[k][1]) for k in ("train", "select", "eval")
+        )
+        counts = f"{len(train)} examples, {len(select)} to select by"
+        store.log(f"fine-tuning {name} on {task}: {counts}, lr {lr:g}, seed {seed}")
+        progress, what = Path(f"{path}.progress"), f"fine-tuning {name} on {task}"
+        record = fine_tune(model(), train, select, test, s, progress, store.log, what=what)
+        return dict(record, ids=found["eval"][0], select_ids=found["select"][0])
 
     kind = "teacher" if name == "teacher" else "student"
     return runner.stage(stage, path, key, tune, {("fine-tune", task, kind): 1})
@@ -97,8 +127,8 @@ def tuned(run, runner, stage: str, model, name: str, model_key, task: str, lr, s
 
 def learning_rates(run, runner) -> dict:
     """{task: {"lr", "source", "grid"}}: --finetune-lr's rate, else the grid's best on the
-    teacher (the grid seed; the smaller rate on a tie), each grid point's accuracy recorded;
-    PENDING while a grid point is."""
+    teacher by the selection split's acc at its chosen epoch (the grid seed; the smaller rate on
+    a tie), each grid point's selection acc recorded; PENDING while a grid point is."""
     chosen, given = {}, dict(run.cfg.finetune_lr)
     teacher = lambda: run.teacher  # noqa: E731
     for task in task_train.trainable_tasks():
@@ -111,8 +141,8 @@ def learning_rates(run, runner) -> dict:
         if PENDING in found.values():
             chosen[task] = PENDING
             continue
-        best = max(found, key=lambda lr: found[lr]["acc"])
-        recorded = {f"{lr:g}": result["acc"] for lr, result in found.items()}
+        best = max(found, key=lambda lr: found[lr]["select"])
+        recorded = {f"{lr:g}": result["select"] for lr, result in found.items()}
         chosen[task] = dict(lr=best, source="grid on the teacher", grid=recorded)
     return chosen
 
@@ -136,8 +166,8 @@ def models_to_tune(run, specs) -> list:
 def run_all(run, runner, specs) -> dict:
     """Every model fine-tuned on every task with a training split, at every seed, after the
     teacher's zero-shot accuracy on each evaluation split and the grid: {"lr": learning_rates,
-    "models": {label: {seed: {task: fine_tune's record}}}, "zero_shot": {task: zero_shot's}};
-    PENDING while any part is."""
+    "models": {label: {seed: {task: fine_tune's record}}}, "zero_shot": {task: zero_shot's},
+    "selection": its seed and size}; PENDING while any part is."""
     tasks = task_train.trainable_tasks()
     before = {task: zero_shot(run, runner, task) for task in tasks}
     rates, models = learning_rates(run, runner), {}
@@ -147,4 +177,7 @@ def run_all(run, runner, specs) -> dict:
         by_task = {t: tuned(run, runner, stage, model, name, key, t, lr[t], seed) for t in tasks}
         models.setdefault(label, {})[str(seed)] = by_task
         found += by_task.values()
-    return PENDING if PENDING in found else dict(lr=rates, models=models, zero_shot=before)
+    if PENDING in found:
+        return PENDING
+    selection = dict(seed=SELECTION_SEED, size=run.cfg.finetune_select)
+    return dict(lr=rates, models=models, zero_shot=before, selection=selection)

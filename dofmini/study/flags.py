@@ -133,6 +133,8 @@ def check(cfg):
               "split, so this rate is not used", flush=True)  # fmt: skip
     if (cfg.finetune or cfg.finetune_lr) and (cfg.limit == 0 or devices.world() > 1):
         fail("--finetune scores tasks in one process: not with --limit 0 or under torchrun")
+    if cfg.finetune_select < 1:  # the rate and the epoch are never chosen on what is reported
+        fail(f"--finetune-select {cfg.finetune_select}: expected 1 or more training examples")
     if cfg.heldout_skip < 0:
         fail(f"--heldout-skip {cfg.heldout_skip}: expected 0 or more windows")
     if cfg.J < 2:

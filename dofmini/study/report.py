@@ -1,7 +1,7 @@
 """Every table of a run: the allocation, and report.md (the statistics across seeds come from
 compare)."""
 
-import math
+import itertools
 
 import numpy as np
 
@@ -163,74 +163,109 @@ def closing(out, results: dict) -> str:
     return "\n".join(lines + [f"  {line}" for line in rules])
 
 
-def _cell(values) -> str:
-    mean, half = stats.mean_ci(values)
-    return f"{mean:.4f}" if math.isnan(half) else f"{mean:.4f} ± {half:.4f}"
-
-
 def finetune_section(found) -> str:
     """The fine-tuned table under its heading, where the run fine-tuned."""
     return f"\n## Fine-tuned tasks (Table 3's shape)\n\n{finetune_table(found)}\n" if found else ""
 
 
 def finetune_table(found: dict) -> str:
-    """Table 3's shape: fine-tuned accuracy per task and the mean over the tasks run (mean ± 95%
-    t over seeds), each model's degradation from the teacher, and, for every student beside a
-    Fix of its loss and budget, the share of Fix's degradation it removes (stats.share_removed
-    on 1 − mean accuracy, seed by seed); first the teacher before fine-tuning on the same
-    evaluation examples, and on which tasks fine-tuning lifted it beyond its interval."""
-    models = found["models"]
+    """Table 3's shape: fine-tuned acc per task and the mean over the tasks run (means over
+    seeds), the tasks on which fine-tuning lifted each model above the teacher's zero-shot acc,
+    each model's degradation from the fine-tuned teacher and each student's difference from the
+    Fix of its loss and budget (each paired by seed and evaluation example: `paired`), and the
+    share of Fix's degradation it removes (stats.share_removed on 1 − mean acc, seed by seed);
+    first the teacher before fine-tuning on the same evaluation examples."""
+    if "selection" not in found:  # 0.9.0's records: chosen on what they report, no 0/1 scores
+        why = "fine-tuning results from before the selection split keep no per-example scores"
+        raise ValueError(f"finetune_table: {why}; fine-tune again to pair them")
+    models, before = found["models"], found["zero_shot"]
     tuned = [t for t in TASKS if t in task_train.trainable_tasks()]
     means = {label: [_mean(r, tuned) for r in seeds.values()] for label, seeds in models.items()}
     teacher = sum(means["teacher"]) / len(means["teacher"])
-    before = found["zero_shot"]
     zero = [f"{before[t]['acc']:.4f}" if t in tuned else "—" for t in TASKS]
-    zero_mean = _mean(before, tuned)
-    rows = [["teacher, not fine-tuned", *zero, f"{zero_mean:.4f}", "", ""]]
+    rows = [["teacher, not fine-tuned", *zero, f"{_mean(before, tuned):.4f}", "", "", "", ""]]
+    lifted = {}
     for label, by_seed in models.items():
-        accs = {t: [r[t]["acc"] for r in by_seed.values()] for t in tuned}
-        cells = [_cell(accs[t]) if t in tuned else "—" for t in TASKS]
-        drop = "" if label == "teacher" else _cell([teacher - m for m in means[label]])
-        rows.append([label, *cells, _cell(means[label]), drop, _share(label, means, teacher)])
-    header = ["model", *TASKS, "mean", "teacher − model", "share of Fix's degradation removed"]
+        accs = {t: sum(r[t]["acc"] for r in by_seed.values()) / len(by_seed) for t in tuned}
+        cells = [f"{accs[t]:.4f}" if t in tuned else "—" for t in TASKS]
+        mean = sum(means[label]) / len(means[label])
+        zero_shot = {seed: before for seed in by_seed}  # the same examples, scored once
+        lifted[label] = [t for t in tuned if paired(by_seed, zero_shot, [t]).low > 0]
+        drop = "" if label == "teacher" else _interval(paired(models["teacher"], by_seed, tuned))
+        fix = _fix_of(label, models)
+        minus_fix = "" if fix is None else _interval(paired(by_seed, models[fix], tuned))
+        share = "" if fix is None else _share(means, label, fix, teacher)
+        up = f"{len(lifted[label])} of {len(tuned)}"
+        rows.append([label, *cells, f"{mean:.4f}", up, drop, minus_fix, share])
+    header = ["model", *TASKS, "mean", "lifted above zero-shot", "teacher − model", "model − Fix",
+              "share of Fix's degradation removed"]  # fmt: skip
+    return f"{_finetune_caption(found, tuned, lifted['teacher'])}\n\n{md_table(header, rows)}"
+
+
+def _finetune_caption(found: dict, tuned: list, lifted: list) -> str:
+    """What the fine-tuned table shows and how each of its numbers was chosen and measured."""
     lrs = ", ".join(f"{t} {r['lr']:g} ({r['source']})" for t, r in found["lr"].items())
-    caption = f"Fine-tuned accuracy (acc; —: no pinned training split). Rates: {lrs}."
-    lifted = lifted_tasks(models["teacher"], before, tuned)
-    counts = {way: f"{len(found)} of {len(tuned)}" for way, found in lifted.items()}
-    which = {way: f" ({', '.join(found)})" if found else "" for way, found in lifted.items()}
-    said = (
-        f"Fine-tuning lifted the teacher beyond its zero-shot acc on {counts['seeds']} tasks by "
-        f"the 95% t-interval over seeds{which['seeds']}, on {counts['examples']} by the 95% "
-        f"Wilson interval over the task's evaluation examples{which['examples']} (the seeds "
-        "share the examples: their interval leaves the examples' noise out)."
+    records = next(iter(found["models"]["teacher"].values()))
+    sizes = [records[t]["examples"] for t in tuned]
+    counts = ", ".join(f"{t} {n['train']}/{n['select']}/{n['test']}" for t, n in zip(tuned, sizes))
+    which = f" ({', '.join(lifted)})" if lifted else ""
+    return (
+        f"Fine-tuned acc (means over seeds; —: no pinned training split). Rates: {lrs}. A grid's "
+        "rate, and each task's best epoch (MMLU: its one), are chosen by the acc on a selection "
+        "split held out of the task's training examples, drawn once by "
+        f"random.Random({found['selection']['seed']}), the same for every model and seed; the "
+        "acc reported is the evaluation examples' at that epoch, never used to choose. Examples "
+        f"trained on / selection / evaluation: {counts}. The intervals (teacher − model and "
+        'model − Fix, on the mean acc over the tasks, each task weighed alike) and "lifted" '
+        "(above the teacher's zero-shot acc on a task) come from 95% percentile bootstraps "
+        f"({_bootstrap_words()}) drawing the seeds and the evaluation examples again, paired by "
+        "seed and example; a task counts as lifted where the interval of fine-tuned − zero-shot "
+        f"lies above 0. Fine-tuning lifted the teacher on {len(lifted)} of {len(tuned)} "
+        f"tasks{which}."
     )
-    return f"{caption}\n\n{md_table(header, rows)}\n\n{said}"
+
+
+def paired(by_seed: dict, other: dict, tasks: list) -> stats.Bootstrap:
+    """stats.cluster_bootstrap of by_seed's acc − other's over `tasks`, paired by seed and
+    evaluation example, each example its own cluster; each task's differences weighed so that
+    the mean is the mean over the tasks of the acc differences. by_seed, other: {seed: {task:
+    a record with "ids" and "correct" (0/1 per example)}}; a ValueError where their seeds, or
+    the examples a task's records scored, differ."""
+    if set(by_seed) != set(other):
+        raise ValueError(
+            f"paired: seeds {sorted(by_seed)} against {sorted(other)}; expected one set"
+        )
+    first = next(iter(by_seed.values()))
+    for seed, task in itertools.product(by_seed, tasks):
+        if not by_seed[seed][task]["ids"] == other[seed][task]["ids"] == first[task]["ids"]:
+            raise ValueError(f"paired: seed {seed}, {task}: the records scored other examples")
+    cells = sum(len(first[t]["ids"]) for t in tasks)
+    weight = {t: cells / (len(tasks) * len(first[t]["ids"])) for t in tasks}
+    rows = []
+    for seed, records in by_seed.items():
+        pairs = [(t, zip(records[t]["correct"], other[seed][t]["correct"])) for t in tasks]
+        rows.append([weight[t] * (a - b) for t, both in pairs for a, b in both])
+    clusters = [f"{t}:{i}" for t in tasks for i in first[t]["ids"]]
+    return stats.cluster_bootstrap(rows, clusters, **compare.BOOTSTRAP)
+
+
+def _interval(found: stats.Bootstrap) -> str:
+    return f"{found.mean:+.4f} [{found.low:+.4f}, {found.high:+.4f}]"
 
 
 def _mean(by_task: dict, tasks: list) -> float:
     return sum(by_task[t]["acc"] for t in tasks) / len(tasks)
 
 
-def lifted_tasks(by_seed: dict, before: dict, tasks: list) -> dict:
-    """{way: the tasks whose fine-tuned acc lies wholly above the acc before fine-tuning}:
-    "seeds", its 95% t-interval over seeds (none with one seed: no interval); "examples", the
-    95% Wilson interval of the seeds' mean over the task's n evaluation examples."""
-    lifted = {"seeds": [], "examples": []}
-    for task in tasks:
-        mean, half = stats.mean_ci([r[task]["acc"] for r in by_seed.values()])
-        zero = before[task]["acc"]
-        if mean - half > zero:  # NaN (one seed) compares False
-            lifted["seeds"].append(task)
-        if stats.wilson(mean, before[task]["n"])[0] > zero:
-            lifted["examples"].append(task)
-    return lifted
-
-
-def _share(label: str, means: dict, teacher: float) -> str:
+def _fix_of(label: str, models: dict):
+    """The label of the Fix student of `label`'s loss and budget, or None (the teacher, Fix
+    itself, or no such Fix in the run)."""
     variant, _, rest = label.partition("/")
     fix = f"fix/{rest}"
-    if label == "teacher" or variant == "fix" or fix not in means:
-        return ""
+    return fix if label != "teacher" and variant != "fix" and fix in models else None
+
+
+def _share(means: dict, label: str, fix: str, teacher: float) -> str:
     errors = [[1 - m for m in means[name]] for name in (fix, label)]
     found, why = stats.share_removed(1 - teacher, *errors)
     return why if found is None else f"{found[0]:.2f} ± {found[1]:.2f}"

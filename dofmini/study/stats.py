@@ -1,15 +1,14 @@
 """Statistics over seeds, standard library only: two-sided Student t-intervals (s with n − 1 in
 the denominator), paired differences, a bootstrap over the text's windows, a two-way bootstrap
-over seeds and articles with its p-value, Holm's step-down over a family of tests, how far an
-interval clears 0, Wilson's interval of an accuracy on n examples, the share of Fix's
-degradation that DoF removes, Spearman's ρ with a permutation p-value, the features a layer needs
-to reach a target error, and a curve's error between its measured points."""
+over seeds and articles (or evaluation examples) with its p-value, Holm's step-down over a family
+of tests, how far an interval clears 0, the share of Fix's degradation that DoF removes,
+Spearman's ρ with a permutation p-value, the features a layer needs to reach a target error, and
+a curve's error between its measured points."""
 
 import itertools
 import math
 import random
 from bisect import bisect_left, bisect_right
-from statistics import NormalDist
 from typing import NamedTuple
 
 
@@ -150,18 +149,6 @@ def at_edge(low, high, share=0.10) -> bool:
     """Whether [low, high] clears 0 by less than `share` of its width (clears_by); one that holds
     0 does not clear it at all, so is at the edge too."""
     return clears_by(low, high) < share
-
-
-def wilson(acc, n, level=0.95):
-    """(low, high): Wilson's score interval of an accuracy `acc` over n examples (a mean over
-    seeds that share the examples is one too): the binomial noise of drawing the examples."""
-    if not 0 <= acc <= 1 or int(n) != n or n < 1:
-        raise ValueError(f"wilson: need acc in [0, 1] and an integer n >= 1: {acc}, {n}")
-    z = NormalDist().inv_cdf((1 + level) / 2)
-    shrink = 1 + z * z / n
-    centre = (acc + z * z / (2 * n)) / shrink
-    half = z / shrink * math.sqrt(acc * (1 - acc) / n + z * z / (4 * n * n))
-    return centre - half, centre + half
 
 
 def share_removed(teacher, fix, dof, level=0.95):
