@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import REPO, repin, signalled, tiny_store  # noqa: E402
+from conftest import FIXTURES, REPO, repin, signalled, tiny_store  # noqa: E402
 
 
 def reproduce(model, *args, env, out):
@@ -74,8 +74,6 @@ def library_call(call, says: str) -> tuple:
 
 def probe_library(only: str = "") -> list:
     """Calls a vendoring engineer makes with inputs the functions cannot compute (issue 45)."""
-    from conftest import FIXTURES
-
     from dofmini import hub
     from dofmini.dof import dof_by_definition
     from dofmini.linear_attention import causal_linear_attention
@@ -452,6 +450,12 @@ def probe_all(root: Path, only: str = "") -> list:
         ("a corpus under a step's batch of windows, pinned", "corpus/wikipedia/tiny.txt", 100),
     ]:
         probe("data", label, short_text(path, chars))
+
+    def unpinned_tasks(folder, case, case_env):  # the task files in place, no row pins them
+        shutil.copytree(FIXTURES / "tasks", store_copy(case_env, case), dirs_exist_ok=True)
+
+    probe("data", "--finetune, a registry without its rows (files in place)", unpinned_tasks,
+          args=["--finetune", "--limit", "4", "--plan-only"])  # fmt: skip
 
     def mirror_closed(folder, case, case_env):
         (store_copy(case_env, case) / valid).unlink()
