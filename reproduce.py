@@ -24,7 +24,7 @@ from dofmini import hub
 from dofmini.distill import TrainSettings
 from dofmini.files import by_hand, sha256_file, write_text
 from dofmini.study import data, devices, estimate, evaluate, flags, guard, pipeline, report, store
-from dofmini.study.finetune_stages import data_groups
+from dofmini.study.finetune_stages import data_groups, unpinned
 from dofmini.study.flags import ints, names, option, rates, variants
 from dofmini.study.run import CALIBRATION, Run
 from dofmini.study.runner import Runner
@@ -160,6 +160,8 @@ def _main(cfg: RunConfig):
     if unlisted := needed - {f.path for f in data.files(groups)}:
         rows = ", ".join(sorted(unlisted))
         flags.fail(f"the data registry has no row for {rows}; the run reads it")
+    if cfg.finetune and (rows := unpinned()):  # a registry made before the fine-tuning rows
+        flags.fail(f"--finetune reads files the data registry has no row for: {', '.join(rows)}")
     log(data.describe(groups, cfg.data))
     log(flags.device_line(cfg.device))
     weights = hub.missing_files(cfg.model)

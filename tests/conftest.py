@@ -166,8 +166,7 @@ def tiny_store(root):
         body = ("\n".join(lines) + "\n").encode()
         (root / "store" / path).parent.mkdir(parents=True, exist_ok=True)
         (root / "store" / path).write_bytes(body)
-        sha = hashlib.sha256(body).hexdigest()
-        rows.append(f"{group}\t{path}\t{len(body)}\t{sha}\thttps://example.invalid/{path}")
+        rows.append(pin_row(group, path, body))
     (root / "registry.tsv").write_text("\n".join(rows) + "\n")
     model = root / "gpt2-tiny"
     shutil.copytree(FIXTURES / "gpt2-tiny", model)
@@ -177,6 +176,20 @@ def tiny_store(root):
     tokenizer.save(str(model / "tokenizer.json"))
     env = {**os.environ, "DOFMINI_DATA": str(root / "store")}
     return model, {**env, "DOFMINI_DATA_REGISTRY": str(root / "registry.tsv")}
+
+
+def pin_row(group: str, path: str, body: bytes) -> str:
+    """The registry row pinning `body` at `path` (its URL made up: these stores are not fetched)."""
+    sha = hashlib.sha256(body).hexdigest()
+    return f"{group}\t{path}\t{len(body)}\t{sha}\thttps://example.invalid/{path}"
+
+
+def repin(store: Path, registry: Path, path: str, body: bytes):
+    """The store's file `path` replaced by `body`, its row in `registry` pinning the new bytes."""
+    (store / path).write_bytes(body)
+    rows = [line.split("\t") for line in registry.read_text().splitlines()]
+    made = [pin_row(row[0], path, body) if row[1:2] == [path] else "\t".join(row) for row in rows]
+    registry.write_text("\n".join(made) + "\n")
 
 
 def signalled(command, env, stage: str, signals) -> tuple:

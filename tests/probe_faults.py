@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import REPO, signalled, tiny_store  # noqa: E402
+from conftest import FIXTURES, REPO, repin, signalled, tiny_store  # noqa: E402
 
 
 def reproduce(model, *args, env, out):
@@ -74,8 +74,6 @@ def library_call(call, says: str) -> tuple:
 
 def probe_library(only: str = "") -> list:
     """Calls a vendoring engineer makes with inputs the functions cannot compute (issue 45)."""
-    from conftest import FIXTURES
-
     from dofmini import hub
     from dofmini.dof import dof_by_definition
     from dofmini.linear_attention import causal_linear_attention
@@ -437,20 +435,27 @@ def probe_all(root: Path, only: str = "") -> list:
     probe("store", "a mirror URL that does not parse",
           lambda f, c, e: e.update(DOFMINI_DATA_MIRROR="http://[::1"))  # fmt: skip
 
-    def short_heldout(folder, case, case_env):  # 200 characters, re-pinned
-        import hashlib
+    def short_text(path, chars):  # its first `chars` characters, re-pinned
+        def setup(folder, case, case_env):
+            registry(lambda t: t)(folder, case, case_env)
+            store = store_copy(case_env, case)
+            repin(store, case / "registry.tsv", path, (store / path).read_bytes()[:chars])
 
-        path = store_copy(case_env, case) / heldout
-        body = path.read_bytes()[:200]
-        path.write_bytes(body)
-        old = next(r for r in lines(Path(env["DOFMINI_DATA_REGISTRY"]).read_text()) if heldout in r)
-        cells = old.split("\t")
-        new = "\t".join(
-            [cells[0], heldout, str(len(body)), hashlib.sha256(body).hexdigest(), cells[4]]
-        )
-        registry(lambda t: t.replace(old, new))(folder, case, case_env)
+        return setup
 
-    probe("data", "a 200-character held-out text", short_heldout)
+    for label, path, chars in [
+        ("a 200-character held-out text", heldout, 200),
+        ("an empty WikiText-2 test file, pinned", "wikitext-2-raw/wiki.test.raw", 0),
+        ("a 40-character training corpus, pinned", "corpus/wikipedia/tiny.txt", 40),
+        ("a corpus under a step's batch of windows, pinned", "corpus/wikipedia/tiny.txt", 100),
+    ]:
+        probe("data", label, short_text(path, chars))
+
+    def unpinned_tasks(folder, case, case_env):  # the task files in place, no row pins them
+        shutil.copytree(FIXTURES / "tasks", store_copy(case_env, case), dirs_exist_ok=True)
+
+    probe("data", "--finetune, a registry without its rows (files in place)", unpinned_tasks,
+          args=["--finetune", "--limit", "4", "--plan-only"])  # fmt: skip
 
     def mirror_closed(folder, case, case_env):
         (store_copy(case_env, case) / valid).unlink()

@@ -5,7 +5,6 @@ selection split is apart from the examples trained on and reported; the training
 where the data store holds them."""
 
 import dataclasses
-import hashlib
 import json
 import math
 import random
@@ -16,12 +15,12 @@ import types
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, REPO, data_path, tiny_store
+from conftest import FIXTURES, REPO, data_path, pin_row, tiny_store
 from test_reproduce import reproduce as run_script
 
 from dofmini.students import make_student
 from dofmini.study import data, finetune, finetune_stages, task_train
-from dofmini.study.tasks import PINNED_UNREAD, TASK_FILES
+from dofmini.study.tasks import PINNED_UNREAD, TASK_FILES, DataError
 
 sys.path.insert(0, str(REPO))
 import reproduce  # noqa: E402
@@ -215,13 +214,51 @@ def tuning_store(root: Path) -> tuple:
         lines = "".join(json.dumps(e) + "\n" for e in WSC) * copies
         (store / "superglue_wsc" / name).write_text(lines)
         files[f"superglue_wsc/{name}"] = "superglue_wsc"
-    rows = []
-    for path, group in files.items():
-        body = (store / path).read_bytes()
-        sha = hashlib.sha256(body).hexdigest()
-        rows.append(f"{group}\t{path}\t{len(body)}\t{sha}\thttps://example.invalid/{path}")
+    rows = [pin_row(group, path, (store / path).read_bytes()) for path, group in files.items()]
     registry.write_text(registry.read_text() + "\n".join(rows) + "\n")
     return model, env
+
+
+# (the groups a registry leaves out, the rows the refusal names)
+UNPINNED = [
+    (set(TRAINING_COPIES) | {"superglue_wsc"},  # a registry of before the fine-tuning splits
+     "for: logiqa/Eval.txt (logiqa_ft), arc/ARC-Easy-Train.jsonl (arc_easy_train), "),
+    ({"mmlu_train"}, "for: mmlu/val/<subject>_val.csv (mmlu_train)\n"),
+    ({"superglue_wsc"}, "superglue_wsc/train.jsonl (superglue_wsc), superglue_wsc/val.jsonl ("),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("left_out, named", UNPINNED)
+def test_finetune_without_the_registry_rows_of_its_files_stops_before_any_work(
+    tmp_path, left_out, named
+):
+    """The files sit where the rows would pin them; unpinned, they are not read: one line names
+    the rows and the flag, before any stage (the plan's included)."""
+    model, env = tuning_store(tmp_path)
+    registry = tmp_path / "registry.tsv"
+    rows = registry.read_text().splitlines(keepends=True)
+    registry.write_text("".join(row for row in rows if row.split("\t")[0] not in left_out))
+    args = ["--profile", "quick", "--variants", "fix", "--finetune", "--plan-only"]
+    result = run_script(model, *args, "--out", tmp_path / "o", env=env)
+    said = "reproduce.py: error: --finetune reads files the data registry has no row for: "
+    assert result.stderr.startswith(said) and named in result.stderr, result.stderr[-2000:]
+    assert len(result.stderr.splitlines()) == 1 and "plan (" not in result.stdout
+
+
+def test_a_training_split_reads_only_registry_rows(tmp_path, monkeypatch):
+    """load_split refuses a split whose file no row pins, however it sits in the store."""
+    _, env = tuning_store(tmp_path)
+    registry = tmp_path / "registry.tsv"
+    rows = registry.read_text().splitlines(keepends=True)
+    registry.write_text("".join(row for row in rows if not row.startswith("arc_easy_train\t")))
+    monkeypatch.setenv("DOFMINI_DATA_REGISTRY", str(registry))
+    data.registry.cache_clear()
+    try:
+        named = r"no row for arc/ARC-Easy-Train.jsonl \(arc_easy_train\), which fine-tuning"
+        with pytest.raises(DataError, match=named):
+            task_train.load_split("arc_easy", "train", tmp_path / "store")
+    finally:
+        data.registry.cache_clear()
 
 
 ESTIMATE = r"~[\d.]+ (s|min|h) \(\d[\d.]*-\d[\d.]*\)"

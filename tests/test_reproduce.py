@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import FIXTURES, REPO, data_path, shared_path, signalled, tiny_store
+from conftest import FIXTURES, REPO, data_path, repin, shared_path, signalled, tiny_store
 from safetensors.torch import load_file, save_file
 
 TASKS = {"piqa", "arc_easy", "arc_challenge", "winogrande", "wsc273", "mmlu", "logiqa", "lambada"}
@@ -413,6 +413,29 @@ def test_what_only_the_model_and_data_reveal_ends_in_one_line(tmp_path, case, me
     if message:
         assert result.returncode != 0 and message in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+STEP = "a step's 2 windows of ctx 64, as the estimate times it"  # the quick profile's batch
+
+
+@pytest.mark.parametrize("path, chars, message", [
+    ("wikitext-2-raw/wiki.test.raw", 0, "0 tokens; 64 needed (a window of ctx 64)"),
+    ("corpus/wikipedia/tiny.txt", 40, f"40 tokens; 128 needed ({STEP})"),
+    ("corpus/wikipedia/tiny.txt", 100, f"100 tokens; 128 needed ({STEP})"),
+])  # fmt: skip
+def test_a_pinned_text_too_short_is_one_line_naming_it_before_any_work(
+    tmp_path, path, chars, message
+):
+    """An empty WikiText-2 test file, a corpus under a window or under a step's batch of them, each
+    pinned as it is: one line naming the file, its tokens and the need (a tokenizer of one id a
+    character: chars are tokens), and no stage begun."""
+    model, env = tiny_store(tmp_path)
+    store = tmp_path / "store"
+    repin(store, tmp_path / "registry.tsv", path, (store / path).read_bytes()[:chars])
+    args = ["--profile", "quick", "--limit", "0", "--variants", "fix,dof", "--out", tmp_path / "o"]
+    result = reproduce(model, *args, env=env)
+    assert result.returncode == 1 and "[1/" not in result.stdout
+    assert result.stderr == f"reproduce.py: error: {store / path}: {message}\n", result.stderr
 
 
 def test_ctrl_c_says_how_to_resume(tmp_path):

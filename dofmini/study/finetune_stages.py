@@ -32,6 +32,11 @@ def data_groups() -> list:
     return [g for task in task_train.trainable_tasks() for g in task_train.groups(task)]
 
 
+def unpinned() -> list:
+    """The rows --finetune reads that the data registry lacks (task_train.unpinned of each)."""
+    return [row for task in task_train.trainable_tasks() for row in task_train.unpinned(task)]
+
+
 def settings_for(run, task: str, lr: float, seed: int) -> Settings:
     """The profile's sizes, MMLU's one epoch, --limit evaluation examples, the selection split."""
     cfg = run.cfg

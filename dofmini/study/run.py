@@ -207,7 +207,8 @@ class Run:
 
 def check_texts(run: Run) -> None:
     """A RunError naming the text, its files and tokens and what needs more, unless each text holds
-    enough tokens: DoF's J queries and keys, a window of ctx for each perplexity and training, and
+    enough tokens: DoF's J queries and keys, a window of ctx for each perplexity, a step's batch of
+    windows of training text (the estimate times the teacher's pass on it, whatever trains), and
     the held-out windows of the students' errors, curves and end-to-end KL."""
     cfg, ctx = run.cfg, run.ctx
     held_out = cfg.heldout_skip + cfg.error_windows + cfg.curve_windows + 2 * cfg.e2e_windows
@@ -216,10 +217,9 @@ def check_texts(run: Run) -> None:
     roles = "the layer errors', the curves', the end-to-end KL's and the swaps'"
     skipped = f" after the {cfg.heldout_skip} skipped" if cfg.heldout_skip else ""
     students = (held_out * ctx, f"{roles} {held_out} held-out windows of ctx {ctx}{skipped}")
-    needs = dict(calib=(calib, f"DoF's {cfg.J} queries and keys"), wikitext2=window)
-    needs.update(
-        heldout=students if cfg.variants else window, train=window if cfg.variants else (0, "")
-    )
+    step = (cfg.batch * ctx, f"a step's {cfg.batch} windows of ctx {ctx}, as the estimate times it")
+    needs = dict(calib=(calib, f"DoF's {cfg.J} queries and keys"), wikitext2=window, train=step)
+    needs.update(heldout=students if cfg.variants else window)
     for name, files in run.texts_read().items():
         tokens = len(run.texts[name])
         need, why = needs[name]

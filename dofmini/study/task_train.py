@@ -9,6 +9,8 @@ from functools import partial
 
 from . import data
 from .tasks import (
+    MMLU_FOLDER,
+    TASK_FILES,
     DataError,
     Example,
     _arc,
@@ -70,21 +72,47 @@ def _logiqa_file(relative: str, data_dir) -> list:
     return _parse(path, records, _logiqa, "a blank line, a letter a..d and 6 lines of text")
 
 
-TRAIN = {
-    "logiqa": partial(_logiqa_file, "logiqa/Eval.txt"),
-    "arc_easy": partial(_jsonl, "arc/ARC-Easy-Train.jsonl", _arc),
-    "arc_challenge": partial(_jsonl, "arc/ARC-Challenge-Train.jsonl", _arc),
-    "winogrande": partial(_jsonl, "winogrande/winogrande_1.1/train_l.jsonl", _winogrande),
-    "mmlu": _mmlu_val,
-    "wsc": partial(_jsonl, "superglue_wsc/train.jsonl", _superglue_wsc),
+# the files each fine-tuning data group holds that its loader reads; MMLU's: each pinned subject's
+GROUP_FILES = {
+    "logiqa_ft": ("logiqa/Eval.txt",),
+    "arc_easy_train": ("arc/ARC-Easy-Train.jsonl",),
+    "arc_challenge_train": ("arc/ARC-Challenge-Train.jsonl",),
+    "winogrande_train": ("winogrande/winogrande_1.1/train_l.jsonl",),
+    "mmlu_train": (),
+    "superglue_wsc": ("superglue_wsc/train.jsonl", "superglue_wsc/val.jsonl"),
 }
-EVAL_WSC = partial(_jsonl, "superglue_wsc/val.jsonl", _superglue_wsc)
+SUBJECT_FILE = {
+    "mmlu_train": "mmlu/val/<subject>_val.csv",
+    "mmlu": f"{MMLU_FOLDER}/<subject>_test.csv",
+}
+TRAIN = {
+    "logiqa": partial(_logiqa_file, *GROUP_FILES["logiqa_ft"]),
+    "arc_easy": partial(_jsonl, *GROUP_FILES["arc_easy_train"], _arc),
+    "arc_challenge": partial(_jsonl, *GROUP_FILES["arc_challenge_train"], _arc),
+    "winogrande": partial(_jsonl, *GROUP_FILES["winogrande_train"], _winogrande),
+    "mmlu": _mmlu_val,
+    "wsc": partial(_jsonl, GROUP_FILES["superglue_wsc"][0], _superglue_wsc),
+}
+EVAL_WSC = partial(_jsonl, GROUP_FILES["superglue_wsc"][1], _superglue_wsc)
 
 
 def groups(task: str) -> list:
     """The data groups fine-tuning on `task` reads: its training split's and its evaluation's."""
     train = SPLITS[task][1]
     return [train] if task == "wsc" else [train, task]
+
+
+def unpinned(task: str) -> list:
+    """ "path (group)" of each file fine-tuning on `task` reads that no registry row pins, as the
+    zero-shot loaders read only pinned rows (load_task's `only`); MMLU's groups need a subject."""
+    missing = []
+    for group in groups(task):
+        pinned = [f.path for f in data.files(group)]
+        reads = GROUP_FILES.get(group, TASK_FILES.get(group))
+        missing += [f"{path} ({group})" for path in reads if path not in pinned]
+        if not reads and not pinned:
+            missing.append(f"{SUBJECT_FILE[group]} ({group})")
+    return missing
 
 
 def trainable_tasks() -> tuple:
@@ -102,6 +130,9 @@ def load_split(task: str, split: str, data_dir, limit=None) -> list:
     if task not in TRAIN:
         why = SPLITS[task][0] if task in SPLITS else f"not one of {', '.join(SPLITS)}"
         raise DataError(f"fine-tuning task {task!r} has no pinned training split ({why})")
+    if missing := unpinned(task):  # not a file that merely sits where a pinned one would
+        rows = ", ".join(missing)
+        raise DataError(f"the data registry has no row for {rows}, which fine-tuning {task} reads")
     if split == "eval" and task != "wsc":
         pinned = {f.path.rsplit("/", 1)[-1] for f in data.files(task)}  # as evaluate.py reads
         return load_task(task, data_dir, limit, pinned)
