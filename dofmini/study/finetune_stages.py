@@ -12,6 +12,7 @@ import torch
 
 from . import compute, data, store, task_train
 from .finetune import Settings, accuracy, encode, fine_tune
+from .run import is_list_of, is_number, valid_score
 from .runner import PENDING
 
 GRIDS = {  # the paper's grids, by teacher family
@@ -81,7 +82,7 @@ def zero_shot(run, runner, task: str) -> dict:
         with torch.no_grad():
             return dict(acc=accuracy(run.teacher, encoded), n=len(encoded))
 
-    return runner.stage(ZERO_STAGE, path, key, score, {("zero-shot", task): 1})
+    return runner.stage(ZERO_STAGE, path, key, score, {("zero-shot", task): 1}, valid_score)
 
 
 def tuned(run, runner, stage: str, model, name: str, model_key, task: str, lr, seed: int):
@@ -97,7 +98,18 @@ def tuned(run, runner, stage: str, model, name: str, model_key, task: str, lr, s
         return fine_tune(model(), train, test, s, Path(f"{path}.progress"), store.log, what=what)
 
     kind = "teacher" if name == "teacher" else "student"
-    return runner.stage(stage, path, key, tune, {("fine-tune", task, kind): 1})
+    return runner.stage(stage, path, key, tune, {("fine-tune", task, kind): 1}, valid_tuning)
+
+
+def valid_tuning(result) -> bool:
+    """fine_tune's record: each epoch's accuracy, the reported one among them, each step's loss."""
+    if not isinstance(result, dict) or not isinstance(result.get("epoch_acc"), list):
+        return False
+    accuracies, steps = result["epoch_acc"], result.get("steps")
+    scores = bool(accuracies) and all(is_number(acc) and 0 <= acc <= 1 for acc in accuracies)
+    losses = type(steps) is int and is_list_of(result.get("loss_curve"), steps, is_number)
+    reported = result.get("acc") in accuracies and is_number(result.get("train_seconds"))
+    return scores and losses and reported
 
 
 def learning_rates(run, runner) -> dict:
