@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import FIXTURES, REPO, repin, signalled, tiny_store  # noqa: E402
-from test_reuse import part, renamed, unit_edit, without  # noqa: E402
+from test_reuse import part, renamed, unit_edit  # noqa: E402
 
 
 def reproduce(model, *args, env, out):
@@ -580,7 +580,6 @@ def probe_all(root: Path, only: str = "") -> list:
     redone = lambda d: "redo: " in d.stdout and strip(same(d)) == strip(results["students"])  # noqa: E731
     unit = "units/softmax-l0-m8-s0.safetensors"
     for label, name, change in [
-        ("an end-to-end record without its windows", f"eval/fix-{b8}-e2e.json", without("windows")),
         ("an evaluation part emptied, its key kept", "teacher.json", part("wikitext2", {})),
         ("a unit of 4 features under an 8-feature key", unit,
          unit_edit(lambda t: {n: v[:, :4].clone() for n, v in t.items()})),
