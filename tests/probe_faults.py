@@ -22,6 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import FIXTURES, REPO, repin, signalled, tiny_store  # noqa: E402
+from test_finetune import tuning_store  # noqa: E402
+from test_reuse import part, renamed, unit_edit  # noqa: E402
+
+from dofmini.study.task_train import GROUP_FILES  # noqa: E402
 
 
 def reproduce(model, *args, env, out):
@@ -451,8 +455,13 @@ def probe_all(root: Path, only: str = "") -> list:
     ]:
         probe("data", label, short_text(path, chars))
 
-    def unpinned_tasks(folder, case, case_env):  # the task files in place, no row pins them
-        shutil.copytree(FIXTURES / "tasks", store_copy(case_env, case), dirs_exist_ok=True)
+    def unpinned_tasks(folder, case, case_env):  # every file in place, the tasks' rows alone
+        (case / "tuned").mkdir()
+        _, tuned = tuning_store(case / "tuned")
+        registry = Path(tuned["DOFMINI_DATA_REGISTRY"])
+        rows = registry.read_text().splitlines(keepends=True)
+        registry.write_text("".join(r for r in rows if r.split("\t")[0] not in GROUP_FILES))
+        case_env.update({name: tuned[name] for name in ("DOFMINI_DATA", "DOFMINI_DATA_REGISTRY")})
 
     probe("data", "--finetune, a registry without its rows (files in place)", unpinned_tasks,
           args=["--finetune", "--limit", "4", "--plan-only"])  # fmt: skip
@@ -575,6 +584,17 @@ def probe_all(root: Path, only: str = "") -> list:
     ]:  # fmt: skip
         probe("runs", label, damaged_run(name, change),
               expect_ok=lambda d: strip(same(d)) == strip(results["students"]))  # fmt: skip
+
+    redone = lambda d: "redo: " in d.stdout and strip(same(d)) == strip(results["students"])  # noqa: E731
+    unit = "units/softmax-l0-m8-s0.safetensors"
+    for label, name, change in [
+        ("an evaluation part emptied, its key kept", "teacher.json", part("wikitext2", {})),
+        ("a unit of 4 features under an 8-feature key", unit,
+         unit_edit(lambda t: {n: v[:, :4].clone() for n, v in t.items()})),
+        ("a unit holding another layer's names", unit, unit_edit(renamed)),
+        ("a unit of NaNs", unit, unit_edit(lambda t: {n: v * math.nan for n, v in t.items()})),
+    ]:  # fmt: skip
+        probe("runs", label, damaged_run(name, change), expect_ok=redone)
 
     probe("runs", "--plan-only leaves no --out behind", args=["--plan-only"],
           expect_ok=lambda d: not Path(d.args[d.args.index("--out") + 1]).exists())  # fmt: skip

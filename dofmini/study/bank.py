@@ -9,12 +9,14 @@ import hashlib
 import json
 from pathlib import Path
 
+from ..checkpoint import CheckpointError
 from ..distill import TERMS, distill_layers
 from ..files import as_json
+from ..linear_attention import PRFFeatures
 from ..students import make_student, save_student
 from ..tensor_files import read_tensors, save_tensors
 from . import devices, store
-from .run import Run, Student
+from .run import Run, Student, _fields, is_number
 from .store import log
 
 
@@ -29,8 +31,34 @@ def distinct_units(run: Run, specs: list) -> list:
     return list(dict.fromkeys(u for spec in layerwise for u in units_of(run, spec)))
 
 
+def unit_tensors(run: Run, unit) -> tuple | None:
+    """(tensors, record) of `unit`'s file when it holds exactly its layer's features' names, with
+    their shapes and dtypes, finite, and its training's seconds and loss curve; else None."""
+    try:
+        tensors, record = read_tensors(unit.path(run.cfg.out))
+    except CheckpointError:
+        return None
+    config = run.teacher.config
+    drawn = PRFFeatures(config.n_head, config.head_dim, unit.n_features, unit.seed + unit.layer)
+    prefix = f"blocks.{unit.layer}.attn.features."
+    want = {prefix + n: (p.shape, p.dtype) for n, p in drawn.named_parameters()}
+    if {n: (t.shape, t.dtype) for n, t in tensors.items()} != want:
+        return None
+    info = record.get("info")
+    curve = _fields(info, ("loss_curve",), lambda found: isinstance(found, list))
+    trained = curve and _fields(info, ("train_seconds",), is_number)
+    finite = all(t.isfinite().all() for t in tensors.values())
+    return (tensors, record) if trained and finite else None
+
+
+def lookup(run: Run, unit) -> tuple:
+    """store.lookup of `unit`'s file, its tensors and record checked (unit_tensors)."""
+    valid = lambda _: unit_tensors(run, unit) is not None  # noqa: E731
+    return store.lookup(unit.path(run.cfg.out), unit.key, valid)
+
+
 def is_trained(run: Run, unit) -> bool:
-    return store.saved(unit.path(run.cfg.out), unit.key) is not None
+    return lookup(run, unit)[0] is not None
 
 
 def to_train(run: Run, spec: Student, together=(), done=None) -> list:
@@ -60,7 +88,7 @@ def train_units(run: Run, units: list, log=log) -> list:
     if not todo:
         return todo
     for unit in todo:
-        if why := store.lookup(unit.path(run.cfg.out), unit.key)[1]:
+        if why := lookup(run, unit)[1]:
             log(why)
     loss, seed = todo[0].loss, todo[0].seed
     pairs = [(unit.layer, unit.n_features) for unit in todo]
@@ -105,8 +133,13 @@ def assemble(run: Run, spec: Student, path: Path, record: dict, together=()) -> 
     student = make_student(run.teacher, "prf", spec.dims, spec.seed)
     seconds, curves = 0.0, []
     for unit in units:
-        tensors, meta = read_tensors(unit.path(run.cfg.out))
-        student.load_state_dict(tensors, strict=False)  # this layer's z and a
+        found = unit_tensors(run, unit)
+        if found is None:  # trained or checked just now
+            said = f"not layer {unit.layer}'s {unit.n_features} finite features and their record"
+            why = "a training that diverged, or a file changed since it was checked"
+            raise store.RunError(f"{unit.path(run.cfg.out)}: {said} ({why})")
+        tensors, meta = found
+        student.load_state_dict(tensors, strict=False)  # this layer's z and a alone: checked
         seconds += meta["info"]["train_seconds"]
         curves.append(meta["info"]["loss_curve"])
     curve = [[rows[0][0], sum(r[1] for r in rows) / len(rows)] for rows in zip(*curves)]

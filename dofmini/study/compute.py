@@ -14,7 +14,7 @@ from ..distill import TERMS, train_direct
 from ..students import load_student, make_student
 from ..tensor_files import read_tensors, save_tensors
 from . import bank, devices, evaluate, store
-from .run import ALLOCATIONS, CALIBRATION, Run, Student
+from .run import ALLOCATIONS, CALIBRATION, Run, Student, valid_part
 from .store import log
 
 ORACLES = ("oracle", "oracle_e2e")  # least summed layer KL; least summed one-layer-swap e2e KL
@@ -43,7 +43,8 @@ def evaluation(run: Run, name: str, path: Path, key: dict, model, student=False)
 
     def compute():
         file = lambda part: (folder / f"{part}.json", {**key, "part": part})
-        found = {part: store.saved(*file(part)) for part in parts}
+        valid = lambda part: functools.partial(valid_part, run, part)  # noqa: E731
+        found = {part: store.saved(*file(part), valid(part)) for part in parts}
         if done := [part for part in parts if found[part] is not None]:
             todo = [part for part in parts if found[part] is None]
             log(f"{name}: {', '.join(done)} done; redoing {', '.join(todo) or 'nothing'}")
@@ -51,7 +52,7 @@ def evaluation(run: Run, name: str, path: Path, key: dict, model, student=False)
         def part(which: str, compute_part):
             if found[which] is not None:
                 return found[which]
-            return store.load_or_compute(*file(which), compute_part, split=True)
+            return store.load_or_compute(*file(which), compute_part, True, valid(which))
 
         errors = lambda: layer_errors(run, model())  # noqa: E731
         measured = {"layer_error": part("layer_error", errors)} if student else {}

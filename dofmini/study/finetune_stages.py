@@ -13,6 +13,7 @@ import torch
 
 from . import compute, data, store, task_train
 from .finetune import Settings, correct, encode, fine_tune
+from .run import is_list_of, is_number, valid_score
 from .runner import PENDING
 
 GRIDS = {  # the paper's grids, by teacher family
@@ -107,7 +108,7 @@ def zero_shot(run, runner, task: str) -> dict:
         return dict(acc=sum(hits) / len(hits), n=len(hits), correct=hits, ids=ids)
 
     work = {("zero-shot", task): 1}
-    return runner.stage(ZERO_STAGE, path, key, score, work, valid=lambda r: "correct" in r)
+    return runner.stage(ZERO_STAGE, path, key, score, work, valid_zero_shot)
 
 
 def tuned(run, runner, stage: str, model, name: str, model_key, task: str, lr, seed: int):
@@ -127,7 +128,35 @@ def tuned(run, runner, stage: str, model, name: str, model_key, task: str, lr, s
         return dict(record, ids=found["eval"][0], select_ids=found["select"][0])
 
     kind = "teacher" if name == "teacher" else "student"
-    return runner.stage(stage, path, key, tune, {("fine-tune", task, kind): 1})
+    return runner.stage(stage, path, key, tune, {("fine-tune", task, kind): 1}, valid_tuning)
+
+
+def is_share(value) -> bool:
+    return is_number(value) and 0 <= value <= 1
+
+
+def is_scored(result) -> bool:
+    """Each reported example's 0/1 with its id, their mean the accuracy."""
+    hits, ids = result.get("correct"), result.get("ids")
+    each = isinstance(hits, list) and is_list_of(hits, len(ids or ()), lambda hit: hit in (0, 1))
+    return each and bool(hits) and result.get("acc") == sum(hits) / len(hits)
+
+
+def valid_zero_shot(result) -> bool:
+    """zero_shot's record: valid_score's accuracy of n examples, each scored (is_scored)."""
+    return valid_score(result) and is_scored(result) and result["n"] == len(result["correct"])
+
+
+def valid_tuning(result) -> bool:
+    """fine_tune's record: each epoch's selection accuracy, the chosen epoch's among them, its
+    evaluation examples scored (is_scored), each step's loss."""
+    if not isinstance(result, dict) or not isinstance(result.get("select_acc"), list):
+        return False
+    accuracies, steps, epoch = result["select_acc"], result.get("steps"), result.get("epoch")
+    chosen = type(epoch) is int and 1 <= epoch <= len(accuracies)
+    chosen = chosen and all(map(is_share, accuracies)) and result.get("select") in accuracies
+    losses = type(steps) is int and is_list_of(result.get("loss_curve"), steps, is_number)
+    return chosen and losses and is_scored(result) and is_number(result.get("train_seconds"))
 
 
 def learning_rates(run, runner) -> dict:

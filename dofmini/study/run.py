@@ -251,10 +251,26 @@ def valid_errors(run: Run, result) -> bool:
     return lists and is_list_of(result.get("kl_heads"), n_layer, heads)
 
 
+def valid_score(result) -> bool:
+    """A task's score (score_examples', a zero-shot record's): the accuracy of n examples."""
+    accuracy = _fields(result, ("acc",), lambda acc: is_number(acc) and 0 <= acc <= 1)
+    return accuracy and _fields(result, ("n",), lambda n: type(n) is int and n >= 1)
+
+
+def valid_part(run: Run, part: str, result) -> bool:
+    """A part of an evaluation (compute.evaluation): the layer errors; a text's {"result":
+    (perplexity, NLL, tokens), "seconds"}; a task's {"result": its score, "seconds"}."""
+    if part == "layer_error":
+        return valid_errors(run, result)
+    texts = lambda v: is_list_of(v, 3, is_number)  # noqa: E731
+    scored = texts if part in evaluate.PPL_TEXTS else valid_score
+    return _fields(result, ("seconds",), is_number) and _fields(result, ("result",), scored)
+
+
 def valid_evaluation(run: Run, student: bool, result) -> bool:
     """evaluate.evaluate_model's: each perplexity and task; a student's layer errors too."""
     texts = [f"{name}_{what}" for name in evaluate.PPL_TEXTS for what in ("ppl", "tokens")]
-    scores = lambda v: _fields(v, run.tasks(), lambda task: isinstance(task, dict))  # noqa: E731
+    scores = lambda v: _fields(v, run.tasks(), valid_score)  # noqa: E731
     found = _fields(result, texts, is_number) and scores(result.get("tasks"))
     return found and (not student or valid_errors(run, result.get("layer_error")))
 
