@@ -16,7 +16,7 @@ from ..linear_attention import PRFFeatures
 from ..students import make_student, save_student
 from ..tensor_files import read_tensors, save_tensors
 from . import devices, store
-from .run import Run, Student, _fields, is_number
+from .run import Run, Student, has_fields, is_number
 from .store import log
 
 
@@ -45,8 +45,8 @@ def unit_tensors(run: Run, unit) -> tuple | None:
     if {n: (t.shape, t.dtype) for n, t in tensors.items()} != want:
         return None
     info = record.get("info")
-    curve = _fields(info, ("loss_curve",), lambda found: isinstance(found, list))
-    trained = curve and _fields(info, ("train_seconds",), is_number)
+    curve = has_fields(info, ("loss_curve",), lambda found: isinstance(found, list))
+    trained = curve and has_fields(info, ("train_seconds",), is_number)
     finite = all(t.isfinite().all() for t in tensors.values())
     return (tensors, record) if trained and finite else None
 

@@ -238,7 +238,7 @@ def is_list_of(value, count: int, valid) -> bool:
     return isinstance(value, list) and len(value) == count and all(map(valid, value))
 
 
-def _fields(result, names, valid) -> bool:
+def has_fields(result, names, valid) -> bool:
     return isinstance(result, dict) and all(valid(result.get(name)) for name in names)
 
 
@@ -247,14 +247,14 @@ def valid_errors(run: Run, result) -> bool:
     n_layer, n_head = run.teacher.config.n_layer, run.teacher.config.n_head
     layers = lambda v: is_list_of(v, n_layer, lambda x: x is None or is_number(x))  # noqa: E731
     heads = lambda v: v is None or is_list_of(v, n_head, is_number)  # noqa: E731
-    lists = _fields(result, ("kernel_l2", "kl", "output_rel"), layers)
+    lists = has_fields(result, ("kernel_l2", "kl", "output_rel"), layers)
     return lists and is_list_of(result.get("kl_heads"), n_layer, heads)
 
 
 def valid_score(result) -> bool:
     """A task's score (score_examples', a zero-shot record's): the accuracy of n examples."""
-    accuracy = _fields(result, ("acc",), lambda acc: is_number(acc) and 0 <= acc <= 1)
-    return accuracy and _fields(result, ("n",), lambda n: type(n) is int and n >= 1)
+    accuracy = has_fields(result, ("acc",), lambda acc: is_number(acc) and 0 <= acc <= 1)
+    return accuracy and has_fields(result, ("n",), lambda n: type(n) is int and n >= 1)
 
 
 def valid_part(run: Run, part: str, result) -> bool:
@@ -264,14 +264,14 @@ def valid_part(run: Run, part: str, result) -> bool:
         return valid_errors(run, result)
     texts = lambda v: is_list_of(v, 3, is_number)  # noqa: E731
     scored = texts if part in evaluate.PPL_TEXTS else valid_score
-    return _fields(result, ("seconds",), is_number) and _fields(result, ("result",), scored)
+    return has_fields(result, ("seconds",), is_number) and has_fields(result, ("result",), scored)
 
 
 def valid_evaluation(run: Run, student: bool, result) -> bool:
     """evaluate.evaluate_model's: each perplexity and task; a student's layer errors too."""
     texts = [f"{name}_{what}" for name in evaluate.PPL_TEXTS for what in ("ppl", "tokens")]
-    scores = lambda v: _fields(v, run.tasks(), valid_score)  # noqa: E731
-    found = _fields(result, texts, is_number) and scores(result.get("tasks"))
+    scores = lambda v: has_fields(v, run.tasks(), valid_score)  # noqa: E731
+    found = has_fields(result, texts, is_number) and scores(result.get("tasks"))
     return found and (not student or valid_errors(run, result.get("layer_error")))
 
 
@@ -279,9 +279,9 @@ def valid_allocation(run: Run, result) -> bool:
     """The DoF stage's: per head DoF, and each variant's dims (each >= 1) at each budget."""
     n_layer, variants = run.teacher.config.n_layer, ("fix", *ALLOCATIONS)
     dims = lambda v: is_list_of(v, n_layer, lambda m: type(m) is int and m >= 1)  # noqa: E731
-    budget = lambda v: _fields(v, variants, dims)  # noqa: E731
+    budget = lambda v: has_fields(v, variants, dims)  # noqa: E731
     per_head = is_list_of(isinstance(result, dict) and result.get("per_head"), n_layer, bool)
-    return per_head and _fields(result.get("dims"), map(str, run.budgets), budget)
+    return per_head and has_fields(result.get("dims"), map(str, run.budgets), budget)
 
 
 def valid_windows(count: int, result) -> bool:
