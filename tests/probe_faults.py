@@ -118,7 +118,7 @@ def probe_library(only: str = "") -> list:
          "split 'test'"),
         ("score_requests, a token id past the vocabulary", lambda: score_requests(
             tiny, [([1], [96])]), "score_requests"),
-        ("accuracy of no examples", lambda: accuracy(tiny, []), "correct: encoded is empty"),
+        ("accuracy of no examples", lambda: accuracy(tiny, []), "accuracy: encoded is empty"),
         ("save_tensors, one tensor under two names", lambda: save_tensors(
             {"a": v, "b": v}, Path(tempfile.gettempdir()) / "never.safetensors", {}),
          "share memory"),

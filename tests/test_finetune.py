@@ -76,10 +76,11 @@ def test_a_fine_tuning_that_cannot_run_is_refused_at_entry(tiny, tmp_path, chang
     ([([([5], [90]), ([5], [91])], 2)], r"encoded\[0\]: label 2 for 2 choice\(s\)"),
     ([([([5], [90])], 0), ([([5], [-1])], 0)], r"encoded\[1\]: choices\[0\]: token id -1"),
 ])  # fmt: skip
-def test_examples_that_cannot_be_scored_are_refused_at_entry(tiny, encoded, says):
-    with pytest.raises(ValueError, match="correct: " + says) as err:
-        finetune.accuracy(tiny, encoded)
-    assert err.traceback[-1].name == "correct"
+@pytest.mark.parametrize("function", ["accuracy", "correct"])
+def test_examples_that_cannot_be_scored_are_refused_at_entry(tiny, encoded, says, function):
+    with pytest.raises(ValueError, match=f"{function}: " + says) as err:
+        getattr(finetune, function)(tiny, encoded)
+    assert err.traceback[-1].name == function  # the frame of the function called
 
 
 def test_fine_tuning_learns_a_marked_answer(tiny, tmp_path):

@@ -130,8 +130,7 @@ def not_encoded(encoded, name: str, config) -> str:
 
 def correct(model, encoded) -> list:
     """Per example, 1 where its gold choice has the highest summed log-likelihood, else 0."""
-    why = not_encoded(encoded, "encoded", model.config)
-    if why:
+    if why := not_encoded(encoded, "encoded", model.config):  # raised here, the frame called
         raise ValueError(f"correct: {why}")
     pairs = [pair for choices, _ in encoded for pair in choices]
     scores = evaluate.score_requests(model, pairs, what="fine-tuned")
@@ -146,6 +145,8 @@ def correct(model, encoded) -> list:
 
 def accuracy(model, encoded) -> float:
     """Share of examples whose gold choice has the highest summed log-likelihood (acc)."""
+    if why := not_encoded(encoded, "encoded", model.config):
+        raise ValueError(f"accuracy: {why}")
     hits = correct(model, encoded)
     return sum(hits) / len(hits)
 
