@@ -46,7 +46,8 @@ def metric(student: dict, key: str, view):
     return None if None in errors else float(view(errors))
 
 
-def _percent(relative) -> str:
+def percent(relative) -> str:
+    """A relative change in %, or "—" where Fix's mean is 0 (no relative change: None)."""
     return "—" if relative is None else f"{100 * relative:+.1f}%"
 
 
@@ -69,7 +70,7 @@ def students(grouped: dict, teacher: dict) -> str:
         cells = [_pm(*ci) if ci else "—" for ci in cis]
         diff = ["—", "—", "—"]
         if "minus_fix" in found:
-            diff = [_pm(*found["minus_fix"], "+"), _percent(found["relative"]), "—"]
+            diff = [_pm(*found["minus_fix"], "+"), percent(found["relative"]), "—"]
         if "minus_fix" in found.get("window_bootstrap", {}):
             diff[2] = interval(found["window_bootstrap"]["minus_fix"], "+")
         train = f"{np.mean([s['train_seconds'] for s in by_seed.values()]):.0f}"
@@ -115,7 +116,7 @@ def comparisons(grouped: dict, teacher: dict) -> str:
             continue
         seeds = sorted(set(by_seed) & set(fix))
         rows = [
-            (label, _pm(*f), _pm(*o), _pm(*d, "+"), _percent(rel))
+            (label, _pm(*f), _pm(*o), _pm(*d, "+"), percent(rel))
             for label, f, o, d, rel in against_fix(fix, by_seed)
         ]
         header = ["metric", "fix", variant, f"{variant} − fix, paired (95% CI)", "relative"]

@@ -205,7 +205,8 @@ def e2e_kl(results: dict, path):
         halves = [row["e2e_kl"][1] or 0.0 for _, row in found]
         label = _label(variant, loss, losses)
         absolute.errorbar([b * shift for b, _ in found], means, halves, label=label, **style)
-        paired = [(b, row) for b, row in found if "minus_fix" in row]
+        # in % of Fix's mean: none where that is 0 (its "relative" None)
+        paired = [(b, row) for b, row in found if row.get("relative") is not None]
         scales = [100 / e2e[f"fix/{loss}/b{b}"]["e2e_kl"][0] for b, _ in paired]  # % of Fix
         diffs = [row["minus_fix"][0] * scale for (_, row), scale in zip(paired, scales)]
         spans = [(row["minus_fix"][1] or 0.0) * scale for (_, row), scale in zip(paired, scales)]

@@ -8,7 +8,7 @@ returns lines or markdown for report.md and the run's last lines."""
 import math
 
 from . import stats
-from .compare import BOOTSTRAP, groups, interval, md_table, window_diffs
+from .compare import BOOTSTRAP, groups, interval, md_table, percent, window_diffs
 
 UNTRAINED = "performer"  # the variant of untrained random features in every layer
 FAMILY_LEVEL = 0.05  # Holm's family-wise error over the rules of one loss and budget
@@ -122,7 +122,7 @@ def verdict_lines(results: dict, articles=None) -> list:
             continue
         mean, half = row["minus_fix"]
         seeds = f"{mean:+.3g}" + ("" if half is None else f" ± {half:.2g}")
-        change = f"({100 * row['relative']:+.1f}%)"
+        change = f"({percent(row['relative'])})"
         if name in found:
             result = found[name]
             rejected, family = decided[name]
