@@ -191,6 +191,7 @@ class Probes:
         work = zip(scaled(self["tuning step"], steps), scaled(self.scored(task), scored))
         return tuple(map(sum, work))
 
+    @functools.cache  # noqa: B019 (one Probes a plan): each task's files read once, not per kind
     def tuning_splits(self, task: str) -> dict:
         s = finetune_stages.settings_for(self.run, task, 0.0, PROBE_SEED)
         return finetune_stages.splits(self.run, task, s)

@@ -13,7 +13,7 @@ import torch
 
 from . import compute, data, store, task_train
 from .finetune import Settings, correct, encode, fine_tune
-from .run import is_list_of, is_number, valid_score
+from .run import is_list_of, is_number, is_share, valid_score
 from .runner import PENDING
 
 GRIDS = {  # the paper's grids, by teacher family
@@ -129,10 +129,6 @@ def tuned(run, runner, stage: str, model, name: str, model_key, task: str, lr, s
 
     kind = "teacher" if name == "teacher" else "student"
     return runner.stage(stage, path, key, tune, {("fine-tune", task, kind): 1}, valid_tuning)
-
-
-def is_share(value) -> bool:
-    return is_number(value) and 0 <= value <= 1
 
 
 def is_scored(result) -> bool:

@@ -238,6 +238,11 @@ def is_list_of(value, count: int, valid) -> bool:
     return isinstance(value, list) and len(value) == count and all(map(valid, value))
 
 
+def is_share(value) -> bool:
+    """A number in [0, 1]: an accuracy."""
+    return is_number(value) and 0 <= value <= 1
+
+
 def has_fields(result, names, valid) -> bool:
     return isinstance(result, dict) and all(valid(result.get(name)) for name in names)
 
@@ -253,7 +258,7 @@ def valid_errors(run: Run, result) -> bool:
 
 def valid_score(result) -> bool:
     """A task's score (score_examples', a zero-shot record's): the accuracy of n examples."""
-    accuracy = has_fields(result, ("acc",), lambda acc: is_number(acc) and 0 <= acc <= 1)
+    accuracy = has_fields(result, ("acc",), is_share)
     return accuracy and has_fields(result, ("n",), lambda n: type(n) is int and n >= 1)
 
 
