@@ -2,7 +2,7 @@
 zero-shot record, an evaluation part, an evaluation's task score or a unit file that keeps its key
 but not its shape (empty, a field missing or of the wrong type, a tensor of another shape, dtype
 or name, a NaN) is named in a `redo:` line and made again, to the same numbers. (0.8.5 checked
-the end-to-end record already: endtoend.py then, run.valid_windows now.)"""
+the end-to-end record already: endtoend.py, beside what it checks.)"""
 
 import json
 import shutil
@@ -93,6 +93,8 @@ DAMAGES = {
                                                               "seconds": 1.0})),
     "an evaluation's task score without n": ("teacher.json", result_of(lambda r: dict(
         r, tasks={**r["tasks"], "arc_easy": {"acc": 0.5}}))),
+    "an end-to-end record a window short": ("eval/fix-softmax-b8-s0-e2e.json", result_of(
+        lambda r: dict(r, windows=r["windows"][:-1]))),
     "a unit of 4 features, not 8": (UNIT, unit_edit(lambda t: {n: v[:, :4].clone()
                                                                   for n, v in t.items()})),
     "a unit under another layer's names": (UNIT, unit_edit(renamed)),

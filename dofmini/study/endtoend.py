@@ -13,6 +13,7 @@ from torch import nn
 
 from .evaluate import held_out
 from .progress import Progress
+from .run import has_fields, is_list_of, is_number
 
 
 @torch.no_grad()
@@ -63,9 +64,20 @@ def student_kl(run, student) -> dict:
     return {"e2e_kl": math.fsum(found[0]) / count, "windows": found[0]}
 
 
+def valid_student_kl(run, result) -> bool:
+    """student_kl's shape, checked before a saved one is reused: the mean and each window's KL."""
+    windows = lambda v: is_list_of(v, len(run.windows["e2e"]), is_number)  # noqa: E731
+    return has_fields(result, ("e2e_kl",), is_number) and has_fields(result, ("windows",), windows)
+
+
 def swap_kl(run, student) -> list:
     """The teacher's end-to-end KL with each one of its layers swapped for `student`'s: a mean a
     layer, on the swap curves' windows (Run.windows["swaps"])."""
     models = [swapped(run.teacher, student, i) for i in range(run.teacher.config.n_layer)]
     count = len(run.windows["swaps"])
     return e2e_kl(run.teacher, models, run.window_ids("swaps"), run.ctx, count)
+
+
+def valid_swap_kl(run, result) -> bool:
+    """swap_kl's shape, checked before a saved one is reused: one mean a layer."""
+    return is_list_of(result, run.teacher.config.n_layer, is_number)

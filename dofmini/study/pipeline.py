@@ -32,8 +32,6 @@ from .run import (
     valid_allocation,
     valid_errors,
     valid_evaluation,
-    valid_swaps,
-    valid_windows,
 )
 from .runner import PENDING
 from .store import log
@@ -211,7 +209,8 @@ def swap_curves(run, runner, curve_students: list):
         key = run.of_student(spec, e2e=windows)
         path = cfg.out / "eval" / f"{spec.stem}-swap.json"
         swaps = lambda spec=spec: endtoend.swap_kl(run, compute.load(run, spec))  # noqa: E731
-        found = runner.stage(SWAP_STAGE, path, key, swaps, work, partial(valid_swaps, run))
+        valid = partial(endtoend.valid_swap_kl, run)
+        found = runner.stage(SWAP_STAGE, path, key, swaps, work, valid)
         kl.setdefault(str(spec.seed), []).append(found)  # [M][layer]
     if any(PENDING in by_m for by_m in kl.values()):
         return PENDING
@@ -242,7 +241,7 @@ def evaluate_student(run, runner, spec, trained, model=None) -> dict:
     key = run.of_student(spec, e2e=run.windows["e2e"], per_window=True)
     kl = lambda: endtoend.student_kl(run, model())  # noqa: E731
     work = {"e2e window": cfg.e2e_windows}
-    valid = partial(valid_windows, cfg.e2e_windows)
+    valid = partial(endtoend.valid_student_kl, run)
     found = runner.stage(spec.name, path, key, kl, work, valid)
     if PENDING in (trained, evaluated, before, found):
         return PENDING

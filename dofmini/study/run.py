@@ -287,15 +287,3 @@ def valid_allocation(run: Run, result) -> bool:
     budget = lambda v: has_fields(v, variants, dims)  # noqa: E731
     per_head = is_list_of(isinstance(result, dict) and result.get("per_head"), n_layer, bool)
     return per_head and has_fields(result.get("dims"), map(str, run.budgets), budget)
-
-
-def valid_windows(count: int, result) -> bool:
-    """A student's end-to-end KL: the mean and each of the `count` windows' KL."""
-    if not isinstance(result, dict):
-        return False
-    return is_number(result.get("e2e_kl")) and is_list_of(result.get("windows"), count, is_number)
-
-
-def valid_swaps(run: Run, result) -> bool:
-    """A curve student's one-layer swaps: one mean end-to-end KL a layer."""
-    return is_list_of(result, run.teacher.config.n_layer, is_number)
