@@ -4,7 +4,7 @@
 # and the accuracy reported on the evaluation split alone. Resumable: the same command picks up
 # where an interrupted one stopped. From the repository root: bash
 # runs/standin-gpt2-finetune-select/run.sh. FINETUNE_OUT names the run's folder (default: beside
-# this file); outside the checkout it outlives a work tree laid anew between sessions.
+# this file). A session's machine is not kept: commit the folder's saved stages before it ends.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${FINETUNE_OUT:-runs/standin-gpt2-finetune-select/run}
