@@ -99,7 +99,7 @@ class RunConfig:
     )
     budgets: tuple | None = option(None, "mean features a layer", type=ints, none="the head size")
     curve_dims: tuple = option(
-        (8, 16, 32, 64, 128), "the oracles' error curves' feature counts", type=ints
+        (8, 16, 32, 64, 128), "the oracles' error curves' feature counts, two or more", type=ints
     )
     lam: float | None = option(None, "DoF λ", type=float, none="2^-4 for GPT-2, 2^-8 for Pythia")
     J: int = option(1024, "queries and keys sampled a head for DoF", type=int)
@@ -199,8 +199,9 @@ def load_teacher(cfg: RunConfig, hashes: dict) -> Run:
     lam = cfg.lam if cfg.lam is not None else paper_lam
     budgets = cfg.budgets or (model_cfg.head_dim,)
     lo, hi = min(cfg.curve_dims), max(cfg.curve_dims)
-    if "oracle" in cfg.variants and not all(lo <= b <= hi for b in budgets):
-        flags.fail(f"budgets {list(budgets)}: the oracle allocates between its curves' dims; "
+    oracle = flags.oracle_of(cfg)
+    if oracle and not all(lo <= b <= hi for b in budgets):
+        flags.fail(f"budgets {list(budgets)}: {oracle} allocates between its curves' dims; "
               f"expected budgets in {lo}..{hi}")  # fmt: skip
     pool = 2 * cfg.calib_windows * ctx  # queries and keys per head on the calibration text
     if cfg.J > pool:

@@ -8,6 +8,7 @@ table; exits 1 if any probe is silent wrong or a traceback.
     python tests/probe_faults.py [PATTERN]   # only the probes whose name PATTERN finds (re)
 """
 
+import itertools
 import json
 import math
 import re
@@ -492,8 +493,10 @@ def probe_all(root: Path, only: str = "") -> list:
         probe("flags", f"{flag} ''", args=[flag, ""])
     probe("flags", "--out a 300-character name", out=root / ("a" * 300))
     probe("flags", "--data a 300-character name", args=["--data", root / ("d" * 300)])
-    probe("flags", "--variants fix,oracle --budgets 4", args=["--variants", "fix,oracle",
-          "--budgets", "4"])  # fmt: skip
+    outside = ["--budgets 4", "--curve-dims 8"]  # budgets past the curves; one curve dim
+    for oracle, more in itertools.product(("oracle", "oracle_e2e"), outside):
+        probe("flags", f"--variants fix,{oracle} {more}",
+              args=["--variants", f"fix,{oracle}", *more.split()])  # fmt: skip
     probe("flags", "--out ''", out="")
     probe(
         "flags",

@@ -541,12 +541,26 @@ def test_a_profile_setting_is_not_undone_by_an_absent_flag(tmp_path):
     assert done.stdout.startswith("0 400 ('fix', 'dof', 'dof_sqrt'")
 
 
-def test_oracle_budgets_outside_its_curves_are_refused_before_training(tmp_path):
+ORACLE_REFUSALS = {  # flags: what the one line says (both oracles: 0.8.5 checked only "oracle")
+    ("oracle", "--budgets", "4"): "budgets [4]: oracle allocates between its curves' dims; "
+    "expected budgets in 8",
+    ("oracle_e2e", "--budgets", "4"): "budgets [4]: oracle_e2e allocates between its curves' "
+    "dims; expected budgets in 8",
+    ("oracle", "--curve-dims", "8"): "--curve-dims 8: oracle interpolates its curves; expected 2",
+    ("oracle_e2e", "--curve-dims", "16"): "--curve-dims 16: oracle_e2e interpolates its curves",
+}
+
+
+@pytest.mark.parametrize("flags", ORACLE_REFUSALS)
+def test_oracle_budgets_or_curves_it_cannot_allocate_from_are_refused_before_training(
+    tmp_path, flags
+):
     model, env = tiny_store(tmp_path)
-    args = ["--profile", "quick", "--limit", "0", "--variants", "fix,oracle", "--budgets", "4"]
+    oracle, *more = flags
+    args = ["--profile", "quick", "--limit", "0", "--variants", f"fix,{oracle}", *more]
     result = reproduce(model, *args, "--out", tmp_path / "o", env=env)
     assert result.returncode != 0 and "Traceback" not in result.stderr
-    refused = "budgets [4]: the oracle allocates between its curves' dims; expected budgets in 8"
+    refused = ORACLE_REFUSALS[flags]
     assert refused in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert "plan (" not in result.stdout and not TRAINING_LINE.search(result.stdout)
     assert not list((tmp_path / "o").glob("students/*"))

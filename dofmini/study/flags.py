@@ -158,8 +158,11 @@ def check(cfg):
         for count in counts:
             if not 1 <= count <= MAX_FEATURES:
                 fail(f"{flag} {count}: expected 1..{MAX_FEATURES} features per layer")
+    curve_dims = ",".join(map(str, cfg.curve_dims))
     if list(cfg.curve_dims) != sorted(cfg.curve_dims):
-        fail(f"--curve-dims {','.join(map(str, cfg.curve_dims))}: expected increasing counts")
+        fail(f"--curve-dims {curve_dims}: expected increasing counts")
+    if (oracle := oracle_of(cfg)) and len(cfg.curve_dims) < 2:  # its curves are read between two
+        fail(f"--curve-dims {curve_dims}: {oracle} interpolates its curves; expected 2 or more")
     device = pick_device(cfg.device)
     hub.locate(cfg.model)  # its CheckpointError (an unknown name, no config.json): main's one line
     out = cfg.out or Path("runs") / f"{Path(cfg.model).name}-{cfg.profile}"
@@ -170,6 +173,11 @@ def check(cfg):
     tuned = cfg.finetune or bool(cfg.finetune_lr)  # rates given ask for fine-tuning
     replaced = dict(out=out, data=store, per_device=part, device=device, finetune=tuned)
     return dataclasses.replace(cfg, **replaced)
+
+
+def oracle_of(cfg) -> str | None:
+    """The first oracle among the variants (its dims come from the error curves), or None."""
+    return next((variant for variant in cfg.variants if variant in ORACLES), None)
 
 
 def pick_device(asked: str) -> str:
