@@ -136,7 +136,7 @@ class RunConfig:
 def parse_args(argv) -> RunConfig:
     """The flags over the profile's fields (flags.parse), checked (flags.check)."""
     given = flags.parse(argv, RunConfig, PROFILES, __doc__.split("\n\n")[0])
-    return flags.check(RunConfig(**PROFILES[given["profile"]] | given))
+    return flags.check(RunConfig(**PROFILES[given["profile"]] | given), given)
 
 
 def main(argv=None):

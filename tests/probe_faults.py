@@ -497,6 +497,11 @@ def probe_all(root: Path, only: str = "") -> list:
     for oracle, more in itertools.product(("oracle", "oracle_e2e"), outside):
         probe("flags", f"--variants fix,{oracle} {more}",
               args=["--variants", f"fix,{oracle}", *more.split()])  # fmt: skip
+    idle = ["--curve-dims 4,8", "--finetune-select 5", "--variants performer --loss l2",
+            "--variants none --heldout-skip 3", "--variants none --batch-per-device 1"]  # fmt: skip
+    warned = lambda done: ": warning: " in done.stdout and ", so not used" in done.stdout  # noqa: E731
+    for flag in idle:  # a value the run will not use: warned about, the run as it would be
+        probe("flags", f"{flag} (not used)", args=flag.split(), expect_ok=warned)
     probe("flags", "--out ''", out="")
     probe(
         "flags",

@@ -344,5 +344,5 @@ def test_a_rate_for_a_task_without_a_training_split_is_said_before_any_work(tmp_
     args = ["--plan-only", "--finetune-lr", "piqa=1e-4,wsc=1e-5", "--out", tmp_path / "o"]
     result = run_script(model, "--profile", "quick", "--variants", "none", *args, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
-    warning = "reproduce.py: warning: --finetune-lr piqa: no pinned training split, so this rate"
+    warning = "reproduce.py: warning: --finetune-lr piqa: no pinned training split, so not used"
     assert result.stdout.startswith(warning), result.stdout[:500]

@@ -541,6 +541,31 @@ def test_a_profile_setting_is_not_undone_by_an_absent_flag(tmp_path):
     assert done.stdout.startswith("0 400 ('fix', 'dof', 'dof_sqrt'")
 
 
+IDLE_FLAGS = {  # variants: the flags given whose part of the run does not run, and the warnings
+    "none": (["--heldout-skip", "5", "--batch-per-device", "1", "--loss", "l2"],
+             ["--batch-per-device 1: nothing trains",
+              "--loss l2: no variant here trains with it (DiJiang trains direct)",
+              "--heldout-skip 5: no student reads held-out windows"]),
+    "fix": (["--curve-dims", "4,8", "--finetune-select", "5"],
+            ["--curve-dims 4,8: no oracle among the variants",
+             "--finetune-select 5: no --finetune"]),
+    "fix,oracle": (["--curve-dims", "8,16", "--loss", "l2", "--heldout-skip", "1"], []),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("variants", IDLE_FLAGS)
+def test_a_flag_value_the_run_will_not_use_is_said_before_any_work(tmp_path, variants):
+    model, env = tiny_store(tmp_path)
+    given, said = IDLE_FLAGS[variants]
+    args = ["--profile", "quick", "--limit", "0", "--plan-only", "--variants", variants, *given]
+    result = reproduce(model, *args, "--out", tmp_path / "o", env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    warnings = [line for line in result.stdout.splitlines() if "warning: " in line]
+    assert warnings == [f"reproduce.py: warning: {why}, so not used" for why in said]
+    before_any_work = result.stdout.index("plan (")
+    assert all(result.stdout.index(line) < before_any_work for line in warnings)
+
+
 ORACLE_REFUSALS = {  # flags: what the one line says (both oracles: 0.8.5 checked only "oracle")
     ("oracle", "--budgets", "4"): "budgets [4]: oracle allocates between its curves' dims; "
     "expected budgets in 8",

@@ -56,7 +56,8 @@ def parse(argv, config, profiles: dict, description: str) -> dict:
         if f.name == "model":
             p.add_argument("model", help=help_text)
             continue
-        flag = how.pop("flag", "--" + f.name.replace("_", "-"))
+        how.pop("flag", None)
+        flag = flag_name(f)
         if f.default is False:
             p.add_argument(flag, dest=f.name, action="store_true", help=f"{help_text}; default off")
             continue
@@ -118,8 +119,9 @@ def variants(text: str) -> tuple:
     return () if text == "none" else names(text)
 
 
-def check(cfg):
-    """Every value checked before any model or data work; one line naming the flag and the value."""
+def check(cfg, given=()):
+    """Every value checked before any model or data work; one line naming the flag and the value.
+    A flag `given` whose value the run will not use is a warning line (unused)."""
     for kind, values, known in (("variant", cfg.variants, VARIANTS), ("loss", cfg.losses, LOSSES)):
         if unknown := [value for value in values if value not in known]:
             fail(f"unknown {kind} {unknown[0]!r}; choose from {', '.join(known)}")
@@ -127,10 +129,8 @@ def check(cfg):
         fail(f"--lam {cfg.lam}: expected a positive finite number")
     if cfg.limit is not None and cfg.limit < 0:
         fail(f"--limit {cfg.limit}: expected 0 (no tasks) or more")
-    unused = [task for task, _ in cfg.finetune_lr if task not in task_train.trainable_tasks()]
-    if unused:  # `paper` gives Table 8's PIQA rate: a warning, not a refusal
-        print(f"reproduce.py: warning: --finetune-lr {', '.join(unused)}: no pinned training "
-              "split, so this rate is not used", flush=True)  # fmt: skip
+    for flag, why in unused(cfg, given):  # warnings: `paper` gives Table 8's PIQA rate
+        print(f"reproduce.py: warning: {flag}: {why}, so not used", flush=True)
     if (cfg.finetune or cfg.finetune_lr) and (cfg.limit == 0 or devices.world() > 1):
         fail("--finetune scores tasks in one process: not with --limit 0 or under torchrun")
     if cfg.finetune_select < 1:  # the rate and the epoch are never chosen on what is reported
@@ -173,6 +173,32 @@ def check(cfg):
     tuned = cfg.finetune or bool(cfg.finetune_lr)  # rates given ask for fine-tuning
     replaced = dict(out=out, data=store, per_device=part, device=device, finetune=tuned)
     return dataclasses.replace(cfg, **replaced)
+
+
+def unused(cfg, given) -> list:
+    """(flag and value, why) of each flag value the run will not use: a rate for a task without
+    a training split; of the flags `given`, one whose part of the run does not run."""
+    rates = [task for task, _ in cfg.finetune_lr if task not in task_train.trainable_tasks()]
+    found = [(f"--finetune-lr {', '.join(rates)}", "no pinned training split")] if rates else []
+    trained = [v for v in cfg.variants if v not in ("performer", "dijiang")]
+    idle = dict(curve_dims=(not oracle_of(cfg), "no oracle among the variants"))
+    idle.update(losses=(not trained, "no variant here trains with it (DiJiang trains direct)"))
+    idle.update(per_device=(not trained and "dijiang" not in cfg.variants, "nothing trains"))
+    fine_tuned = cfg.finetune or bool(cfg.finetune_lr)
+    idle.update(finetune_select=(not fine_tuned, "no --finetune"))
+    idle.update(heldout_skip=(not cfg.variants, "no student reads held-out windows"))
+    for f in dataclasses.fields(cfg):
+        is_idle, why = idle.get(f.name, (False, None))
+        if f.name in given and is_idle:
+            value = getattr(cfg, f.name)
+            shown = ",".join(map(str, value)) if isinstance(value, tuple) else value
+            found.append((f"{flag_name(f)} {shown}", why))
+    return found
+
+
+def flag_name(f) -> str:
+    """The flag of RunConfig's field `f`: its `flag`, else --field-name."""
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
 
 
 def oracle_of(cfg) -> str | None:
