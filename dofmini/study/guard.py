@@ -78,7 +78,10 @@ def one_line_errors(fail):
         if kept:  # not when the user asked to keep running: those stay ignored anyway
             _ignore_signals()
         sys.unraisablehook = hook
-        fail(_one_line(err))
+        # after a stop, what the unwinding raised (an OSError of a file closed under it) is its
+        # consequence: the line is the stop's
+        stop = KeyboardInterrupt(signal.Signals(STOPS[0]).name) if STOPS else None
+        fail(_one_line(stop if stop and not isinstance(err, SystemExit) else err))
     sys.unraisablehook = hook
     for sig, handler in before.items():  # not after a failure: its exit ignores them
         signal.signal(sig, handler)
