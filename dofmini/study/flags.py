@@ -73,14 +73,15 @@ def parse(argv, config, profiles: dict, description: str) -> dict:
 
 def default(fields: dict, profiles: dict, name: str, none: str = "") -> str:
     """ "default X" of RunConfig's field `name`, then each profile's own: "quick Y"."""
+    own = [f"{p} {shown(v[name], none)}" for p, v in profiles.items() if name in v]
+    return "; ".join([f"default {shown(fields[name], none)}", *own])
 
-    def shown(value) -> str:
-        if value is None or value == ():
-            return none
-        return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
-    own = [f"{p} {shown(v[name])}" for p, v in profiles.items() if name in v]
-    return "; ".join([f"default {shown(fields[name])}", *own])
+def shown(value, none: str = "") -> str:
+    """A field's value as its flag takes it: a tuple comma-separated; None or () as `none`."""
+    if value is None or value == ():
+        return none
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def fail(message: str):
@@ -158,7 +159,7 @@ def check(cfg, given=()):
         for count in counts:
             if not 1 <= count <= MAX_FEATURES:
                 fail(f"{flag} {count}: expected 1..{MAX_FEATURES} features per layer")
-    curve_dims = ",".join(map(str, cfg.curve_dims))
+    curve_dims = shown(cfg.curve_dims)
     if list(cfg.curve_dims) != sorted(cfg.curve_dims):
         fail(f"--curve-dims {curve_dims}: expected increasing counts")
     if (oracle := oracle_of(cfg)) and len(cfg.curve_dims) < 2:  # its curves are read between two
@@ -181,18 +182,18 @@ def unused(cfg, given) -> list:
     rates = [task for task, _ in cfg.finetune_lr if task not in task_train.trainable_tasks()]
     found = [(f"--finetune-lr {', '.join(rates)}", "no pinned training split")] if rates else []
     trained = [v for v in cfg.variants if v not in ("performer", "dijiang")]
-    idle = dict(curve_dims=(not oracle_of(cfg), "no oracle among the variants"))
-    idle.update(losses=(not trained, "no variant here trains with it (DiJiang trains direct)"))
-    idle.update(per_device=(not trained and "dijiang" not in cfg.variants, "nothing trains"))
     fine_tuned = cfg.finetune or bool(cfg.finetune_lr)
-    idle.update(finetune_select=(not fine_tuned, "no --finetune"))
-    idle.update(heldout_skip=(not cfg.variants, "no student reads held-out windows"))
-    for f in dataclasses.fields(cfg):
+    idle = {  # field: (its part of the run does not run, why)
+        "per_device": (not trained and "dijiang" not in cfg.variants, "nothing trains"),
+        "losses": (not trained, "no variant here trains with it (DiJiang trains direct)"),
+        "curve_dims": (not oracle_of(cfg), "no oracle among the variants"),
+        "heldout_skip": (not cfg.variants, "no student reads held-out windows"),
+        "finetune_select": (not fine_tuned, "no --finetune"),
+    }
+    for f in dataclasses.fields(cfg):  # in the fields' order
         is_idle, why = idle.get(f.name, (False, None))
         if f.name in given and is_idle:
-            value = getattr(cfg, f.name)
-            shown = ",".join(map(str, value)) if isinstance(value, tuple) else value
-            found.append((f"{flag_name(f)} {shown}", why))
+            found.append((f"{flag_name(f)} {shown(getattr(cfg, f.name))}", why))
     return found
 
 

@@ -73,18 +73,22 @@ def one_line_errors(fail):
     try:
         yield
         if STOPS:  # every stop's KeyboardInterrupt dropped (_heard_again): still a stop
-            raise KeyboardInterrupt(signal.Signals(STOPS[0]).name)
+            raise _first_stop()
     except BaseException as err:
         if kept:  # not when the user asked to keep running: those stay ignored anyway
             _ignore_signals()
         sys.unraisablehook = hook
         # after a stop, what the unwinding raised (an OSError of a file closed under it) is its
         # consequence: the line is the stop's
-        stop = KeyboardInterrupt(signal.Signals(STOPS[0]).name) if STOPS else None
-        fail(_one_line(stop if stop and not isinstance(err, SystemExit) else err))
+        fail(_one_line(_first_stop() if STOPS and not isinstance(err, SystemExit) else err))
     sys.unraisablehook = hook
     for sig, handler in before.items():  # not after a failure: its exit ignores them
         signal.signal(sig, handler)
+
+
+def _first_stop() -> KeyboardInterrupt:
+    """The first signal that stopped the run, as the KeyboardInterrupt _stop raised for it."""
+    return KeyboardInterrupt(signal.Signals(STOPS[0]).name)
 
 
 def _one_line(err: BaseException) -> str:
