@@ -2,8 +2,8 @@
 # The pre-registered replication (PREREGISTERED.md): two runs, then the analysis. Resumable: the
 # same command picks up where an interrupted one stopped (each run's saved stages are reused).
 # From the repository root: bash runs/replication-pythia/run.sh. REPLICATION_OUT names the folder
-# for the two runs and their logs (default: beside this file); outside the checkout it outlives a
-# work tree laid anew between sessions.
+# for the two runs and their logs (default: beside this file). A session's machine is not kept:
+# commit the saved stages (units, records, logs) before it ends.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 here=${REPLICATION_OUT:-runs/replication-pythia}
