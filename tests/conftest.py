@@ -153,8 +153,6 @@ def tiny_store(root):
     """A data store of seeded made-up English under the real store paths, with a registry of its
     own pins ($DOFMINI_DATA_REGISTRY), and gpt2-tiny with a character tokenizer (its 96 ids): the
     whole pipeline in a fresh clone, no ../shared and no network."""
-    from tokenizers import Tokenizer, decoders, models
-
     words = "the of a city river was in is to by early north old king built first people".split()
     rng = random.Random(0)
     rows = ["group\tpath\tbytes\tsha256\turl"]
@@ -170,12 +168,20 @@ def tiny_store(root):
     (root / "registry.tsv").write_text("\n".join(rows) + "\n")
     model = root / "gpt2-tiny"
     shutil.copytree(FIXTURES / "gpt2-tiny", model)
+    char_tokenizer().save(str(model / "tokenizer.json"))
+    env = {**os.environ, "DOFMINI_DATA": str(root / "store")}
+    return model, {**env, "DOFMINI_DATA_REGISTRY": str(root / "registry.tsv")}
+
+
+def char_tokenizer():
+    """A tokenizer of one id a character (printable ASCII and the newline: 96 ids, gpt2-tiny's
+    vocabulary), so a token's offset is its character's."""
+    from tokenizers import Tokenizer, decoders, models
+
     vocab = {chr(c): i for i, c in enumerate(range(32, 127))} | {"\n": 95}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.decoder = decoders.Fuse()
-    tokenizer.save(str(model / "tokenizer.json"))
-    env = {**os.environ, "DOFMINI_DATA": str(root / "store")}
-    return model, {**env, "DOFMINI_DATA_REGISTRY": str(root / "registry.tsv")}
+    return tokenizer
 
 
 def pin_row(group: str, path: str, body: bytes) -> str:

@@ -44,6 +44,11 @@ def test_the_whole_pipeline_runs_in_a_fresh_clone_then_reruns_computing_nothing(
     }
     assert all(s["wikitext2_ppl"] > 1 for s in results["students"].values())
     assert results["inputs"]["corpus/wikipedia/tiny.txt"] and (out / "report.md").is_file()
+    held_out = results["held_out"]  # the tiny store's held-out text has no titles: one article
+    assert sorted(held_out) == ["curves", "e2e", "errors", "swaps"]
+    assert all(role["article_count"] == len(set(role["articles"])) for role in held_out.values())
+    drawn = [w for role in held_out.values() for w in role["windows"]]
+    assert len(drawn) == len(set(drawn)) and results["e2e_articles"] == held_out["e2e"]["articles"]
     assert TRAINING_LINE.search(first.stdout)
     again = reproduce(model, "--profile", "quick", "--limit", "0", "--out", out, env=env)
     assert again.returncode == 0, again.stderr[-3000:]

@@ -12,11 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import char_tokenizer
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from dofmini.distill import TrainSettings, distill, train_direct
 from dofmini.students import load_student, make_student
-from dofmini.study import bank, compute, guard, store
+from dofmini.study import bank, compute, evaluate, guard, store
 from dofmini.study.run import ALLOCATIONS, Run, check_texts, valid_allocation
 from dofmini.study.runner import Runner
 from dofmini.study.store import load_or_compute as stage
@@ -253,6 +254,29 @@ def test_a_saved_result_of_another_shape_is_named_and_redone(tiny, tmp_path, cap
     )
     for bad in ([4, 0], [4]):  # a 0 dim, a short list
         assert not valid({**good, "dims": {"8": {**dims, "dof": bad}}})
+
+
+def test_the_held_out_roles_are_disjoint_and_each_window_knows_its_article(tiny, tmp_path):
+    """20 articles of 8 windows of 16 characters, each opening on its title line: each role's
+    windows are apart from every other role's, the end-to-end KL's spread over many articles, and
+    a window's article is the one whose title comes last before its first token."""
+    articles = []
+    for number in range(20):
+        title = f"= Article {number:02d} =\n"
+        articles.append(title + "x" * (8 * 16 - len(title) - 1) + "\n")
+    text = "".join(articles)  # 2,560 characters: 160 windows
+    held_out = tmp_path / "store" / evaluate.PPL_TEXTS["heldout"]
+    held_out.parent.mkdir(parents=True)
+    held_out.write_text(text, encoding="utf-8")
+    run = small_run(tiny, tmp_path, heldout=torch.zeros(len(text), dtype=torch.long))
+    run.tokenizer = char_tokenizer()
+    run.cfg.__dict__.update(error_windows=10, curve_windows=10, e2e_windows=20)
+    windows, found = run.windows, run.articles()
+    sizes = dict(errors=10, curves=10, e2e=20, swaps=20)
+    assert {role: len(set(drawn)) for role, drawn in windows.items()} == sizes
+    assert len(set().union(*windows.values())) == sum(sizes.values())  # no window in two roles
+    assert found == {role: [w // 8 for w in drawn] for role, drawn in windows.items()}
+    assert len(set(found["e2e"])) >= 10 and len(set(found["swaps"])) >= 10
 
 
 def test_a_text_too_short_for_the_run_is_one_error_naming_its_file(tiny, tmp_path):
