@@ -260,22 +260,24 @@ def test_the_held_out_roles_are_disjoint_and_each_window_knows_its_article(tiny,
     """20 articles of 8 windows of 16 characters, each opening on its title line: each role's
     windows are apart from every other role's, the end-to-end KL's spread over many articles, and
     a window's article is the one whose title comes last before its first token."""
+    ctx, per_article = 16, 8  # small_run's context: one character a token
     articles = []
     for number in range(20):
         title = f"= Article {number:02d} =\n"
-        articles.append(title + "x" * (8 * 16 - len(title) - 1) + "\n")
+        articles.append(title + "x" * (per_article * ctx - len(title) - 1) + "\n")
     text = "".join(articles)  # 2,560 characters: 160 windows
     held_out = tmp_path / "store" / evaluate.PPL_TEXTS["heldout"]
     held_out.parent.mkdir(parents=True)
     held_out.write_text(text, encoding="utf-8")
-    run = small_run(tiny, tmp_path, heldout=torch.zeros(len(text), dtype=torch.long))
+    run = small_run(tiny, tmp_path, ctx, heldout=torch.zeros(len(text), dtype=torch.long))
     run.tokenizer = char_tokenizer()
-    run.cfg.__dict__.update(error_windows=10, curve_windows=10, e2e_windows=20)
+    sizes = dict(errors=10, curves=10, e2e=20, swaps=20)  # the swaps' count is e2e_windows too
+    counts = dict(error_windows=sizes["errors"], curve_windows=sizes["curves"])
+    run.cfg.__dict__.update(counts, e2e_windows=sizes["e2e"])  # before the draw, made at first use
     windows, found = run.windows, run.articles()
-    sizes = dict(errors=10, curves=10, e2e=20, swaps=20)
     assert {role: len(set(drawn)) for role, drawn in windows.items()} == sizes
     assert len(set().union(*windows.values())) == sum(sizes.values())  # no window in two roles
-    assert found == {role: [w // 8 for w in drawn] for role, drawn in windows.items()}
+    assert found == {role: [w // per_article for w in drawn] for role, drawn in windows.items()}
     assert len(set(found["e2e"])) >= 10 and len(set(found["swaps"])) >= 10
 
 
