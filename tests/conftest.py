@@ -87,6 +87,44 @@ def script():
     return module
 
 
+@pytest.fixture
+def reproduce_here(script, monkeypatch, capsys):
+    """reproduce.py run in this process, called as test_reproduce.reproduce is (its arguments, an
+    `env` replacing the environment, the checkout as working folder) and answering as it does: a
+    CompletedProcess of the exit status, stdout and stderr, a SystemExit's message on stderr as
+    the interpreter prints it. No interpreter starts and no torch is imported again (~3 s a run).
+    Left for subprocesses: what a process alone shows (signals, the lock, torchrun, a fresh
+    clone's first run) and what libraries read once at import (the hub's endpoint, offline)."""
+    from dofmini.study import data
+
+    def run(*args, env=None):
+        if env is not None:
+            for name in set(os.environ) - set(env):
+                monkeypatch.delenv(name)
+            for name, value in env.items():
+                monkeypatch.setenv(name, value)
+        monkeypatch.chdir(REPO)
+        # a failure leaves SIGINT and SIGTERM ignored (its exit ignores them): later subprocesses
+        # of this one would inherit that
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        data.registry.cache_clear()  # read once a process: each run reads its own
+        capsys.readouterr()
+        code, said = 0, ""
+        try:
+            script.main([str(arg) for arg in args])
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) or stop.code is None else 1
+            said = "" if code == stop.code else f"{stop.code}\n"
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+            data.registry.cache_clear()
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code or 0, out, err + said)
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def standin_gpt2():
     from dofmini import load

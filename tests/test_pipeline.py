@@ -1,15 +1,15 @@
 """The run written once: for any flag combination, --plan-only lists exactly the stages the run then
 executes, in the same order, and the run ends normally. Each combination runs reproduce.main in
-this process on the tiny fixture with every task and fine-tuning split (test_finetune's
-tuning_store): its plan first, then the run, whose stage lines must count 1..N through the
-plan's names."""
+this process (conftest's reproduce_here) on the tiny fixture with every task and fine-tuning
+split (test_finetune's tuning_store): its plan first, then the run, whose stage lines must count
+1..N through the plan's names."""
 
 import re
 
 import pytest
 from test_finetune import tuning_store
 
-from dofmini.study import data, task_train
+from dofmini.study import task_train
 
 # budgets 8 is the tiny model's head size; 4 and 16 are not
 COMBINATIONS = {
@@ -50,51 +50,32 @@ def executed(out: str) -> list:
     return [name for _, _, name in lines]
 
 
-@pytest.fixture(autouse=True)
-def fresh_registry():
-    """The data registry is read once a process: each test reads the tiny store's, then the next
-    one reads its own again."""
-    data.registry.cache_clear()
-    yield
-    data.registry.cache_clear()
-
-
-def run_main(script, monkeypatch, capsys, env: dict, argv: list) -> str:
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    data.registry.cache_clear()
-    script.main([str(arg) for arg in argv])
-    return capsys.readouterr().out
-
-
-def check_plan_equals_run(script, monkeypatch, capsys, store, tmp_path, args):
+def check_plan_equals_run(reproduce_here, store, tmp_path, args):
     model, env = store
-    env = {k: env[k] for k in ("DOFMINI_DATA", "DOFMINI_DATA_REGISTRY")}
     argv = [model, "--profile", "quick", "--out", tmp_path / "out", *args]
-    plan = planned(run_main(script, monkeypatch, capsys, env, [*argv, "--plan-only"]))
-    out = run_main(script, monkeypatch, capsys, env, argv)
+    run = lambda *more: reproduce_here(*argv, *more, env=env).stdout  # noqa: E731
+    plan = planned(run("--plan-only"))
+    out = run()
     assert planned(out) == plan  # the run's own plan is the same
     assert executed(out) == plan
     assert (tmp_path / "out" / "report.md").is_file()
-    again = run_main(script, monkeypatch, capsys, env, [*argv, "--plan-only"])
+    again = run("--plan-only")
     assert f"{len(plan)} of {len(plan)} stages done" in again  # nothing left after the run
     return plan
 
 
 @pytest.mark.parametrize("args", COMBINATIONS.values(), ids=COMBINATIONS)
-def test_the_plan_lists_exactly_the_stages_the_run_executes(
-    script, monkeypatch, capsys, store, tmp_path, args
-):
-    plan = check_plan_equals_run(script, monkeypatch, capsys, store, tmp_path, args)
+def test_the_plan_lists_exactly_the_stages_the_run_executes(reproduce_here, store, tmp_path, args):
+    plan = check_plan_equals_run(reproduce_here, store, tmp_path, args)
     assert plan[:2] == ["teacher evaluation", "DoF estimate"]
     if "dijiang" in args:
         assert plan[2:] == ["dijiang/direct/b8/s0"]  # DiJiang at the head size, not --budgets
 
 
-def test_fine_tuning_is_planned_as_it_runs(script, monkeypatch, capsys, store, tmp_path):
+def test_fine_tuning_is_planned_as_it_runs(reproduce_here, store, tmp_path):
     """--finetune: the grid on WSC only (the other tasks given rates), one student."""
     given = ",".join(f"{task}=1e-4" for task in task_train.trainable_tasks() if task != "wsc")
     args = ["--variants", "fix", "--finetune", "--finetune-lr", given]
-    plan = check_plan_equals_run(script, monkeypatch, capsys, store, tmp_path, args)
+    plan = check_plan_equals_run(reproduce_here, store, tmp_path, args)
     assert plan[3:] == ["fine-tuning teacher: zero-shot", "fine-tuning teacher: grid",
                         "fine-tuning teacher/s0", "fine-tuning fix/softmax/b8/s0"]  # fmt: skip

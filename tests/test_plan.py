@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from conftest import REPO, shared_path, tiny_store
-from test_reproduce import missing_listing, offline_env, reproduce
+from test_reproduce import missing_listing, offline_env
 
 from dofmini.study import flags
 
@@ -60,10 +60,10 @@ def test_auto_is_cuda_where_torch_sees_a_cuda_device(tmp_path):
     assert "device: cuda (torch sees" in done.stdout
 
 
-def test_the_plan_gives_each_stage_an_estimate_and_the_config_its_device(tmp_path):
+def test_the_plan_gives_each_stage_an_estimate_and_the_config_its_device(tmp_path, reproduce_here):
     model, env = tiny_store(tmp_path)
     args = ["--profile", "quick", "--limit", "0", "--variants", "fix,dof", "--plan-only"]
-    result = reproduce(model, *args, "--out", tmp_path / "o", env=env)
+    result = reproduce_here(model, *args, "--out", tmp_path / "o", env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "device: cpu (no CUDA device seen)" in result.stdout or torch.cuda.is_available()
     estimate = r"~[\d.]+ (s|min|h) \(\d[\d.]*-\d[\d.]*\)"

@@ -1,7 +1,8 @@
-"""`reproduce.py` end to end on the GPT-2 stand-in (quick profile, as a subprocess): every student
-of a seeds × budgets grid, reruns that recompute nothing, a changed flag that recomputes what it
-touches, one-line errors for bad values before any model work, and the vendorability of the modules
-the README says can be copied alone."""
+"""`reproduce.py` end to end on the GPT-2 stand-in (quick profile): every student of a seeds ×
+budgets grid, reruns that recompute nothing, a changed flag that recomputes what it touches,
+one-line errors for bad values before any model work, and the vendorability of the modules the
+README says can be copied alone. First runs, signals, the lock and offline runs go through a new
+process (`reproduce`); reruns and refusals run in this one (conftest's reproduce_here)."""
 
 import ast
 import fcntl
@@ -121,10 +122,10 @@ def test_grid_has_every_variant_budget_and_seed(grid_run):
     assert "[1/" in first.stdout and "plan (" in first.stdout
 
 
-def test_rerun_recomputes_nothing(grid_run):
+def test_rerun_recomputes_nothing(grid_run, reproduce_here):
     args, out, _ = grid_run
     before = (out / "results.json").read_text()
-    again = reproduce(*args)
+    again = reproduce_here(*args)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "redo:" not in again.stdout and not TRAINING_LINE.search(again.stdout)
     planned = re.search(r"\n  (\d+) of (\d+) stages done\n", again.stdout)  # all marked done
@@ -133,12 +134,12 @@ def test_rerun_recomputes_nothing(grid_run):
     assert after["students"] == json.loads(before)["students"]
 
 
-def test_changed_flag_recomputes_what_it_touches(grid_run, tmp_path):
+def test_changed_flag_recomputes_what_it_touches(grid_run, tmp_path, reproduce_here):
     args, out, _ = grid_run
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-r", str(out), str(copy)], check=True)
     args = [str(copy) if a == out else a for a in args]
-    changed = reproduce(*args, "--lam", "0.5")
+    changed = reproduce_here(*args, "--lam", "0.5")
     assert changed.returncode == 0, changed.stderr[-3000:]
     redo = f"redo: {copy / 'allocation.json'}: lam changed"
     assert redo in changed.stdout
@@ -149,14 +150,14 @@ def test_changed_flag_recomputes_what_it_touches(grid_run, tmp_path):
     assert results["dof"]["lam"] == 0.5 == results["config"]["lam"]
 
 
-def test_a_damaged_student_file_is_trained_again(grid_run, tmp_path):
+def test_a_damaged_student_file_is_trained_again(grid_run, tmp_path, reproduce_here):
     args, out, _ = grid_run
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-r", str(out), str(copy)], check=True)
     args = [str(copy) if a == out else a for a in args]
     student = copy / "students" / "dof-softmax-b16-s1.safetensors"
     student.write_bytes(student.read_bytes()[:300])
-    again = reproduce(*args)
+    again = reproduce_here(*args)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"redo: cannot read {student}" in again.stdout
     assert "dof/softmax/b16/s1: dims" in again.stdout  # trained again, nothing else
@@ -166,7 +167,9 @@ def test_a_damaged_student_file_is_trained_again(grid_run, tmp_path):
     assert after["layer_error"] == before["layer_error"]
 
 
-def test_a_resumed_run_reports_in_the_order_of_an_uninterrupted_one(grid_run, tmp_path):
+def test_a_resumed_run_reports_in_the_order_of_an_uninterrupted_one(
+    grid_run, tmp_path, reproduce_here
+):
     """Students whose files are missing are evaluated after the others; the report still lists
     every rule in plan order, as the uninterrupted run did."""
     args, out, _ = grid_run
@@ -175,7 +178,7 @@ def test_a_resumed_run_reports_in_the_order_of_an_uninterrupted_one(grid_run, tm
     args = [str(copy) if a == out else a for a in args]
     for seed in (0, 1):  # the whole dof/b8 group: it is assembled again from its layer units
         (copy / "students" / f"dof-softmax-b8-s{seed}.safetensors").unlink()
-    again = reproduce(*args)
+    again = reproduce_here(*args)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count(": dims [") == 2, again.stdout
 
@@ -224,12 +227,12 @@ def test_a_resumed_run_reports_in_the_order_of_an_uninterrupted_one(grid_run, tm
     (["{tiny}", "--device", "tpu"], "--device tpu is not available here"),
     (["{tiny}", "--data", "{file}"], "is a file; expected the data store's folder"),
 ])  # fmt: skip
-def test_bad_values_give_one_line_before_model_work(tmp_path, args, message):
+def test_bad_values_give_one_line_before_model_work(tmp_path, args, message, reproduce_here):
     (tmp_path / "file").write_text("x")
     fill = {"{empty}": tmp_path, "{tiny}": FIXTURES / "gpt2-tiny", "{file}": tmp_path / "file"}
     fill["{long}"] = tmp_path / ("a" * 300)  # one name longer than the system allows
     env = {"PATH": "", "DOFMINI_DATA": str(tmp_path / "store"), "HOME": str(tmp_path)}
-    result = reproduce(*[fill.get(a, a) for a in args], timeout=600, env=env)
+    result = reproduce_here(*[fill.get(a, a) for a in args], env=env)
     assert result.returncode != 0
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""  # stopped before any work
@@ -242,13 +245,13 @@ def test_bad_values_give_one_line_before_model_work(tmp_path, args, message):
      "expected a group"),
     ("corpus\tx\t3\t" + "0" * 64 + "\thttps://h/x\n", "line 1: ['corpus\\tx\\t3"),
 ])  # fmt: skip
-def test_a_bad_data_registry_is_one_line_naming_it(tmp_path, registry, message):
+def test_a_bad_data_registry_is_one_line_naming_it(tmp_path, registry, message, reproduce_here):
     path = tmp_path / "absent.tsv"
     if registry:
         path.write_text(registry)
     env = {"PATH": "", "HOME": str(tmp_path), "DOFMINI_DATA_REGISTRY": str(path)}
     args = ["--data", tmp_path / "store", "--out", tmp_path / "out"]
-    result = reproduce(FIXTURES / "gpt2-tiny", *args, timeout=600, env=env)
+    result = reproduce_here(FIXTURES / "gpt2-tiny", *args, env=env)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.startswith(f"reproduce.py: error: cannot read {path}: ") or (
         str(path) in result.stderr and message in result.stderr
@@ -259,8 +262,8 @@ def test_a_bad_data_registry_is_one_line_naming_it(tmp_path, registry, message):
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="this machine has CUDA, so cuda is valid here"
 )
-def test_cuda_without_cuda_is_refused():
-    result = reproduce(FIXTURES / "gpt2-tiny", "--device", "cuda", timeout=600)
+def test_cuda_without_cuda_is_refused(reproduce_here):
+    result = reproduce_here(FIXTURES / "gpt2-tiny", "--device", "cuda")
     assert result.returncode != 0 and "--device cuda is not available" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
@@ -412,12 +415,14 @@ def overflowing_copy(model, root):
     ("huge", "the teacher's logits on random tokens are not finite"),
     ("lam", ""),
 ])  # fmt: skip
-def test_what_only_the_model_and_data_reveal_ends_in_one_line(tmp_path, case, message):
+def test_what_only_the_model_and_data_reveal_ends_in_one_line(
+    tmp_path, case, message, reproduce_here
+):
     model, env = tiny_store(tmp_path)
     args = ["--profile", "quick", "--limit", "0", "--variants", "fix,dof", "--out", tmp_path / "o"]
     args += {"J": ["--J", "2048"], "lam": ["--lam", "1e20"]}.get(case, [])
     model = overflowing_copy(model, tmp_path) if case == "huge" else model
-    result = reproduce(model, *args, env=env)
+    result = reproduce_here(model, *args, env=env)
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     if message:
         assert result.returncode != 0 and message in result.stderr
@@ -433,7 +438,7 @@ STEP = "a step's 2 windows of ctx 64, as the estimate times it"  # the quick pro
     ("corpus/wikipedia/tiny.txt", 100, f"100 tokens; 128 needed ({STEP})"),
 ])  # fmt: skip
 def test_a_pinned_text_too_short_is_one_line_naming_it_before_any_work(
-    tmp_path, path, chars, message
+    tmp_path, path, chars, message, reproduce_here
 ):
     """An empty WikiText-2 test file, a corpus under a window or under a step's batch of them, each
     pinned as it is: one line naming the file, its tokens and the need (a tokenizer of one id a
@@ -442,7 +447,7 @@ def test_a_pinned_text_too_short_is_one_line_naming_it_before_any_work(
     store = tmp_path / "store"
     repin(store, tmp_path / "registry.tsv", path, (store / path).read_bytes()[:chars])
     args = ["--profile", "quick", "--limit", "0", "--variants", "fix,dof", "--out", tmp_path / "o"]
-    result = reproduce(model, *args, env=env)
+    result = reproduce_here(model, *args, env=env)
     assert result.returncode == 1 and "[1/" not in result.stdout
     assert result.stderr == f"reproduce.py: error: {store / path}: {message}\n", result.stderr
 
@@ -498,14 +503,14 @@ def test_sigterm_inside_a_write_removes_its_temporary(tmp_path):
     assert list(tmp_path.iterdir()) == []  # neither x.json nor .x.json.PID.tmp
 
 
-def test_plan_only_leaves_no_cache_and_no_lock(tmp_path):
+def test_plan_only_leaves_no_cache_and_no_lock(tmp_path, reproduce_here):
     model, env = tiny_store(tmp_path)
     kept, fresh = tmp_path / "kept", tmp_path / "fresh"
     kept.mkdir()
     (kept / "notes.txt").write_text("mine")
     for out in (kept, fresh):
         args = ["--profile", "quick", "--limit", "0", "--plan-only", "--out", out]
-        result = reproduce(model, *args, env=env)
+        result = reproduce_here(model, *args, env=env)
         assert result.returncode == 0 and "plan (each" in result.stdout, result.stderr
     assert [p.name for p in kept.iterdir()] == ["notes.txt"] and not fresh.exists()
 
@@ -538,16 +543,11 @@ def test_results_and_the_evaluation_key_list_every_file_read_in_order(tmp_path):
     assert key == {p: sha for p, sha in inputs.items() if "/" in p} and set(opened) <= set(key)
 
 
-def test_a_profile_setting_is_not_undone_by_an_absent_flag(tmp_path):
+def test_a_profile_setting_is_not_undone_by_an_absent_flag(script, tmp_path):
     """The study profile skips the tasks; leaving out --limit must not switch them on."""
-    code = (
-        "import reproduce; from pathlib import Path; "
-        f"cfg = reproduce.parse_args([{str(FIXTURES / 'gpt2-tiny')!r}, '--profile', 'study', "
-        f"'--out', {str(tmp_path / 'o')!r}]); print(cfg.limit, cfg.steps, cfg.variants)"
-    )
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("0 400 ('fix', 'dof', 'dof_sqrt'")
+    argv = [FIXTURES / "gpt2-tiny", "--profile", "study", "--out", tmp_path / "o"]
+    cfg = script.parse_args([str(arg) for arg in argv])
+    assert (cfg.limit, cfg.steps, cfg.variants[:3]) == (0, 400, ("fix", "dof", "dof_sqrt"))
 
 
 IDLE_FLAGS = {  # variants: the flags given whose part of the run does not run, and the warnings
@@ -563,11 +563,13 @@ IDLE_FLAGS = {  # variants: the flags given whose part of the run does not run, 
 
 
 @pytest.mark.parametrize("variants", IDLE_FLAGS)
-def test_a_flag_value_the_run_will_not_use_is_said_before_any_work(tmp_path, variants):
+def test_a_flag_value_the_run_will_not_use_is_said_before_any_work(
+    tmp_path, variants, reproduce_here
+):
     model, env = tiny_store(tmp_path)
     given, said = IDLE_FLAGS[variants]
     args = ["--profile", "quick", "--limit", "0", "--plan-only", "--variants", variants, *given]
-    result = reproduce(model, *args, "--out", tmp_path / "o", env=env)
+    result = reproduce_here(model, *args, "--out", tmp_path / "o", env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     warnings = [line for line in result.stdout.splitlines() if "warning: " in line]
     assert warnings == [f"reproduce.py: warning: {why}, so not used" for why in said]
@@ -587,12 +589,12 @@ ORACLE_REFUSALS = {  # flags: what the one line says (both oracles: 0.8.5 checke
 
 @pytest.mark.parametrize("flags", ORACLE_REFUSALS)
 def test_oracle_budgets_or_curves_it_cannot_allocate_from_are_refused_before_training(
-    tmp_path, flags
+    tmp_path, flags, reproduce_here
 ):
     model, env = tiny_store(tmp_path)
     oracle, *more = flags
     args = ["--profile", "quick", "--limit", "0", "--variants", f"fix,{oracle}", *more]
-    result = reproduce(model, *args, "--out", tmp_path / "o", env=env)
+    result = reproduce_here(model, *args, "--out", tmp_path / "o", env=env)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     refused = ORACLE_REFUSALS[flags]
     assert refused in result.stderr and len(result.stderr.strip().splitlines()) == 1
@@ -600,7 +602,9 @@ def test_oracle_budgets_or_curves_it_cannot_allocate_from_are_refused_before_tra
     assert not list((tmp_path / "o").glob("students/*"))
 
 
-def test_a_context_shorter_than_the_profile_runs_in_windows_of_that_context(tmp_path):
+def test_a_context_shorter_than_the_profile_runs_in_windows_of_that_context(
+    tmp_path, reproduce_here
+):
     """n_positions 16 under the quick profile's ctx 64: windows of 16, not a failure."""
     model, env = tiny_store(tmp_path)
     config = json.loads((model / "config.json").read_text())
@@ -609,6 +613,6 @@ def test_a_context_shorter_than_the_profile_runs_in_windows_of_that_context(tmp_
     tensors["transformer.wpe.weight"] = tensors["transformer.wpe.weight"][:16].clone()
     save_file(tensors, model / "model.safetensors")
     args = ["--profile", "quick", "--limit", "0", "--variants", "fix", "--out", tmp_path / "o"]
-    result = reproduce(model, *args, env=env)
+    result = reproduce_here(model, *args, env=env)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert json.loads((tmp_path / "o" / "results.json").read_text())["config"]["ctx"] == 16

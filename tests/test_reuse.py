@@ -111,13 +111,13 @@ def numbers(found):
 
 
 @pytest.mark.parametrize("name", DAMAGES)
-def test_a_saved_record_or_unit_of_another_shape_is_redone(base, tmp_path, name):
+def test_a_saved_record_or_unit_of_another_shape_is_redone(base, tmp_path, name, reproduce_here):
     model, env, out = base
     relative, damage = DAMAGES[name]
     copy = tmp_path / "out"
     shutil.copytree(out, copy)
     damaged = damage(copy / relative) or copy / relative
-    again = reproduce(model, *ARGS, "--out", copy, env=env)
+    again = reproduce_here(model, *ARGS, "--out", copy, env=env)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"redo: {damaged}: {REDO}" in again.stdout, again.stdout[-3000:]
     found, expected = (json.loads((o / "results.json").read_text()) for o in (copy, out))
