@@ -461,26 +461,30 @@ def test_ctrl_c_says_how_to_resume(tmp_path):
     assert "interrupted; run the same command again to resume" in err
 
 
-def interrupted_twice_or_terminated(tmp_path, signals, stage="[1/"):
+def interrupted_twice_or_terminated(tmp_path, rerun, signals, stage="[1/"):
     """A quick run on the tiny store, sent `signals` (2 ms apart) once `stage` begins; then the
-    same command again: (the interrupted run's stderr, its return code, the rerun)."""
+    same command again, by rerun (reproduce_here): (the interrupted run's stderr, its return code,
+    the rerun)."""
     model, env = tiny_store(tmp_path)
     args = [sys.executable, str(REPO / "reproduce.py"), str(model), "--profile", "quick"]
     args += ["--limit", "0", "--variants", "fix", "--out", str(tmp_path / "o")]
     err, code = signalled(args, env, stage, signals)
-    return err, code, subprocess.run(args, env=env, capture_output=True, text=True)
+    return err, code, rerun(*args[2:], env=env)
 
 
-def test_ctrl_c_repeated_ms_apart_ends_in_one_line_and_the_run_resumes(tmp_path):
+def test_ctrl_c_repeated_ms_apart_ends_in_one_line_and_the_run_resumes(tmp_path, reproduce_here):
     """Ten in 20 ms: before, one landing in the exit's atexit callbacks printed a traceback."""
-    err, code, again = interrupted_twice_or_terminated(tmp_path, [signal.SIGINT] * 10)
+    err, code, again = interrupted_twice_or_terminated(
+        tmp_path, reproduce_here, [signal.SIGINT] * 10
+    )
     assert code != 0 and "Traceback" not in err and "Exception ignored" not in err, err
     assert err.strip() == "reproduce.py: error: interrupted; run the same command again to resume"
     assert again.returncode == 0 and (tmp_path / "o" / "results.json").is_file(), again.stderr
 
 
-def test_sigterm_ends_the_run_like_ctrl_c_leaving_no_temporary(tmp_path):
-    err, code, again = interrupted_twice_or_terminated(tmp_path, [signal.SIGTERM], stage="[2/")
+def test_sigterm_ends_the_run_like_ctrl_c_leaving_no_temporary(tmp_path, reproduce_here):
+    stopped = interrupted_twice_or_terminated(tmp_path, reproduce_here, [signal.SIGTERM], "[2/")
+    err, code, again = stopped
     assert err.strip() == "reproduce.py: error: terminated; run the same command again to resume"
     assert code != 0 and again.returncode == 0, again.stderr
     assert "redo:" not in again.stdout and "skip: " in again.stdout  # finished stages stayed
