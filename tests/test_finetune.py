@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 from conftest import FIXTURES, REPO, data_path, pin_row, tiny_store
-from test_reproduce import reproduce as run_script
 
 from dofmini.students import make_student
 from dofmini.study import data, finetune, finetune_stages, task_train
@@ -231,7 +230,7 @@ UNPINNED = [
 
 @pytest.mark.parametrize("left_out, named", UNPINNED)
 def test_finetune_without_the_registry_rows_of_its_files_stops_before_any_work(
-    tmp_path, left_out, named
+    tmp_path, left_out, named, reproduce_here
 ):
     """The files sit where the rows would pin them; unpinned, they are not read: one line names
     the rows and the flag, before any stage (the plan's included)."""
@@ -240,7 +239,7 @@ def test_finetune_without_the_registry_rows_of_its_files_stops_before_any_work(
     rows = registry.read_text().splitlines(keepends=True)
     registry.write_text("".join(row for row in rows if row.split("\t")[0] not in left_out))
     args = ["--profile", "quick", "--variants", "fix", "--finetune", "--plan-only"]
-    result = run_script(model, *args, "--out", tmp_path / "o", env=env)
+    result = reproduce_here(model, *args, "--out", tmp_path / "o", env=env)
     said = "reproduce.py: error: --finetune reads files the data registry has no row for: "
     assert result.stderr.startswith(said) and named in result.stderr, result.stderr[-2000:]
     assert len(result.stderr.splitlines()) == 1 and "plan (" not in result.stdout
@@ -265,7 +264,7 @@ def test_a_training_split_reads_only_registry_rows(tmp_path, monkeypatch):
 ESTIMATE = r"~[\d.]+ (s|min|h) \(\d[\d.]*-\d[\d.]*\)"
 
 
-def test_the_plan_lists_and_costs_each_fine_tuning_then_marks_it_done(tmp_path):
+def test_the_plan_lists_and_costs_each_fine_tuning_then_marks_it_done(tmp_path, reproduce_here):
     """A quick --finetune run (one Fix student, the grid on WSC only): its plan lists the grid,
     the teacher's and the student's fine-tuning, each with an estimate, in the total, and its
     progress lines count them; after it, the plan finds every stage done."""
@@ -273,7 +272,7 @@ def test_the_plan_lists_and_costs_each_fine_tuning_then_marks_it_done(tmp_path):
     rates = ",".join(f"{task}=1e-4" for task in task_train.trainable_tasks() if task != "wsc")
     args = [model, "--profile", "quick", "--variants", "fix", "--finetune-lr", rates]
     args += ["--out", tmp_path / "o"]
-    run = run_script(*args, env=env)
+    run = reproduce_here(*args, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     tuned = ["fine-tuning teacher: zero-shot", "fine-tuning teacher: grid"]
     tuned += ["fine-tuning teacher/s0", "fine-tuning fix/softmax/b8/s0"]
@@ -293,24 +292,26 @@ def test_the_plan_lists_and_costs_each_fine_tuning_then_marks_it_done(tmp_path):
     for rate, acc in chosen["grid"].items():
         record = tmp_path / "o" / "finetune" / f"teacher-wsc-lr{rate}-s0.json"
         assert json.loads(record.read_text())["result"]["select"] == acc
-    again = run_script(*args, "--plan-only", env=env)
+    again = reproduce_here(*args, "--plan-only", env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "\n  7 of 7 stages done\n" in again.stdout
     # another selection size: every fine-tuning is made again, the zero-shot scoring is not
-    other = run_script(*args, "--plan-only", "--finetune-select", "1", env=env)
+    other = reproduce_here(*args, "--plan-only", "--finetune-select", "1", env=env)
     assert other.returncode == 0, other.stderr[-3000:]
     assert "\n  fine-tuning teacher: zero-shot: done\n" in other.stdout
     assert "\n  4 of 7 stages done; the rest: " in other.stdout
 
 
-def test_a_selection_split_that_leaves_nothing_to_train_is_refused_before_work(tmp_path):
+def test_a_selection_split_that_leaves_nothing_to_train_is_refused_before_work(
+    tmp_path, reproduce_here
+):
     model, env = tuning_store(tmp_path)
     for size, says in (
         ("0", "expected 1 or more training examples"),
         (str(COPIES), f"logiqa has {COPIES} training examples; expected 1 to"),
     ):
         args = [model, "--profile", "quick", "--variants", "none", "--finetune"]
-        found = run_script(*args, "--finetune-select", size, "--out", tmp_path / "o", env=env)
+        found = reproduce_here(*args, "--finetune-select", size, "--out", tmp_path / "o", env=env)
         assert found.returncode != 0 and f"--finetune-select {size}: {says}" in found.stderr
         assert not (tmp_path / "o" / "finetune").exists()
 
@@ -339,10 +340,12 @@ def test_the_selection_split_is_apart_from_the_trained_and_the_reported_examples
         assert again["select"][0] == found["select"][0] and len(again["train"][0]) == 1
 
 
-def test_a_rate_for_a_task_without_a_training_split_is_said_before_any_work(tmp_path):
+def test_a_rate_for_a_task_without_a_training_split_is_said_before_any_work(
+    tmp_path, reproduce_here
+):
     model, env = tuning_store(tmp_path)
     args = ["--plan-only", "--finetune-lr", "piqa=1e-4,wsc=1e-5", "--out", tmp_path / "o"]
-    result = run_script(model, "--profile", "quick", "--variants", "none", *args, env=env)
+    result = reproduce_here(model, "--profile", "quick", "--variants", "none", *args, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     warning = "reproduce.py: warning: --finetune-lr piqa: no pinned training split, so not used"
     assert result.stdout.startswith(warning), result.stdout[:500]
