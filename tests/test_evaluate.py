@@ -229,15 +229,21 @@ def test_perplexity_rejects_bad_windows():
         perplexity(model, torch.zeros(10, dtype=torch.long), 16)
 
 
-@pytest.mark.parametrize("name", ["standin-gpt2", "standin-pythia"])
-def test_standin_wikitext2_perplexity_matches_reference(name):
-    folder = shared_path("weights", name)
+def reference_of(folder, ids) -> dict:
+    """The folder's reference numbers, once `ids` (the whole WikiText-2 test file encoded) are
+    checked to be the tokens the reference scored."""
     reference = json.loads((folder / "reference.json").read_text())
     ctx = reference["protocol"]["ctx"]
+    assert (len(ids) // ctx) * (ctx - 1) == reference["protocol"]["scored_tokens"]
+    return reference
+
+
+def test_standin_pythia_wikitext2_perplexity_matches_reference():
+    """GPT-2's stand-in is checked against its reference through evaluate_model, below."""
+    folder = shared_path("weights", "standin-pythia")
     ids = encode_file(data_path("wikitext-2-raw", "wiki.test.raw"), load_tokenizer(folder))
-    assert (len(ids) // ctx) * (ctx - 1) == reference["protocol"][
-        "scored_tokens"
-    ]  # same tokens as the reference
+    reference = reference_of(folder, ids)
+    ctx = reference["protocol"]["ctx"]
     ppl, _, scored = perplexity(load(folder), ids[: 64 * ctx], ctx)
     assert scored == 64 * (ctx - 1)
     assert ppl == pytest.approx(reference["wikitext2_test_ppl_first64_windows"], rel=1e-3)
@@ -245,12 +251,14 @@ def test_standin_wikitext2_perplexity_matches_reference(name):
 
 def test_a_teacher_evaluation_gives_reference_perplexity_and_tasks():
     folder = shared_path("weights", "standin-gpt2")
-    reference = json.loads((folder / "reference.json").read_text())
     model, tokenizer, store = load(folder), load_tokenizer(folder), data_path()
     texts = {name: encode_file(store / path, tokenizer) for name, path in PPL_TEXTS.items()}
+    reference = reference_of(folder, texts["wikitext2"])
+    # the held-out text's reference is of every window, not of the first 64: one window of it
+    texts["heldout"] = texts["heldout"][:256]
     result = evaluate_model(model, tokenizer, texts, 256, store, 64, 3, ("piqa", "lambada"))
     assert result["wikitext2_ppl"] == pytest.approx(
         reference["wikitext2_test_ppl_first64_windows"], rel=1e-3
     )
-    assert result["wikitext2_tokens"] == 64 * 255
+    assert result["wikitext2_tokens"] == 64 * 255 and result["heldout_tokens"] == 255
     assert {t: r["n"] for t, r in result["tasks"].items()} == {"piqa": 3, "lambada": 3}
