@@ -30,7 +30,7 @@ print("finished")
 """
 
 
-def interrupted(signals: int, gap: float, seconds: float = 3.0) -> subprocess.CompletedProcess:
+def interrupted(signals: int, gap: float, seconds: float = 1.0) -> subprocess.CompletedProcess:
     """LOOP run for at most `seconds`, sent `signals` SIGINTs `gap` seconds apart once it is in
     the guard; its exit status and output. SIGINT acts as from a terminal even when the tests run
     in the background, where a shell starts them with SIGINT ignored."""

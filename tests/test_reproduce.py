@@ -286,7 +286,7 @@ def test_vendorable_module_imports_only_torch_numpy_stdlib(module):
     )
 
 
-def test_quick_run_fills_an_empty_store_through_a_mirror(data_mirror, tmp_path):
+def test_quick_run_fills_an_empty_store_through_a_mirror(data_mirror, tmp_path, reproduce_here):
     mirror = data_mirror(data_path())
     model = tmp_path / "standin"
     shutil.copytree(shared_path("weights", "standin-gpt2"), model)
@@ -294,7 +294,7 @@ def test_quick_run_fills_an_empty_store_through_a_mirror(data_mirror, tmp_path):
     # Fix alone: the other variants read no data file it does not (the fresh clone's run, above,
     # trains all five)
     args = ["--profile", "quick", "--variants", "fix", "--out", tmp_path / "out"]
-    result = reproduce(model, *args, env=env)
+    result = reproduce_here(model, *args, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert list(results["students"]) == ["fix/softmax/b64/s0"]
