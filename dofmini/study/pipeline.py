@@ -40,7 +40,8 @@ SWAP_STAGE = "end-to-end swap curves"
 
 
 def run_all(run, runner) -> dict:
-    """Every stage in order; in run mode the results (results.json), in plan mode what is saved."""
+    """Every stage in order; in run mode the results (results.json), in plan mode PENDING (a plan
+    records its rows and writes nothing)."""
     check_texts(run)  # before any work
     teacher = teacher_evaluation(run, runner)
     allocation = dof_estimate(run, runner)
@@ -59,7 +60,7 @@ def run_all(run, runner) -> dict:
         results[spec.name] = evaluate_student(run, runner, spec, trained)
     found = {spec.name: results[spec.name] for spec in planned}  # plan order, however run
     tuned = finetune_stages.run_all(run, runner, planned) if run.cfg.finetune else None
-    if PENDING in (teacher, allocation, curves, tuned, *found.values()):
+    if runner.planning or PENDING in (teacher, allocation, curves, tuned, *found.values()):
         return PENDING
     every = curve_students + planned
     return collect(run, runner, teacher, allocation, curves, found, every, tuned)
