@@ -53,7 +53,12 @@ def executed(out: str) -> list:
 def check_plan_equals_run(reproduce_here, store, tmp_path, args):
     model, env = store
     argv = [model, "--profile", "quick", "--out", tmp_path / "out", *args]
-    run = lambda *more: reproduce_here(*argv, *more, env=env).stdout  # noqa: E731
+
+    def run(*more) -> str:
+        done = reproduce_here(*argv, *more, env=env)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done.stdout
+
     plan = planned(run("--plan-only"))
     out = run()
     assert planned(out) == plan  # the run's own plan is the same
