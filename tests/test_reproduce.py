@@ -65,8 +65,8 @@ def reproduce(*args, timeout=900, env=None):  # a hang guard, not a speed claim
 
 @pytest.fixture(scope="module")
 def grid_run(tmp_path_factory):
-    """Seeds 0, 1, budgets 8, 16: Fix, DoF and both oracles (curves at 8, 16 and 32: one dim
-    beyond the budgets, so a curve student is no run student), on the quick profile, no tasks."""
+    """Seeds 0, 1, budgets 8, 16: Fix, DoF and both oracles, on the quick profile, no tasks; the
+    curves at 8, 16 and 32 (32, past the budgets, is a Fix student trained for the curves alone)."""
     model = shared_path("weights", "standin-gpt2")
     store = data_path()
     out = tmp_path_factory.mktemp("grid")
