@@ -33,15 +33,15 @@ def test_every_step_runs_on_a_real_cuda_device():
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def test_a_gpu_run_never_reuses_a_cpu_run_in_the_same_folder(tmp_path):
+def test_a_gpu_run_never_reuses_a_cpu_run_in_the_same_folder(tmp_path, reproduce_here):
     """The device is part of every stage's key: the simulated CUDA run into a CPU run's folder
     redoes every stage, saying so."""
+    simulator = shared_path("tools", "simcuda_run.py")
     model, env = tiny_store(tmp_path)
     args = [REPO / "reproduce.py", model, "--profile", "quick", "--limit", "0"]
     args += ["--variants", "fix,dof", "--out", tmp_path / "out"]
-    cpu = subprocess.run([sys.executable, *map(str, args)], env=env, capture_output=True, text=True)
+    cpu = reproduce_here(*args[1:], env=env)
     assert cpu.returncode == 0, cpu.stderr[-3000:]
-    simulator = shared_path("tools", "simcuda_run.py")
     gpu = subprocess.run([sys.executable, str(simulator), *map(str, args), "--device", "cuda"],
                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert gpu.returncode == 0, gpu.stdout[-3000:] + gpu.stderr[-3000:]
