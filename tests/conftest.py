@@ -113,14 +113,16 @@ def reproduce_here(script, monkeypatch, capsys):
         try:
             script.main([str(arg) for arg in args])
         except SystemExit as stop:
-            code = stop.code if isinstance(stop.code, int) or stop.code is None else 1
-            said = "" if code == stop.code else f"{stop.code}\n"
+            if stop.code is None or isinstance(stop.code, int):
+                code = stop.code or 0
+            else:  # a message: the interpreter prints it and exits 1
+                code, said = 1, f"{stop.code}\n"
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
             data.registry.cache_clear()
         out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(args, code or 0, out, err + said)
+        return subprocess.CompletedProcess(args, code, out, err + said)
 
     return run
 

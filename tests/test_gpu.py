@@ -38,12 +38,13 @@ def test_a_gpu_run_never_reuses_a_cpu_run_in_the_same_folder(tmp_path, reproduce
     redoes every stage, saying so."""
     simulator = shared_path("tools", "simcuda_run.py")
     model, env = tiny_store(tmp_path)
-    args = [REPO / "reproduce.py", model, "--profile", "quick", "--limit", "0"]
-    args += ["--variants", "fix,dof", "--out", tmp_path / "out"]
-    cpu = reproduce_here(*args[1:], env=env)
+    args = [model, "--profile", "quick", "--limit", "0", "--variants", "fix,dof"]
+    args += ["--out", tmp_path / "out"]
+    cpu = reproduce_here(*args, env=env)
     assert cpu.returncode == 0, cpu.stderr[-3000:]
-    gpu = subprocess.run([sys.executable, str(simulator), *map(str, args), "--device", "cuda"],
-                         env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    simulated = [sys.executable, simulator, REPO / "reproduce.py", *args, "--device", "cuda"]
+    gpu = subprocess.run(list(map(str, simulated)), env=env, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
     assert gpu.returncode == 0, gpu.stdout[-3000:] + gpu.stderr[-3000:]
     assert f"redo: {tmp_path / 'out' / 'teacher.json'}: device changed" in gpu.stdout
     assert f"redo: {tmp_path / 'out' / 'allocation.json'}: device changed" in gpu.stdout

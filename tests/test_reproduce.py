@@ -467,10 +467,11 @@ def interrupted_twice_or_terminated(tmp_path, rerun, signals, stage="[1/"):
     same command again, by rerun (reproduce_here): (the interrupted run's stderr, its return code,
     the rerun)."""
     model, env = tiny_store(tmp_path)
-    args = [sys.executable, str(REPO / "reproduce.py"), str(model), "--profile", "quick"]
-    args += ["--limit", "0", "--variants", "fix", "--out", str(tmp_path / "o")]
-    err, code = signalled(args, env, stage, signals)
-    return err, code, rerun(*args[2:], env=env)
+    args = [str(model), "--profile", "quick", "--limit", "0", "--variants", "fix"]
+    args += ["--out", str(tmp_path / "o")]
+    command = [sys.executable, str(REPO / "reproduce.py"), *args]
+    err, code = signalled(command, env, stage, signals)
+    return err, code, rerun(*args, env=env)
 
 
 def test_ctrl_c_repeated_ms_apart_ends_in_one_line_and_the_run_resumes(tmp_path, reproduce_here):
