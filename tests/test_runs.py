@@ -18,7 +18,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from dofmini.distill import TrainSettings, distill, train_direct
 from dofmini.students import load_student, make_student
 from dofmini.study import bank, compute, evaluate, guard, store
-from dofmini.study.run import ALLOCATIONS, Run, check_texts, valid_allocation
+from dofmini.study.compute import valid_allocation
+from dofmini.study.run import ALLOCATIONS, Run, check_texts
 from dofmini.study.runner import Runner
 from dofmini.study.store import load_or_compute as stage
 from dofmini.study.store import peak_memory, read_progress, token_ids, train_into

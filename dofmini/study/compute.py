@@ -1,6 +1,7 @@
 """What the stages of reproduce.py's comparison compute (pipeline.py says which, in what order,
 under which file and key): a model's evaluation in resumable parts, DoF and each rule's dims, a
-student's training (or its copy from a twin, or its assembly from layer units) and layer errors."""
+student's training (or its copy from a twin, or its assembly from layer units) and layer errors;
+beside each, the check of its result's shape that a saved one must pass to be reused."""
 
 import dataclasses
 import functools
@@ -14,7 +15,16 @@ from ..distill import TERMS, train_direct
 from ..students import load_student, make_student
 from ..tensor_files import read_tensors, save_tensors
 from . import bank, devices, evaluate, store
-from .run import ALLOCATIONS, CALIBRATION, Run, Student, valid_part
+from .run import (
+    ALLOCATIONS,
+    CALIBRATION,
+    Run,
+    Student,
+    has_fields,
+    is_list_of,
+    is_number,
+    valid_score,
+)
 from .store import log
 
 ORACLES = ("oracle", "oracle_e2e")  # least summed layer KL; least summed one-layer-swap e2e KL
@@ -61,6 +71,24 @@ def evaluation(run: Run, name: str, path: Path, key: dict, model, student=False)
     return compute
 
 
+def valid_part(run: Run, part: str, result) -> bool:
+    """A part of an evaluation (compute.evaluation): the layer errors; a text's {"result":
+    (perplexity, NLL, tokens), "seconds"}; a task's {"result": its score, "seconds"}."""
+    if part == "layer_error":
+        return valid_errors(run, result)
+    texts = lambda v: is_list_of(v, 3, is_number)  # noqa: E731
+    scored = texts if part in evaluate.PPL_TEXTS else valid_score
+    return has_fields(result, ("seconds",), is_number) and has_fields(result, ("result",), scored)
+
+
+def valid_evaluation(run: Run, student: bool, result) -> bool:
+    """evaluate.evaluate_model's: each perplexity and task; a student's layer errors too."""
+    texts = [f"{name}_{what}" for name in evaluate.PPL_TEXTS for what in ("ppl", "tokens")]
+    scores = lambda v: has_fields(v, run.tasks(), valid_score)  # noqa: E731
+    found = has_fields(result, texts, is_number) and scores(result.get("tasks"))
+    return found and (not student or valid_errors(run, result.get("layer_error")))
+
+
 def remove_parts(run: Run, path: Path):
     """The parts of the evaluation saved at `path`, removed once it is whole."""
     folder = parts_folder(run, path)
@@ -93,6 +121,15 @@ def allocation(run: Run) -> dict:
     found["calibration"] = f"{CALIBRATION}: first {len(calib)} tokens, ctx {run.ctx}"
     found.update(per_head=per_head.tolist(), warning=saturation_warning(per_head, cfg.J))
     return dict(found, seconds=time.time() - t0)
+
+
+def valid_allocation(run: Run, result) -> bool:
+    """The DoF stage's: per head DoF, and each variant's dims (each >= 1) at each budget."""
+    n_layer, variants = run.teacher.config.n_layer, ("fix", *ALLOCATIONS)
+    dims = lambda v: is_list_of(v, n_layer, lambda m: type(m) is int and m >= 1)  # noqa: E731
+    budget = lambda v: has_fields(v, variants, dims)  # noqa: E731
+    per_head = is_list_of(isinstance(result, dict) and result.get("per_head"), n_layer, bool)
+    return per_head and has_fields(result.get("dims"), map(str, run.budgets), budget)
 
 
 def saturation_warning(per_head, J):
@@ -169,3 +206,12 @@ def layer_errors(run: Run, student, role: str = "errors") -> dict:
     """`student`'s layer errors on `role`'s held-out windows (Run.windows)."""
     count = len(run.windows[role])
     return evaluate.layer_errors(run.teacher, student, run.window_ids(role), run.ctx, count)
+
+
+def valid_errors(run: Run, result) -> bool:
+    """evaluate.layer_errors': per layer, numbers (None for a layer without PRF features)."""
+    n_layer, n_head = run.teacher.config.n_layer, run.teacher.config.n_head
+    layers = lambda v: is_list_of(v, n_layer, lambda x: x is None or is_number(x))  # noqa: E731
+    heads = lambda v: v is None or is_list_of(v, n_head, is_number)  # noqa: E731
+    lists = has_fields(result, ("kernel_l2", "kl", "output_rel"), layers)
+    return lists and is_list_of(result.get("kl_heads"), n_layer, heads)

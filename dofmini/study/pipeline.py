@@ -23,16 +23,16 @@ from functools import partial
 import numpy as np
 
 from . import bank, compare, compute, devices, endtoend, evaluate, finetune_stages, report
-from .compute import LAYERWISE, ORACLES, TRAINED_PRF
-from .oracle import curves_record, seed_mean_oracle
-from .run import (
-    ALLOCATIONS,
-    CALIBRATION,
-    check_texts,
+from .compute import (
+    LAYERWISE,
+    ORACLES,
+    TRAINED_PRF,
     valid_allocation,
     valid_errors,
     valid_evaluation,
 )
+from .oracle import curves_record, seed_mean_oracle
+from .run import ALLOCATIONS, CALIBRATION, check_texts
 from .runner import PENDING
 from .store import log
 

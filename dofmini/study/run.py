@@ -1,7 +1,7 @@
 """What a run is made of: its shared state (Run), a student (Student) and a layer unit (Unit), each
 made once by the Run with its training settings and its key (the settings and inputs its tensors
-depend on; store.py reuses a result only for the same key), and the shape each saved result must
-have. The pipeline and the modules that do the work import them from here.
+depend on; store.py reuses a result only for the same key), and the checks each stage's result's
+shape is made of. The pipeline and the modules that do the work import them from here.
 
 The seeds, by role: a student's seed sets both its feature draw (layer l's features drawn with
 seed + l) and its training data's order, so Fix and every DoF rule of one seed share both; the
@@ -228,7 +228,8 @@ def check_texts(run: Run) -> None:
             raise store.RunError(f"{named}: {tokens} tokens; {need} needed ({why})")
 
 
-# The shape of each stage's result, checked before a saved one is reused (store.saved): one of the
+# What a stage's result's shape is checked with, beside the code that writes it (compute.py's
+# valid_*, endtoend's, finetune_stages'), before a saved one is reused (store.saved): one of the
 # same key cut to {}, a string, a short list or a 0 dim would fail the run instead of redoing it.
 def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -247,43 +248,7 @@ def has_fields(result, names, valid) -> bool:
     return isinstance(result, dict) and all(valid(result.get(name)) for name in names)
 
 
-def valid_errors(run: Run, result) -> bool:
-    """evaluate.layer_errors': per layer, numbers (None for a layer without PRF features)."""
-    n_layer, n_head = run.teacher.config.n_layer, run.teacher.config.n_head
-    layers = lambda v: is_list_of(v, n_layer, lambda x: x is None or is_number(x))  # noqa: E731
-    heads = lambda v: v is None or is_list_of(v, n_head, is_number)  # noqa: E731
-    lists = has_fields(result, ("kernel_l2", "kl", "output_rel"), layers)
-    return lists and is_list_of(result.get("kl_heads"), n_layer, heads)
-
-
 def valid_score(result) -> bool:
     """A task's score (score_examples', a zero-shot record's): the accuracy of n examples."""
     accuracy = has_fields(result, ("acc",), is_share)
     return accuracy and has_fields(result, ("n",), lambda n: type(n) is int and n >= 1)
-
-
-def valid_part(run: Run, part: str, result) -> bool:
-    """A part of an evaluation (compute.evaluation): the layer errors; a text's {"result":
-    (perplexity, NLL, tokens), "seconds"}; a task's {"result": its score, "seconds"}."""
-    if part == "layer_error":
-        return valid_errors(run, result)
-    texts = lambda v: is_list_of(v, 3, is_number)  # noqa: E731
-    scored = texts if part in evaluate.PPL_TEXTS else valid_score
-    return has_fields(result, ("seconds",), is_number) and has_fields(result, ("result",), scored)
-
-
-def valid_evaluation(run: Run, student: bool, result) -> bool:
-    """evaluate.evaluate_model's: each perplexity and task; a student's layer errors too."""
-    texts = [f"{name}_{what}" for name in evaluate.PPL_TEXTS for what in ("ppl", "tokens")]
-    scores = lambda v: has_fields(v, run.tasks(), valid_score)  # noqa: E731
-    found = has_fields(result, texts, is_number) and scores(result.get("tasks"))
-    return found and (not student or valid_errors(run, result.get("layer_error")))
-
-
-def valid_allocation(run: Run, result) -> bool:
-    """The DoF stage's: per head DoF, and each variant's dims (each >= 1) at each budget."""
-    n_layer, variants = run.teacher.config.n_layer, ("fix", *ALLOCATIONS)
-    dims = lambda v: is_list_of(v, n_layer, lambda m: type(m) is int and m >= 1)  # noqa: E731
-    budget = lambda v: has_fields(v, variants, dims)  # noqa: E731
-    per_head = is_list_of(isinstance(result, dict) and result.get("per_head"), n_layer, bool)
-    return per_head and has_fields(result.get("dims"), map(str, run.budgets), budget)
