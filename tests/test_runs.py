@@ -22,7 +22,7 @@ from dofmini.study.compute import valid_allocation
 from dofmini.study.run import ALLOCATIONS, Run, check_texts
 from dofmini.study.runner import Runner
 from dofmini.study.store import load_or_compute as stage
-from dofmini.study.store import peak_memory, read_progress, token_ids, train_into
+from dofmini.study.store import peak_memory, token_ids, train_into
 from dofmini.tensor_files import read_tensors
 
 
@@ -97,6 +97,11 @@ def test_a_token_cache_replaced_or_cut_is_encoded_again(tmp_path, capsys):
         assert f"redo: {cache}: its bytes are not those its record names" in capsys.readouterr().out
 
 
+def progress_seconds(path: Path) -> float:
+    """The seconds a progress file (store.save_progress's) has counted so far."""
+    return torch.load(path, weights_only=True)["meta"]["seconds"]
+
+
 def test_a_resumed_training_counts_its_whole_training(tiny, tiny_ids, tmp_path, capsys):
     """A training resumed from its progress file counts the seconds before the interruption too."""
     cfg = SimpleNamespace(
@@ -114,7 +119,7 @@ def test_a_resumed_training_counts_its_whole_training(tiny, tiny_ids, tmp_path, 
     with pytest.raises(KeyboardInterrupt):
         bank.train_units(run, units, log=interrupt_after_the_save_at_step_50)
     [progress] = (tmp_path / "units").glob("*.progress")
-    before = read_progress(progress)["seconds"]
+    before = progress_seconds(progress)
     compute.train_student(run, spec)
     info = store.saved(spec.path(tmp_path), spec.key)["info"]
     assert "at step 50/60" in capsys.readouterr().out
@@ -164,7 +169,7 @@ def test_resume_after_interruption_equals_an_uninterrupted_run(tiny, tiny_ids, t
     with pytest.raises(KeyboardInterrupt):
         run(path, log=interrupt_at(4))
     assert not path.exists() and (tmp_path / "resumed.safetensors.progress").exists()
-    interrupted = read_progress(path.with_name(path.name + ".progress"))["seconds"]
+    interrupted = progress_seconds(path.with_name(path.name + ".progress"))
     lines = []
     info = run(path, log=lines.append)
     assert "at step 4/6" in lines[0] and len(lines) == 2  # then 6/6: steps 1-4 are not redone

@@ -140,11 +140,6 @@ def load_progress(path: Path, settings: dict, params: dict, opt, log, gen=None) 
     return state["meta"]
 
 
-def read_progress(path: Path) -> dict:
-    """The meta of a progress file (its step, seconds, settings)."""
-    return torch.load(path, map_location="cpu", weights_only=True)["meta"]
-
-
 def train_into(path, record, settings, token_ids, train, log, save_every=50, save=save_student):
     """The record {"train_seconds", "loss_curve"} of train(log=, resume=, on_step=) -> (model,
     record) (distill, distill_layers or train_direct, partly applied). Its progress goes to
