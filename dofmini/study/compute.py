@@ -72,7 +72,7 @@ def evaluation(run: Run, name: str, path: Path, key: dict, model, student=False)
 
 
 def valid_part(run: Run, part: str, result) -> bool:
-    """A part of an evaluation (compute.evaluation): the layer errors; a text's {"result":
+    """A part of an evaluation (evaluation's, above): the layer errors; a text's {"result":
     (perplexity, NLL, tokens), "seconds"}; a task's {"result": its score, "seconds"}."""
     if part == "layer_error":
         return valid_errors(run, result)
