@@ -140,6 +140,26 @@ def test_one_seed_verdicts_ask_for_seeds(one_seed):
     assert "not measured" in verdicts.regime(one_seed)
 
 
+def kept(results, variants) -> dict:
+    """results with only the students of `variants`, its e2e rows made again."""
+    found = copy.deepcopy(results)
+    found["students"] = {k: s for k, s in found["students"].items() if s["variant"] in variants}
+    found["e2e"] = compare.e2e_summary(compare.groups(found["students"]))
+    return found
+
+
+def test_without_fix_or_without_rules_the_verdicts_say_which_is_missing(one_seed, tmp_path):
+    no_fix = kept(one_seed, ("dof", "dof_sqrt"))
+    assert verdicts.verdict_lines(no_fix) == []
+    why = verdicts.no_verdict(no_fix)
+    assert why.startswith("no Fix student at the loss and budget of dof/softmax/b16, ")
+    assert why.endswith(" to compare with (add fix to --variants)")
+    assert "dof_sqrt/softmax/b64" in why
+    assert f"  {why}" in report.closing(tmp_path, no_fix)
+    only_fix = kept(one_seed, ("fix", "performer"))
+    assert verdicts.no_verdict(only_fix) == "no rule beside Fix in this run"
+
+
 def with_windows(results, shifts):
     """results with every student's end-to-end KL split into four windows (two articles, 0 and
     1) and shifted by shifts[variant] (0 where not named), its e2e rows made again."""

@@ -73,14 +73,15 @@ def write(out, results: dict) -> str:
     teacher, students, dof, cfg = (results[k] for k in ("teacher", "students", "dof", "config"))
     grouped = compare.groups(students)
     summary = compare.students(grouped, teacher)
-    lines = verdicts.verdict_lines(results, results.get("e2e_articles"))
+    found = verdicts.verdict_lines(results, results.get("e2e_articles"))
+    lines = found or [verdicts.no_verdict(results)]
     verdict_list = "\n".join(f"- {line}" for line in lines)
     cost = bank_words(results.get("bank"), bool(results.get("curves")))
     # the DoF rules allocate by these estimates: a J-limited one belongs at the top, not in a log
     saturated = f"\n\n**DoF {dof['warning']}**" if dof.get("warning") else ""
     text = f"""# dofmini report: {teacher["name"]} ({cfg["profile"]} profile)
 
-ctx {cfg["ctx"]}, seeds {cfg["seeds"]}, budgets {cfg["budgets"]}, {cfg["steps"]} steps of
+ctx {cfg["ctx"]}, seeds {list(cfg["seeds"])}, budgets {cfg["budgets"]}, {cfg["steps"]} steps of
 {cfg["batch"]} windows, DoF λ={dof["lam"]:g}, J={dof["J"]}, {("raw G", "G/J")[dof["normalize"]]};
 the stages took {results["timings"]["stages_seconds"]:.0f} s in all.{cost}{saturated}
 
@@ -98,7 +99,7 @@ beside that 95% percentile interval; "at the edge" where it clears 0 by less tha
 bootstrap (the seeds fixed) follow as diagnostics. Without per-window KL: better or worse where
 the 95% t-interval of the difference from Fix, paired seed by seed, excludes 0 ("seeds only").
 
-{verdict_list or "No rule beside Fix in this run."}
+{verdict_list}
 {verdicts.power_section(results)}
 ## Students, by end-to-end KL against the teacher, the metric to choose by
 
@@ -159,7 +160,7 @@ def closing(out, results: dict) -> str:
         "each rule against Fix on end-to-end KL (report.md says how each verdict is reached):",
     ]
     found = verdicts.verdict_lines(results, results.get("e2e_articles"))
-    rules = found or ["no rule beside Fix in this run"]
+    rules = found or [verdicts.no_verdict(results)]
     return "\n".join(lines + [f"  {line}" for line in rules])
 
 

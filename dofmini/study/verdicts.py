@@ -140,11 +140,25 @@ def verdict_lines(results: dict, articles=None) -> list:
     return lines
 
 
+def no_verdict(results: dict) -> str:
+    """Why verdict_lines gives no line: the run has no rule beside Fix, or no Fix student at its
+    rules' losses and budgets to compare them with."""
+    baselines = ("fix", "performer", "dijiang")  # Fix itself, and baselines that have no rule
+    rules = [name for name in results["e2e"] if name.split("/")[0] not in baselines]
+    if not rules:
+        return "no rule beside Fix in this run"
+    named = ", ".join(sorted(rules, key=_order))
+    return (
+        f"no Fix student at the loss and budget of {named} to compare with (add fix to --variants)"
+    )
+
+
 def _combined_interval(result: stats.Bootstrap, family: int, unit: str) -> str:
     """The combined interval as a verdict line says it: its 95% bounds over seeds and `unit`
     (articles, or windows as articles), its p, and how many rules Holm weighed."""
     bounds = interval((result.low, result.high), "+")
-    holm = f"Holm over {family} rules at {FAMILY_LEVEL:g}"
+    rules = "1 rule" if family == 1 else f"{family} rules"
+    holm = f"Holm over {rules} at {FAMILY_LEVEL:g}"
     return f"seeds × {unit} 95% {bounds}, p {result.p:.2g} ({holm})"
 
 
