@@ -326,3 +326,14 @@ def test_the_paired_interval_is_narrower_than_the_unpaired_where_examples_correl
     fewer = {seed: {"mmlu": records(fix[:199])} for seed in student}
     with pytest.raises(ValueError, match="paired: seed 0, mmlu: the records scored other"):
         report.paired(student, fewer, ["mmlu"])
+
+
+def test_the_bank_sentence_compares_only_where_students_share_units():
+    cost = json.loads((REPO / "runs" / "standin-gpt2-bank" / "results.json").read_text())["bank"]
+    shared = report.bank_words(cost, True)
+    assert f"The {cost['students']} layerwise students (the error curves among them)" in shared
+    assert f"would take {cost['layer_trainings_alone']} layer trainings." in shared
+    alone = dict(cost, students=1, distinct_students=1, units=6, layer_trainings_alone=6)
+    said = report.bank_words(alone, False)
+    assert said.startswith(" The layerwise student came from 6 layer units (")
+    assert "one student at a time" not in said
