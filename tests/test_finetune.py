@@ -286,12 +286,19 @@ def test_the_plan_lists_and_costs_each_fine_tuning_then_marks_it_done(tmp_path, 
     assert "Examples trained on / selection / evaluation: logiqa 1/2/1, arc_easy 1/2/1," in report
     assert "drawn once by random.Random(55)" in report
     # WSC's rate: the grid's best by the selection acc each grid point's record holds
-    chosen = json.loads((tmp_path / "o" / "results.json").read_text())["finetune"]["lr"]["wsc"]
+    results = json.loads((tmp_path / "o" / "results.json").read_text())
+    chosen = results["finetune"]["lr"]["wsc"]
     best = max(chosen["grid"].values())
     assert chosen["lr"] == min(float(r) for r, acc in chosen["grid"].items() if acc == best)
+    grid_seconds = 0.0
     for rate, acc in chosen["grid"].items():
         record = tmp_path / "o" / "finetune" / f"teacher-wsc-lr{rate}-s0.json"
         assert json.loads(record.read_text())["result"]["select"] == acc
+        grid_seconds += json.loads(record.read_text())["result"]["train_seconds"]
+    assert chosen["train_seconds"] == pytest.approx(grid_seconds, rel=1e-12) and grid_seconds > 0
+    # the stages' time counts every fine-tuning's, the grid's too
+    tuning_seconds = finetune_stages.train_seconds(results["finetune"])
+    assert results["timings"]["stages_seconds"] > tuning_seconds > grid_seconds
     again = reproduce_here(*args, "--plan-only", env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "\n  7 of 7 stages done\n" in again.stdout

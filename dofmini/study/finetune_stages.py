@@ -174,7 +174,16 @@ def learning_rates(run, runner) -> dict:
         best = max(found, key=lambda lr: found[lr]["select"])
         recorded = {f"{lr:g}": result["select"] for lr, result in found.items()}
         chosen[task] = dict(lr=best, source="grid on the teacher", grid=recorded)
+        chosen[task]["train_seconds"] = sum(result["train_seconds"] for result in found.values())
     return chosen
+
+
+def train_seconds(tuned: dict) -> float:
+    """What run_all's fine-tunings took to train, the grid's included."""
+    grid = [rate.get("train_seconds", 0.0) for rate in tuned["lr"].values()]
+    by_model = [record for seeds in tuned["models"].values() for tasks in seeds.values()
+                for record in tasks.values()]  # fmt: skip
+    return sum(grid) + sum(record["train_seconds"] for record in by_model)
 
 
 def models_to_tune(run, specs) -> list:

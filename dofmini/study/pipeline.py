@@ -267,6 +267,7 @@ def collect(run, runner, teacher_result, allocation, curves, students, every, tu
     seconds = teacher_result["eval_seconds"] + allocation["seconds"] + sum(trainings)
     seconds += sum(s["eval_seconds"] for s in students.values())
     seconds += curves["curve_only_train_seconds"] if curves else 0.0
+    seconds += finetune_stages.train_seconds(tuned) if tuned else 0.0
     model_cfg = run.teacher.config
     teacher = dict(teacher_result, name=model_cfg.name, identity=run.teacher.identity)
     teacher.update(head_dim=model_cfg.head_dim, n_layer=model_cfg.n_layer, e2e_kl=0.0)
