@@ -158,7 +158,8 @@ def valid_tuning(result) -> bool:
 def learning_rates(run, runner) -> dict:
     """{task: {"lr", "source", "grid"}}: --finetune-lr's rate, else the grid's best on the
     teacher by the selection split's acc at its chosen epoch (the grid seed; the smaller rate on
-    a tie), each grid point's selection acc recorded; PENDING while a grid point is."""
+    a tie), each grid point's selection acc recorded, and "train_seconds" the grid's; PENDING
+    while a grid point is."""
     chosen, given = {}, dict(run.cfg.finetune_lr)
     teacher = lambda: run.teacher  # noqa: E731
     for task in task_train.trainable_tasks():
