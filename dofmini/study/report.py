@@ -75,9 +75,7 @@ def write(out, results: dict) -> str:
     teacher, students, dof, cfg = (results[k] for k in ("teacher", "students", "dof", "config"))
     grouped = compare.groups(students)
     summary = compare.students(grouped, teacher)
-    found = verdicts.verdict_lines(results, results.get("e2e_articles"))
-    lines = found or [verdicts.no_verdict(results)]
-    verdict_list = "\n".join(f"- {line}" for line in lines)
+    verdict_list = "\n".join(f"- {line}" for line in verdicts_or_why(results))
     cost = bank_words(results.get("bank"), bool(results.get("curves")))
     # the DoF rules allocate by these estimates: a J-limited one belongs at the top, not in a log
     saturated = f"\n\n**DoF {dof['warning']}**" if dof.get("warning") else ""
@@ -161,9 +159,14 @@ def closing(out, results: dict) -> str:
         f"{timings['stages_seconds']:.0f} s in all the stages (reused ones included)",
         "each rule against Fix on end-to-end KL (report.md says how each verdict is reached):",
     ]
+    return "\n".join(lines + [f"  {line}" for line in verdicts_or_why(results)])
+
+
+def verdicts_or_why(results: dict) -> list:
+    """Each rule's verdict against Fix (on the articles the run recorded), or the one line that
+    says why there is none."""
     found = verdicts.verdict_lines(results, results.get("e2e_articles"))
-    rules = found or [verdicts.no_verdict(results)]
-    return "\n".join(lines + [f"  {line}" for line in rules])
+    return found or [verdicts.no_verdict(results)]
 
 
 def finetune_section(found) -> str:

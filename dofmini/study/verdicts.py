@@ -147,10 +147,9 @@ def no_verdict(results: dict) -> str:
     rules = [name for name in results["e2e"] if name.split("/")[0] not in baselines]
     if not rules:
         return "no rule beside Fix in this run"
-    named = ", ".join(sorted(rules, key=_order))
-    return (
-        f"no Fix student at the loss and budget of {named} to compare with (add fix to --variants)"
-    )
+    variants = dict.fromkeys(name.split("/")[0] for name in sorted(rules, key=_order))
+    named = ", ".join(variants)
+    return f"no Fix student beside {named} at their losses and budgets (add fix to --variants)"
 
 
 def _combined_interval(result: stats.Bootstrap, family: int, unit: str) -> str:
