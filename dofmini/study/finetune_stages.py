@@ -156,15 +156,17 @@ def valid_tuning(result) -> bool:
 
 
 def learning_rates(run, runner) -> dict:
-    """{task: {"lr", "source", "grid"}}: --finetune-lr's rate, else the grid's best on the
-    teacher by the selection split's acc at its chosen epoch (the grid seed; the smaller rate on
-    a tie), each grid point's selection acc recorded, and "train_seconds" the grid's; PENDING
-    while a grid point is."""
+    """{task: {"lr", "source", "grid", "train_seconds"}}: --finetune-lr's rate, else the grid's
+    best on the teacher by the selection split's acc at its chosen epoch (the grid seed; the
+    smaller rate on a tie), each grid point's selection acc recorded, and the grid's training
+    seconds (0 for a rate given); PENDING while a grid point is."""
     chosen, given = {}, dict(run.cfg.finetune_lr)
     teacher = lambda: run.teacher  # noqa: E731
     for task in task_train.trainable_tasks():
         if task in given:
-            chosen[task] = dict(lr=given[task], source="--finetune-lr", grid=None)
+            chosen[task] = dict(
+                lr=given[task], source="--finetune-lr", grid=None, train_seconds=0.0
+            )
             continue
         lrs, seed, key = GRIDS[run.teacher.config.family], run.grid_seed, run.inputs["teacher"]
         grid = [(GRID_STAGE, teacher, "teacher", key, task, lr, seed) for lr in lrs]
@@ -174,14 +176,16 @@ def learning_rates(run, runner) -> dict:
             continue
         best = max(found, key=lambda lr: found[lr]["select"])
         recorded = {f"{lr:g}": result["select"] for lr, result in found.items()}
-        chosen[task] = dict(lr=best, source="grid on the teacher", grid=recorded)
-        chosen[task]["train_seconds"] = sum(result["train_seconds"] for result in found.values())
+        seconds = sum(result["train_seconds"] for result in found.values())
+        chosen[task] = dict(
+            lr=best, source="grid on the teacher", grid=recorded, train_seconds=seconds
+        )
     return chosen
 
 
 def train_seconds(tuned: dict) -> float:
     """What run_all's fine-tunings took to train, the grid's included."""
-    grid = [rate.get("train_seconds", 0.0) for rate in tuned["lr"].values()]
+    grid = [rate["train_seconds"] for rate in tuned["lr"].values()]
     by_model = [record for seeds in tuned["models"].values() for tasks in seeds.values()
                 for record in tasks.values()]  # fmt: skip
     return sum(grid) + sum(record["train_seconds"] for record in by_model)
