@@ -293,8 +293,9 @@ def test_the_plan_lists_and_costs_each_fine_tuning_then_marks_it_done(tmp_path, 
     grid_seconds = 0.0
     for rate, acc in chosen["grid"].items():
         record = tmp_path / "o" / "finetune" / f"teacher-wsc-lr{rate}-s0.json"
-        assert json.loads(record.read_text())["result"]["select"] == acc
-        grid_seconds += json.loads(record.read_text())["result"]["train_seconds"]
+        saved = json.loads(record.read_text())["result"]
+        assert saved["select"] == acc
+        grid_seconds += saved["train_seconds"]
     assert chosen["train_seconds"] == pytest.approx(grid_seconds, rel=1e-12) and grid_seconds > 0
     # the stages' time counts every fine-tuning's, the grid's too
     tuning_seconds = finetune_stages.train_seconds(results["finetune"])
