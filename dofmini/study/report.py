@@ -59,9 +59,9 @@ def bank_words(cost: dict | None, curves: bool) -> str:
         return ""
     students, distinct = cost["students"], cost["distinct_students"]
     seconds = f"{cost['unit_train_seconds']:.3g} s of training"
-    among = " (the error curves among them)" if curves else ""
     if students == 1:  # nothing shared: no comparison to draw
         return f" The layerwise student came from {cost['units']} layer units ({seconds})."
+    among = " (the error curves among them)" if curves else ""
     return (
         f" The {students} layerwise students{among} came from"
         f" {cost['units']} layer units, each (loss, layer, M, seed) trained once ({seconds});"
